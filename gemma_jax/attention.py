@@ -1,0 +1,121 @@
+"""Self-attention over the explicit KV cache.
+
+The new tokens' K and V are written into the cache first; attention then reduces over the whole
+cache buffer (every slot, in slot order) with a mask built from slot positions. Writing first
+means a key occupies the same slot whether it arrived in this call or an earlier one, so the
+reduction a query row sees does not depend on how the sequence was cut into calls.
+
+`attend` is the reference (XLA) implementation; `gemma_jax.kernels` provides a Pallas one with the
+same signature, selected through the model's `attention_fn` argument.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gemma_jax import kv_state as kvs
+from gemma_jax import rope
+from gemma_jax.config import LayerSpec, TransformerConfig
+from gemma_jax.layers import Einsum, RMSNorm
+
+# A finite "minus infinity": exp(MASKED - max) is exactly 0 in float32, and a row with every slot
+# masked (a padding row) stays finite instead of turning into NaN.
+MASKED = -2.3819763e38
+
+
+def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
+  """[B, T, S] bool: slot s is visible to query t. Empty slots and padding queries see nothing."""
+  q = q_pos[:, :, None]
+  k = k_pos[:, None, :]
+  visible = (k >= 0) & (k <= q)
+  if window is not None:
+    visible &= (q - k) < window
+  return visible
+
+
+class AttendFn(Protocol):
+
+  def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+               k_pos: jax.Array, *, window: int | None, softcap: float | None) -> jax.Array:
+    ...
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
+           window: int | None, softcap: float | None) -> jax.Array:
+  """Reference attention. q [B, T, N, H] (already scaled), k, v [B, S, K, H], q_pos [B, T],
+  k_pos [B, S] -> [B, T, N, H]. Logits and softmax in float32."""
+  batch, num_tokens, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  q = q.reshape(batch, num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+  logits = jnp.einsum('btkgh,bskh->btkgs', q, k, preferred_element_type=jnp.float32)
+  if softcap is not None:
+    logits = jnp.tanh(logits / softcap) * softcap
+  mask = attention_mask(q_pos, k_pos, window)[:, :, None, None, :]
+  probs = jax.nn.softmax(jnp.where(mask, logits, MASKED), axis=-1)
+  out = jnp.einsum('btkgs,bskh->btkgh', probs.astype(v.dtype), v)
+  return out.reshape(batch, num_tokens, num_heads, head_dim)
+
+
+class Attention(nnx.Module):
+  """Projections, QK(V)-norms, RoPE, cache write, attention, output projection.
+
+  Weights (the official layout): q_einsum [N, D, H]; kv_einsum [2, K, D, H], or k_einsum
+  [K, D, H] when one projection feeds K and V; attn_vec_einsum [N, H, D]. A KV-shared layer owns
+  no K/V weights and reads the cache of its source layer.
+  """
+
+  def __init__(self, config: TransformerConfig, spec: LayerSpec, *, owns_kv: bool, dtype,
+               rngs: nnx.Rngs):
+    d, n, k, h = config.embed_dim, config.num_heads, spec.num_kv_heads, spec.head_dim
+    self.config = config
+    self.spec = spec
+    self.owns_kv = owns_kv
+    self.q_einsum = Einsum('btd,ndh->btnh', (n, d, h), fan_in=d, dtype=dtype, rngs=rngs)
+    self.attn_vec_einsum = Einsum('btnh,nhd->btd', (n, h, d), fan_in=n * h, dtype=dtype, rngs=rngs)
+    norm = dict(offset=config.norm_scale_offset, eps=config.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.query_norm = RMSNorm(h, **norm) if config.use_qk_norm else None
+    self.key_norm = RMSNorm(h, **norm) if config.use_qk_norm and owns_kv else None
+    self.value_norm = (RMSNorm(h, with_scale=False, **norm)
+                       if config.use_v_norm and owns_kv else None)
+    self.k_einsum = (Einsum('btd,kdh->btkh', (k, d, h), fan_in=d, dtype=dtype, rngs=rngs)
+                     if owns_kv and spec.k_eq_v else None)
+    self.kv_einsum = (Einsum('btd,ckdh->cbtkh', (2, k, d, h), fan_in=d, dtype=dtype, rngs=rngs)
+                      if owns_kv and not spec.k_eq_v else None)
+
+  def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    return rope.apply_rope(x, positions, base=self.spec.rope_base, scale=self.spec.rope_scale,
+                           rotary_fraction=self.spec.rotary_fraction, mode=self.config.rope_mode)
+
+  def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The cache entries of new tokens: normed, rotated K and normed V, each [B, T, K, H]."""
+    if self.k_einsum is not None:
+      k = v = self.k_einsum(x)
+    else:
+      k, v = self.kv_einsum(x)
+    if self.key_norm is not None:
+      k = self.key_norm(k)
+    if self.value_norm is not None:
+      v = self.value_norm(v)
+    return self._rope(k, positions), v
+
+  def __call__(self, x: jax.Array, positions: jax.Array, cache: kvs.LayerKV, fill: jax.Array,
+               attention_fn: AttendFn) -> tuple[jax.Array, kvs.LayerKV]:
+    """x [B, T, D], positions [B, T] -> ([B, T, D], the layer cache after this call's write).
+    For a KV-shared layer `cache` is the source layer's, already updated, and is returned as is."""
+    q = self.q_einsum(x)
+    if self.query_norm is not None:
+      q = self.query_norm(q)
+    q = self._rope(q, positions)
+    if self.config.query_pre_attn_scalar is not None:
+      q = q * jnp.asarray(self.config.query_pre_attn_scalar ** -0.5, q.dtype)
+    if self.owns_kv:
+      k, v = self.keys_values(x, positions)
+      cache = kvs.write(cache, k, v, positions, fill)
+    encoded = attention_fn(q, cache.k, cache.v, positions, cache.positions,
+                           window=self.spec.window, softcap=self.config.attn_logits_softcap)
+    return self.attn_vec_einsum(encoded), cache
+

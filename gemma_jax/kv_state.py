@@ -1,0 +1,86 @@
+"""The KV state: an explicit, typed pytree that every model call takes and returns.
+
+Layout. Each cache-owning layer holds `k`, `v` [B, S, K, H] and `positions` [B, S] (the RoPE
+position of the token in each slot, -1 for an empty slot). `fill` [B] counts the tokens written so
+far; the token with sequence index j (0-based, in the order tokens were fed) lives in slot j mod S.
+Slots are assigned by sequence index, never by position, so the same tokens occupy the same slots
+whatever positions they were given (the position experiments shift positions, not slots) and
+whatever calls they were fed in (the graft experiments cut sequences into calls).
+
+Global layers need S >= the number of tokens the context will ever hold. Local (sliding-window)
+layers may use a smaller ring of S_local slots: a call of T tokens needs S_local >= W + T - 1 so
+that writing the call's tokens never evicts a key that one of its own queries still sees. Masks
+come from `positions`, so a ring holds the right keys however far past the window the context
+runs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from gemma_jax.config import AttentionType, TransformerConfig
+
+EMPTY = -1  # position of an empty slot
+
+
+@struct.dataclass
+class LayerKV:
+  k: jax.Array  # [B, S, K, H]
+  v: jax.Array  # [B, S, K, H]
+  positions: jax.Array  # [B, S] int32, EMPTY where no token was written
+
+  @property
+  def num_slots(self) -> int:
+    return self.k.shape[1]
+
+
+@struct.dataclass
+class KVState:
+  layers: tuple[LayerKV, ...]  # one per cache-owning layer, in config.cache_layers order
+  fill: jax.Array  # [B] int32: sequence index of the next token
+
+  @property
+  def batch_size(self) -> int:
+    return self.fill.shape[0]
+
+
+def local_slots_needed(config: TransformerConfig, tokens_per_call: int) -> int:
+  """Smallest ring that keeps a call of `tokens_per_call` tokens correct on local layers."""
+  return config.sliding_window + tokens_per_call - 1
+
+
+def init_kv_state(config: TransformerConfig, *, batch_size: int, cache_len: int, dtype,
+                  local_cache_len: int | None = None) -> KVState:
+  """An empty KV state: `cache_len` slots on global layers, `local_cache_len` (default: the same)
+  on local layers."""
+  layers = []
+  for i in config.cache_layers:
+    spec = config.layer_spec(i)
+    slots = cache_len
+    if spec.attention_type is AttentionType.LOCAL and local_cache_len is not None:
+      slots = min(cache_len, local_cache_len)
+    shape = (batch_size, slots, spec.num_kv_heads, spec.head_dim)
+    layers.append(LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                          positions=jnp.full((batch_size, slots), EMPTY, jnp.int32)))
+  return KVState(layers=tuple(layers), fill=jnp.zeros((batch_size,), jnp.int32))
+
+
+def write(layer: LayerKV, k: jax.Array, v: jax.Array, positions: jax.Array,
+          fill: jax.Array) -> LayerKV:
+  """Writes T new tokens (k, v [B, T, K, H], positions [B, T]) at sequence indices fill .. fill+T-1.
+
+  Rows whose position is EMPTY (padding) are written too, but stay masked: they occupy slots past
+  the fill, which the next call overwrites.
+  """
+  num_tokens = k.shape[1]
+  if num_tokens > layer.num_slots:
+    raise ValueError(f'a call of {num_tokens} tokens does not fit a cache of {layer.num_slots} slots')
+  slots = (fill[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)) % layer.num_slots  # [B, T]
+  rows = jnp.arange(k.shape[0])[:, None]
+  return LayerKV(
+      k=layer.k.at[rows, slots].set(k.astype(layer.k.dtype)),
+      v=layer.v.at[rows, slots].set(v.astype(layer.v.dtype)),
+      positions=layer.positions.at[rows, slots].set(positions.astype(jnp.int32)),
+  )

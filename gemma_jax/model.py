@@ -1,0 +1,169 @@
+"""The Gemma transformer (families 2, 3, 4) as Flax NNX modules, and the pure functions over it.
+
+Parameters travel as a plain nested dict of arrays (`Params`), the interchange format of the
+checkpoint loaders, the parameter cache and the fingerprints. The model calls are pure functions
+of (params, config, tokens, positions, KV state):
+
+    hidden, kv = forward(params, config, tokens, positions, kv)   # hidden after the final norm
+    logits = compute_logits(params, config, hidden)              # float32 [B, T, V]
+
+Logits are a separate call so that an engine computes them only for the rows it needs: the tied
+262,144 x D embedding makes them the most expensive matmul of a small model.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gemma_jax import kv_state as kvs
+from gemma_jax.attention import AttendFn, Attention, attend
+from gemma_jax.config import TransformerConfig
+from gemma_jax.layers import Einsum, FeedForward, RMSNorm, gelu_tanh, init_param
+
+Params = dict[str, Any]  # nested dict of arrays, keyed like the NNX state
+
+
+class Embedder(nnx.Module):
+  """Token embedding (tied with the output head); Gemma 4 E-models add per-layer embeddings.
+
+  input_embedding [V, D]. Per-layer embeddings (PLE, width P): per_layer_embeddings [V, L, P],
+  per_layer_model_projection [D, L, P], per_layer_projection_norm over P.
+  """
+
+  def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+    self.config = config
+    d, p = config.embed_dim, config.per_layer_embed_dim
+    self.input_embedding = init_param(rngs, (config.vocab_size, d), dtype, std=d ** -0.5)
+    if p:
+      num_layers = config.num_layers
+      self.per_layer_embeddings = init_param(rngs, (config.vocab_size, num_layers, p), dtype,
+                                             std=p ** -0.5)
+      self.per_layer_model_projection = Einsum('btd,dlp->btlp', (d, num_layers, p), fan_in=d,
+                                               dtype=dtype, rngs=rngs)
+      self.per_layer_projection_norm = RMSNorm(p, offset=config.norm_scale_offset,
+                                               eps=config.rms_norm_eps, dtype=dtype, rngs=rngs)
+
+  def encode(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """tokens [B, T] -> (x [B, T, D], per-layer inputs [B, T, L, P] or None)."""
+    table = self.input_embedding[...]
+    # sqrt(D) is rounded to the activation dtype first, as the reference does (in bfloat16,
+    # sqrt(640) = 25.298 becomes 25.25).
+    x = table[tokens] * jnp.asarray(math.sqrt(self.config.embed_dim), table.dtype)
+    if not self.config.per_layer_embed_dim:
+      return x, None
+    ple_table = self.per_layer_embeddings[...]
+    by_token = ple_table[tokens] * jnp.asarray(
+        math.sqrt(self.config.per_layer_embed_dim), ple_table.dtype)
+    by_context = self.per_layer_model_projection(x) * jnp.asarray(
+        self.config.embed_dim ** -0.5, x.dtype)
+    by_context = self.per_layer_projection_norm(by_context)
+    return x, (by_context + by_token) * jnp.asarray(2.0 ** -0.5, x.dtype)
+
+  def decode(self, hidden: jax.Array) -> jax.Array:
+    """hidden [B, T, D] -> logits [B, T, V] in float32, soft-capped where the family does."""
+    logits = jnp.einsum('btd,vd->btv', hidden, self.input_embedding[...],
+                        preferred_element_type=jnp.float32)
+    cap = self.config.final_logit_softcap
+    if cap is not None:
+      logits = jnp.tanh(logits / cap) * cap
+    return logits
+
+
+class Block(nnx.Module):
+  """One transformer layer: normed attention and normed MLP, each with a residual."""
+
+  def __init__(self, config: TransformerConfig, index: int, *, dtype, rngs: nnx.Rngs):
+    spec = config.layer_spec(index)
+    d = config.embed_dim
+    norm = dict(offset=config.norm_scale_offset, eps=config.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.index = index
+    self.pre_attention_norm = RMSNorm(d, **norm)
+    self.attn = Attention(config, spec, owns_kv=spec.kv_source == index, dtype=dtype, rngs=rngs)
+    self.post_attention_norm = RMSNorm(d, **norm)
+    self.pre_ffw_norm = RMSNorm(d, **norm)
+    self.mlp = FeedForward(d, spec.mlp_hidden, dtype=dtype, rngs=rngs)
+    self.post_ffw_norm = RMSNorm(d, **norm)
+    p = config.per_layer_embed_dim  # Gemma 4 E-models: a gated per-layer input after the MLP
+    self.per_layer_input_gate = (
+        Einsum('btd,dp->btp', (d, p), fan_in=d, dtype=dtype, rngs=rngs) if p else None)
+    self.per_layer_projection = (
+        Einsum('btp,pd->btd', (p, d), fan_in=p, dtype=dtype, rngs=rngs) if p else None)
+    self.post_per_layer_input_norm = RMSNorm(d, **norm) if p else None
+    self.skip_scale = (init_param(rngs, (1,), dtype, std=0.1, mean=1.0)
+                       if config.use_skip_scale else None)
+
+  def __call__(self, x, positions, cache, fill, per_layer_input, attention_fn):
+    attn_out, cache = self.attn(self.pre_attention_norm(x), positions, cache, fill, attention_fn)
+    x = x + self.post_attention_norm(attn_out)
+    x = x + self.post_ffw_norm(self.mlp(self.pre_ffw_norm(x)))
+    if per_layer_input is not None:
+      gated = gelu_tanh(self.per_layer_input_gate(x)) * per_layer_input
+      x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+    if self.skip_scale is not None:
+      x = x * self.skip_scale[...]
+    return x, cache
+
+
+class Transformer(nnx.Module):
+
+  def __init__(self, config: TransformerConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.config = config
+    self.embedder = Embedder(config, dtype=dtype, rngs=rngs)
+    self.layers = nnx.List([Block(config, i, dtype=dtype, rngs=rngs)
+                            for i in range(config.num_layers)])
+    self.final_norm = RMSNorm(config.embed_dim, offset=config.norm_scale_offset,
+                              eps=config.rms_norm_eps, dtype=dtype, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array, kv: kvs.KVState,
+               attention_fn: AttendFn = attend) -> tuple[jax.Array, kvs.KVState]:
+    """tokens, positions [B, T] (position EMPTY marks a padding row) -> (hidden [B, T, D] after
+    the final norm, the KV state with these tokens written)."""
+    x, per_layer_inputs = self.embedder.encode(tokens)
+    cache_index = {layer: j for j, layer in enumerate(self.config.cache_layers)}
+    caches = list(kv.layers)
+    for i, block in enumerate(self.layers):
+      j = cache_index[self.config.kv_sources[i]]
+      per_layer = None if per_layer_inputs is None else per_layer_inputs[:, :, i]
+      x, caches[j] = block(x, positions, caches[j], kv.fill, per_layer, attention_fn)
+    fill = kv.fill + jnp.sum(positions != kvs.EMPTY, axis=1, dtype=jnp.int32)
+    return self.final_norm(x), kvs.KVState(layers=tuple(caches), fill=fill)
+
+
+@functools.lru_cache(maxsize=None)
+def _abstract_model(config: TransformerConfig, dtype_name: str):
+  model = nnx.eval_shape(lambda: Transformer(config, dtype=jnp.dtype(dtype_name), rngs=nnx.Rngs(0)))
+  return nnx.split(model)
+
+
+def abstract_params(config: TransformerConfig, dtype=jnp.float32) -> Params:
+  """The parameter tree as jax.ShapeDtypeStruct leaves (no memory allocated)."""
+  _, state = _abstract_model(config, jnp.dtype(dtype).name)
+  return nnx.to_pure_dict(state)
+
+
+def init_params(config: TransformerConfig, seed: int, dtype=jnp.float32) -> Params:
+  """Seeded random weights (for tests and random-weight ablations)."""
+  model = Transformer(config, dtype=dtype, rngs=nnx.Rngs(seed))
+  return nnx.to_pure_dict(nnx.state(model))
+
+
+def bind(params: Params, config: TransformerConfig) -> Transformer:
+  """The NNX module holding `params` (works inside jit: nothing is copied)."""
+  dtype = jax.tree.leaves(params)[0].dtype
+  graphdef, _ = _abstract_model(config, jnp.dtype(dtype).name)
+  return nnx.merge(graphdef, params)
+
+
+def forward(params: Params, config: TransformerConfig, tokens: jax.Array, positions: jax.Array,
+            kv: kvs.KVState, attention_fn: AttendFn = attend) -> tuple[jax.Array, kvs.KVState]:
+  return bind(params, config)(tokens, positions, kv, attention_fn)
+
+
+def compute_logits(params: Params, config: TransformerConfig, hidden: jax.Array) -> jax.Array:
+  return bind(params, config).embedder.decode(hidden)
