@@ -1,0 +1,230 @@
+"""The inference engine: pinned (byte-exact by construction) or default (the plain fast path).
+
+Why pinning is needed. XLA picks kernels by shape. Measured on this project's CPU machines (jax
+0.10.2, XLA:CPU, float32 and bfloat16): row 0 of `x[:M] @ W` has different bits for M = 1,
+M in 2..32 and M >= 64, while at a fixed M a row's bits depend neither on its row index nor on the
+other rows. An attention row over a fixed-size buffer likewise has the same bits whatever its row
+index, its neighbours or the (masked) contents of slots past its position. So "restore a prefix,
+then prefill the rest" differs from a one-shot prefill unless every call has the same shape.
+
+The pinned design. Every transformer call processes exactly `block_size` token rows (B): a
+sequence is fed in blocks of B, the last one padded with rows whose position is EMPTY (masked
+everywhere, written only to slots the next call overwrites). Every logits call processes exactly
+`logits_rows` rows (1: a GEMV per row, which is also the cheapest way to get the one row a decode
+step needs). Attention writes the block's K/V into the cache first, then reduces over the whole
+fixed-size buffer in slot order, where a token's slot is its sequence index (mod the buffer size
+on local layers, which use a ring of W + B - 1 slots). With these rules a token's KV and logits are
+a pure function of the tokens up to it: prefill, graft continuation and decode all go through the
+same two compiled functions, and an own-position graft is byte-exact for any split point and any
+chunking, before and far past the sliding window (tests/test_graft_exact.py, results/).
+
+The default engine is the plain fast path: one call per extend, padded only to the next power of
+two (so XLA sees whatever M the request has), logits for the requested rows in one call, local
+layers over the full cache. It is here to show what pinning buys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma_jax import kv_state as kvs
+from gemma_jax import model
+from gemma_jax.attention import attend
+from gemma_jax.config import EOS_ID
+from gemma_jax.weights import LoadedModel
+from graft import fingerprint
+
+ENGINES = ('pinned', 'default')
+ATTENTIONS = ('xla', 'pallas')
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedConfig:
+  """Everything about an engine that can change the bits of its results."""
+
+  engine: str = 'pinned'  # 'pinned' or 'default'
+  block_size: int = 32  # B: token rows per transformer call (pinned)
+  logits_rows: int = 1  # rows per logits call (pinned)
+  cache_len: int = 4096  # KV slots on global layers: the most tokens a context holds
+  attention: str = 'xla'  # 'xla' (gemma_jax.attention.attend) or 'pallas' (gemma_jax.kernels)
+  attention_tile: int = 128  # KV tile of the Pallas kernel
+  matmul_precision: str = 'highest'  # jax.default_matmul_precision inside every call
+  xla_flags: str = ''  # must equal $XLA_FLAGS when the engine is built
+
+  def __post_init__(self):
+    if self.engine not in ENGINES:
+      raise ValueError(f'unknown engine {self.engine!r}; expected one of {ENGINES}')
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f'unknown attention {self.attention!r}; expected one of {ATTENTIONS}')
+    if self.block_size < 1 or self.logits_rows < 1 or self.cache_len < self.block_size:
+      raise ValueError(f'invalid pinned config {self}: need 1 <= block_size <= cache_len and '
+                       'logits_rows >= 1')
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence:
+  """A context: its KV state, the tokens in it, and where the next token goes."""
+
+  kv: kvs.KVState
+  tokens: tuple[int, ...]
+  next_position: int
+  last_logits: np.ndarray | None = None  # float32 [V] at the last token, when computed
+
+
+def _next_power_of_two(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+class Engine:
+  """Runs a loaded model under a PinnedConfig. Sequences are immutable values; every method
+  returns a new one, so a context can be branched freely."""
+
+  def __init__(self, loaded: LoadedModel, pinned: PinnedConfig = PinnedConfig()):
+    if os.environ.get('XLA_FLAGS', '') != pinned.xla_flags:
+      raise ValueError(f'the pinned config needs XLA_FLAGS={pinned.xla_flags!r} but the process '
+                       f'has {os.environ.get("XLA_FLAGS", "")!r}; set it before starting Python')
+    self.loaded = loaded
+    self.config = loaded.config
+    self.pinned = pinned
+    self._pinned_shapes = pinned.engine == 'pinned'
+    if self._pinned_shapes:
+      self._local_slots = kvs.local_slots_needed(self.config, pinned.block_size)
+    else:
+      self._local_slots = None  # one-shot calls of any length need the full cache
+    self._attention_fn = self._make_attention()
+
+    def step(params, tokens, positions, kv):
+      with jax.default_matmul_precision(pinned.matmul_precision):
+        return model.forward(params, self.config, tokens, positions, kv, self._attention_fn)
+
+    def head(params, hidden):
+      with jax.default_matmul_precision(pinned.matmul_precision):
+        return model.compute_logits(params, self.config, hidden)
+
+    self._step = jax.jit(step)
+    self._head = jax.jit(head)
+
+  def _make_attention(self):
+    if self.pinned.attention == 'xla':
+      return attend
+    from gemma_jax import kernels  # the Pallas kernels load only when asked for
+    return kernels.make_pallas_attention(tile_size=self.pinned.attention_tile)
+
+  @functools.cached_property
+  def model_fingerprint(self) -> dict:
+    return fingerprint.model_fingerprint(self.loaded)
+
+  @functools.cached_property
+  def fingerprint(self) -> dict:
+    return fingerprint.engine_fingerprint(self.pinned, self.loaded.dtype)
+
+  @property
+  def dtype(self):
+    return jax.tree.leaves(self.loaded.params)[0].dtype
+
+  def empty(self, start_position: int = 0) -> Sequence:
+    """An empty context whose first token will sit at `start_position`."""
+    kv = kvs.init_kv_state(self.config, batch_size=1, cache_len=self.pinned.cache_len,
+                           dtype=self.dtype, local_cache_len=self._local_slots)
+    return Sequence(kv=kv, tokens=(), next_position=start_position)
+
+  def _check_tokens(self, seq: Sequence, tokens: Seq[int]) -> list[int]:
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+      raise ValueError('nothing to process: the token list is empty')
+    vocab = self.config.vocab_size
+    for i, t in enumerate(tokens):
+      if not 0 <= t < vocab:
+        raise ValueError(f'token id {t} at index {i} is outside the vocabulary [0, {vocab})')
+    padded = (-(-len(tokens) // self.pinned.block_size) * self.pinned.block_size
+              if self._pinned_shapes else _next_power_of_two(len(tokens)))
+    if len(seq.tokens) + padded > self.pinned.cache_len:
+      raise ValueError(
+          f'a context of {len(seq.tokens)} + {len(tokens)} tokens does not fit the cache of '
+          f'{self.pinned.cache_len} slots (calls are padded to {padded} rows); raise cache_len')
+    if seq.next_position + len(tokens) > self.config.max_context:
+      raise ValueError(f'positions up to {seq.next_position + len(tokens) - 1} exceed '
+                       f'{self.config.name}\'s context of {self.config.max_context}')
+    return tokens
+
+  def _call(self, kv, tokens: list[int], first_position: int, rows: int):
+    """One transformer call of `rows` rows (the tokens, then padding)."""
+    ids = np.zeros((1, rows), np.int32)
+    positions = np.full((1, rows), kvs.EMPTY, np.int32)
+    ids[0, :len(tokens)] = tokens
+    positions[0, :len(tokens)] = first_position + np.arange(len(tokens))
+    return self._step(self.loaded.params, ids, positions, kv)
+
+  def _logits(self, hidden_rows: list[jax.Array]) -> np.ndarray:
+    """float32 [len(hidden_rows), V] for hidden rows [D] each."""
+    if not self._pinned_shapes:
+      return np.asarray(self._head(self.loaded.params, jnp.stack(hidden_rows)[None])[0])
+    r = self.pinned.logits_rows
+    out = []
+    for i in range(0, len(hidden_rows), r):
+      chunk = hidden_rows[i:i + r]
+      block = jnp.zeros((r, chunk[0].shape[-1]), chunk[0].dtype).at[:len(chunk)].set(
+          jnp.stack(chunk))
+      out.append(np.asarray(self._head(self.loaded.params, block[None])[0, :len(chunk)]))
+    return np.concatenate(out)
+
+  def extend(self, seq: Sequence, tokens: Seq[int], *,
+             logits: str | int = 'none') -> tuple[Sequence, np.ndarray | None]:
+    """Appends tokens to the context and returns float32 logits for the last rows asked for:
+    `logits` is 'none', 'last' ([1, V]), 'all' ([n, V]) or a count k of trailing rows ([k, V])."""
+    tokens = self._check_tokens(seq, tokens)
+    wanted = {'none': 0, 'last': 1, 'all': len(tokens)}.get(logits, logits)
+    if not isinstance(wanted, int) or not 0 <= wanted <= len(tokens):
+      raise ValueError(f"logits must be 'none', 'last', 'all' or a row count in "
+                       f'[0, {len(tokens)}], not {logits!r}')
+    first_wanted = len(tokens) - wanted
+    rows = self.pinned.block_size if self._pinned_shapes else _next_power_of_two(len(tokens))
+    kv, hidden_rows = seq.kv, []
+    for start in range(0, len(tokens), rows):
+      chunk = tokens[start:start + rows]
+      hidden, kv = self._call(kv, chunk, seq.next_position + start, rows)
+      hidden_rows.extend(hidden[0, i] for i in range(max(0, first_wanted - start), len(chunk)))
+    result = self._logits(hidden_rows) if wanted else None
+    new = Sequence(kv=kv, tokens=seq.tokens + tuple(tokens),
+                   next_position=seq.next_position + len(tokens),
+                   last_logits=None if result is None else result[-1])
+    return new, result
+
+  def generate(self, seq: Sequence, max_new_tokens: int, *, temperature: float = 0.0,
+               seed: int = 0, stop_at_eos: bool = True) -> tuple[Sequence, list[int]]:
+    """Greedy (temperature 0) or seeded sampling from the context's last logits. The returned
+    context holds every generated token but the last (computing its KV would cost one more
+    call that nothing needs unless the context is extended; extend it then)."""
+    if seq.last_logits is None:
+      raise ValueError('the context has no logits at its last token; extend it with '
+                       "logits='last' first")
+    rng = np.random.default_rng(seed)
+    new_tokens = []
+    while len(new_tokens) < max_new_tokens:
+      if new_tokens:
+        seq, _ = self.extend(seq, new_tokens[-1:], logits='last')
+      new_tokens.append(sample(seq.last_logits, temperature, rng))
+      if stop_at_eos and new_tokens[-1] == EOS_ID:
+        break
+    return seq, new_tokens
+
+  def prefill(self, tokens: Seq[int], *, logits: str = 'last',
+              start_position: int = 0) -> tuple[Sequence, np.ndarray | None]:
+    """A fresh context holding `tokens`."""
+    return self.extend(self.empty(start_position), tokens, logits=logits)
+
+
+def sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+  """Argmax at temperature 0; otherwise a draw from softmax(logits / temperature) in float64."""
+  if temperature <= 0:
+    return int(np.argmax(logits))
+  scaled = np.asarray(logits, np.float64) / temperature
+  probs = np.exp(scaled - scaled.max())
+  return int(rng.choice(len(probs), p=probs / probs.sum()))

@@ -1,0 +1,95 @@
+"""Fingerprints: SHA-256 digests that name a model and an engine configuration.
+
+An artifact records both; a restore that finds either different refuses to graft. The model
+fingerprint covers every parameter's bytes (with name, dtype and shape), the config and the
+tokenizer. The engine fingerprint covers everything else that can change bits: the pinned
+configuration, the jax/jaxlib versions, the backend and device kind, the CPU's vector extensions
+and the XLA flags in effect. The thread count is deliberately not in it: the pinned engine is
+invariant to it (tests/test_threads.py shows this), so artifacts move between machines with
+different core counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import os
+import platform
+
+import jax
+import jaxlib
+import numpy as np
+
+from gemma_jax.checkpoints import tree
+
+# CPU flags that can change which kernels XLA emits; the rest of /proc/cpuinfo does not matter.
+_ISA_PREFIXES = ('sse', 'ssse', 'avx', 'fma', 'f16c', 'amx', 'bmi', 'vnni', 'neon', 'asimd', 'sve')
+
+
+def canonical_json(value) -> str:
+  def default(obj):
+    if dataclasses.is_dataclass(obj):
+      return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+      return obj.value
+    raise TypeError(f'cannot fingerprint {type(obj).__name__}')
+  return json.dumps(value, sort_keys=True, separators=(',', ':'), default=default)
+
+
+def digest(value) -> str:
+  return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+def params_digest(params) -> str:
+  """SHA-256 over every parameter: name, dtype, shape and raw bytes, in sorted name order."""
+  h = hashlib.sha256()
+  for name, leaf in tree.flatten(params).items():
+    array = np.ascontiguousarray(np.asarray(leaf))
+    h.update(f'{name}|{array.dtype.name}|{array.shape}|'.encode())
+    h.update(array.tobytes())
+  return h.hexdigest()
+
+
+def model_fingerprint(loaded) -> dict:
+  """Fingerprint of a `gemma_jax.weights.LoadedModel`: {'sha256', and what went into it}."""
+  parts = {
+      'config': loaded.config,
+      'dtype': loaded.dtype,
+      'params_sha256': params_digest(loaded.params),
+      'tokenizer_sha256': hashlib.sha256(loaded.tokenizer.model_proto).hexdigest(),
+  }
+  return {'sha256': digest(parts), 'model': loaded.config.name, 'weights': loaded.weights,
+          **{k: v for k, v in parts.items() if k != 'config'}}
+
+
+def cpu_features() -> list[str]:
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith(('flags', 'Features')):
+          return sorted({flag for flag in line.split(':', 1)[1].split()
+                         if flag.startswith(_ISA_PREFIXES)})
+  except OSError:
+    pass
+  return [platform.machine()]
+
+
+def environment() -> dict:
+  """What besides the pinned config decides the bits of a computation on this machine."""
+  device = jax.devices()[0]
+  return {
+      'jax': jax.__version__,
+      'jaxlib': jaxlib.__version__,
+      'backend': jax.default_backend(),
+      'device_kind': device.device_kind,
+      'machine': platform.machine(),
+      'cpu_features': cpu_features() if jax.default_backend() == 'cpu' else [],
+      'xla_flags': os.environ.get('XLA_FLAGS', ''),
+  }
+
+
+def engine_fingerprint(pinned, dtype: str) -> dict:
+  parts = {'pinned': pinned, 'dtype': dtype, 'environment': environment()}
+  return {'sha256': digest(parts), **json.loads(canonical_json(parts))}
