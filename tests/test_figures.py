@@ -1,0 +1,139 @@
+"""analysis.figures draws every figure from results JSON files, and skips (without crashing) a
+figure whose input is missing.
+
+The results files written here are TEST FIXTURES: small synthetic values in the documented
+schemas, made up to exercise the drawing code. They are written to a pytest tmp dir only and are
+not measurements.
+"""
+
+import json
+import pathlib
+
+from absl import flags
+import pytest
+
+from analysis import figures
+from analysis import rope_float
+
+OFFSETS = [0, 1, 7, 64, 1024]
+METHODS = ['rerotate', 'pre_rope', 'recompute']
+
+
+def _fixture_sweep_rows(model, dtype, rope_mode, num_layers=3):
+  """Synthetic position-sweep rows: exact at δ = 0 (and for the controls), made-up growing
+  divergence elsewhere."""
+  rows = []
+  for method in METHODS:
+    for offset in OFFSETS:
+      exact = offset == 0 or method == 'recompute' or rope_mode != 'float'
+      scale = 0.0 if exact else 1e-3 * (1 + offset) ** 0.5
+      layers = [{'layer': l, 'k_max_abs': scale * 2**l, 'v_max_abs': scale * 3**l,
+                 'k_max_ulp': 10 * scale * 2**l, 'v_max_ulp': 10 * scale * 3**l,
+                 'k_equal': exact or l == 0, 'v_equal': exact or l == 0}
+                for l in range(num_layers)]
+      rows.append({'model': model, 'weights': 'random', 'dtype': dtype, 'rope': rope_mode,
+                   'method': method, 'offset': offset, 'equal': exact, 'max_abs': 10 * scale,
+                   'max_ulp': 1e4 * scale, 'kl': scale / 10, 'argmax_agreement': 1.0 - scale,
+                   'top5_overlap': 1.0, 'layers': layers})
+  return rows
+
+
+def _write(path: pathlib.Path, data) -> None:
+  path.write_text(json.dumps(data))
+
+
+def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True) -> None:
+  results.mkdir(parents=True, exist_ok=True)
+  if sweeps:
+    for rope_mode in ('float', 'quarter_turn', 'none'):
+      config = {'model': 'tiny_gemma3', 'weights': 'random', 'dtype': 'float32',
+                'rope': rope_mode, 'methods': METHODS, 'offsets': OFFSETS, 'fixture': True}
+      _write(results / f'position_sweep_tiny_gemma3_float32_{rope_mode}.json',
+             {'config': config, 'rows': _fixture_sweep_rows('tiny_gemma3', 'float32', rope_mode)})
+  if graft:
+    for engine, equal in (('pinned', 4), ('unpinned', 1)):
+      samples = [{'library_tokens': 8, 'query_tokens': 4, 'fresh_sha256': 'a' * 64,
+                  'graft_sha256': ('a' if i < equal else 'b') * 64, 'equal': i < equal,
+                  'kl': 0.0 if i < equal else 1e-6, 'argmax_agreement': 1.0,
+                  'continuation_equal': True} for i in range(4)]
+      _write(results / f'graft_exactness_tiny_gemma3_float32_{engine}.json',
+             {'config': {'model': 'tiny_gemma3', 'weights': 'random', 'dtype': 'float32',
+                         'engine': engine, 'attention': 'xla', 'fixture': True},
+              'samples': samples,
+              'summary': {'samples': 4, 'equal': equal, 'max_kl': 1e-6,
+                          'argmax_agreement': 1.0, 'continuations_equal': 4}})
+  if rope:  # a real (tiny) rope_float analysis, computed here, not made up
+    result = rope_float.analyze(max_position=256, dtypes=['float32'], offsets=[0, 1, 64],
+                                grid_points=8, vectors=1)
+    (results / figures.ROPE_FLOAT_FILE).write_text(rope_float.to_json(result))
+
+
+def _run_main(results: pathlib.Path, output: pathlib.Path) -> None:
+  """Runs the entry point's main as `python -m analysis.figures` would, flags included."""
+  figures.define_flags()
+  flags.FLAGS(['figures', f'--results={results}', f'--output={output}'])
+  try:
+    figures.main(['figures'])
+  finally:
+    flags.FLAGS.unparse_flags()
+
+
+def test_main_writes_every_figure_as_a_nonempty_png(tmp_path):
+  _write_fixtures(tmp_path / 'results')
+  _run_main(tmp_path / 'results', tmp_path / 'figures')
+  for name in figures.FIGURES:
+    png = tmp_path / 'figures' / f'{name}.png'
+    assert png.exists(), name
+    assert png.stat().st_size > 1000, name
+    assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n', name
+
+
+def test_missing_inputs_skip_their_figures_without_crashing(tmp_path, caplog):
+  _write_fixtures(tmp_path / 'results', graft=False, rope=False)
+  drawn = figures.draw_figures(tmp_path / 'results', tmp_path / 'figures')
+  assert drawn['graft_exactness'] is None
+  for name in ('rope_composition_error', 'rope_angle_error', 'rope_composition_exactness'):
+    assert drawn[name] is None
+    assert not (tmp_path / 'figures' / f'{name}.png').exists()
+  assert drawn['position_exactness'].stat().st_size > 0
+  assert 'graft_exactness: no results/graft_exactness_*.json; skipped' in caplog.text
+
+
+def test_empty_results_directory_draws_nothing(tmp_path):
+  drawn = figures.draw_figures(tmp_path / 'absent', tmp_path / 'figures')
+  assert set(drawn) == set(figures.FIGURES)
+  assert all(path is None for path in drawn.values())
+
+
+def test_controls_figure_needs_a_control_next_to_float(tmp_path):
+  results = tmp_path / 'results'
+  _write_fixtures(results, graft=False, rope=False)
+  for control in ('quarter_turn', 'none'):
+    (results / f'position_sweep_tiny_gemma3_float32_{control}.json').unlink()
+  drawn = figures.draw_figures(results, tmp_path / 'figures')
+  assert drawn['position_controls'] is None
+  assert drawn['layer_divergence'] is not None
+
+
+def test_malformed_results_file_is_skipped(tmp_path):
+  results = tmp_path / 'results'
+  results.mkdir()
+  (results / 'position_sweep_bad_float32_float.json').write_text('{not json')
+  (results / 'graft_exactness_bad_float32.json').write_text('[1, 2]')
+  drawn = figures.draw_figures(results, tmp_path / 'figures')
+  assert all(path is None for path in drawn.values())
+
+
+def test_sweep_rows_take_missing_fields_from_the_file_config(tmp_path):
+  results = tmp_path / 'results'
+  results.mkdir()
+  rows = [{'method': 'rerotate', 'offset': 1, 'equal': False, 'kl': 0.5}]
+  _write(results / 'position_sweep_m_float32_float.json',
+         {'config': {'model': 'm', 'weights': 'w', 'dtype': 'float32', 'rope': 'float'},
+          'rows': rows})
+  (row,) = figures.load_position_sweeps(results)
+  assert (row['model'], row['dtype'], row['rope'], row['kl']) == ('m', 'float32', 'float', 0.5)
+
+
+if __name__ == '__main__':
+  pytest.main([__file__])
