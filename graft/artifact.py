@@ -30,6 +30,7 @@ import numpy as np
 
 from analysis.metrics import sha256_bytes
 from gemma_jax import kv_state as kvs
+from gemma_jax.checkpoints import orbax_util
 from graft.engine import Engine, Sequence
 
 FORMAT = 'kv-graft-artifact/1'
@@ -50,16 +51,6 @@ class Artifact:
   @property
   def start_position(self) -> int:
     return self.manifest['start_position']
-
-
-def _orbax():
-  import orbax.checkpoint as ocp
-  return ocp
-
-
-def _checkpointer():
-  ocp = _orbax()
-  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
 
 def leaves_of(engine: Engine, seq: Sequence) -> dict[str, np.ndarray]:
@@ -103,8 +94,8 @@ def save(path: str, engine: Engine, seq: Sequence) -> dict:
   os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(path)}.', dir=parent)
   try:
-    _checkpointer().save(os.path.join(staging, STATE), {
-        name.replace('/', '.'): leaf for name, leaf in leaves.items()})
+    orbax_util.save(os.path.join(staging, STATE),
+                    {name.replace('/', '.'): leaf for name, leaf in leaves.items()})
     with open(os.path.join(staging, MANIFEST), 'w') as f:
       json.dump(manifest, f, indent=1, sort_keys=True)
     os.rename(staging, path)
@@ -150,7 +141,7 @@ def load(path: str, engine: Engine) -> Artifact:
     raise ArtifactError(f'{path} was made under another engine configuration: '
                         + '; '.join(diffs))
   try:
-    restored = _checkpointer().restore(os.path.join(path, STATE))
+    restored = orbax_util.restore(os.path.join(path, STATE))
   except Exception as e:  # orbax/tensorstore raise many kinds on damaged or missing files
     raise ArtifactError(f'{path}: the state cannot be read ({type(e).__name__}: {e})') from None
   leaves = {name.replace('.', '/'): np.asarray(leaf) for name, leaf in restored.items()}

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from gemma_jax.checkpoints import tree
+from gemma_jax.checkpoints import orbax_util, tree
 from gemma_jax.tokenizer import Tokenizer
 
 _TOKENIZER_FILE = 'tokenizer.model'
@@ -28,22 +28,17 @@ def cache_root() -> str:
       os.path.expanduser('~'), '.cache', 'gemma_jax')
 
 
-def _orbax():
-  import orbax.checkpoint as ocp  # imported lazily: it is slow to import
-  return ocp
-
-
 def save_entry(directory: str, params, tokenizer: Tokenizer) -> None:
   """Writes params (flat, float32) and the tokenizer into `directory`, which must not exist."""
   flat = {name: np.asarray(leaf, np.float32) for name, leaf in tree.flatten(params).items()}
-  _orbax().PyTreeCheckpointer().save(os.path.join(directory, _PARAMS_DIR), flat)
+  orbax_util.save(os.path.join(directory, _PARAMS_DIR), flat)
   with open(os.path.join(directory, _TOKENIZER_FILE), 'wb') as f:
     f.write(tokenizer.model_proto)
 
 
 def load_entry(directory: str):
   """(params as a float32 numpy tree, tokenizer) from an entry written by `save_entry`."""
-  flat = _orbax().PyTreeCheckpointer().restore(os.path.join(directory, _PARAMS_DIR))
+  flat = orbax_util.restore(os.path.join(directory, _PARAMS_DIR))
   return tree.unflatten(flat), Tokenizer.from_file(os.path.join(directory, _TOKENIZER_FILE))
 
 

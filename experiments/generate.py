@@ -1,0 +1,39 @@
+"""Prints a prompt and its continuation: greedy, or sampled reproducibly with --temperature/--seed.
+
+  python -m experiments.generate --prompt="The capital of France is" --max_new_tokens=24
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+
+from experiments import common
+
+flags.DEFINE_string('prompt', 'The capital of France is', 'Text to continue (BOS is prepended).')
+flags.DEFINE_integer('max_new_tokens', 24, 'Tokens to generate.')
+flags.DEFINE_float('temperature', 0.0, '0: greedy; otherwise softmax sampling at this temperature.')
+flags.DEFINE_integer('seed', 0, 'Seed of the sampler (used when --temperature > 0).')
+common.define_model_flags()
+common.define_engine_flags()
+FLAGS = flags.FLAGS
+
+
+def continue_text(engine, prompt: str, max_new_tokens: int, temperature: float = 0.0,
+                  seed: int = 0) -> str:
+  if not prompt:
+    raise ValueError('--prompt is empty: there is nothing to continue')
+  tokenizer = engine.loaded.tokenizer
+  seq, _ = engine.prefill(tokenizer.encode(prompt), logits='last')
+  _, new_tokens = engine.generate(seq, max_new_tokens, temperature=temperature, seed=seed)
+  return tokenizer.decode(new_tokens)
+
+
+def main(argv):
+  del argv
+  engine = common.make_engine(common.load_model())
+  text = continue_text(engine, FLAGS.prompt, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.seed)
+  print(FLAGS.prompt + text)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,88 @@
+"""Library/query samples for the graft experiments, drawn from real text by a seeded generator.
+
+The text is the Python documentation's topic pages (`pydoc_data.topics`, shipped with every
+CPython): tens of thousands of words of real English prose with code, present on any machine
+without a download. Samples keep their token ids, so results and manifests do not depend on the
+text source once drawn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+from gemma_jax.config import BOS_ID
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  library: tuple[int, ...]  # starts with BOS
+  query: tuple[int, ...]
+
+
+def corpus_text() -> str:
+  from pydoc_data import topics
+  return '\n\n'.join(topics.topics[name] for name in sorted(topics.topics))
+
+
+def library_lengths(count: int, window: int, rng: np.random.Generator) -> list[int]:
+  """Lengths from 1 to 2,000+: fixed edge cases first (1, around the window, 2,048), then a mix
+  of short, around-the-window and long libraries."""
+  fixed = [1, window - 1, window, window + 1, 2048]
+  draws = []
+  for _ in range(max(0, count - len(fixed))):
+    kind = rng.integers(4)
+    if kind == 0:
+      draws.append(int(rng.integers(2, 64)))
+    elif kind == 1:
+      draws.append(int(rng.integers(64, window - 16)))
+    elif kind == 2:
+      draws.append(int(rng.integers(window - 16, window + 48)))
+    else:
+      draws.append(int(rng.integers(window + 48, 2100)))
+  return (fixed + draws)[:count]
+
+
+def query_lengths(count: int, rng: np.random.Generator) -> list[int]:
+  """1 to 128 tokens, log-uniform, with the edge cases 1 and 128 first."""
+  fixed = [1, 128]
+  draws = [int(round(np.exp(rng.uniform(0, np.log(128))))) for _ in range(max(0, count - 2))]
+  return (fixed + draws)[:count]
+
+
+def draw(tokenizer, count: int, *, seed: int, window: int) -> list[Sample]:
+  rng = np.random.default_rng(seed)
+  text_ids = tokenizer.encode(corpus_text(), add_bos=False)
+  libraries = library_lengths(count, window, rng)
+  queries = query_lengths(count, rng)
+  order = rng.permutation(count)  # pair edge-case libraries with varied queries
+  samples = []
+  for lib_len, query_len in zip(libraries, [queries[i] for i in order]):
+    start = int(rng.integers(0, len(text_ids) - lib_len - query_len))
+    body = text_ids[start:start + lib_len - 1 + query_len]
+    samples.append(Sample(library=(BOS_ID,) + tuple(body[:lib_len - 1]),
+                          query=tuple(body[lib_len - 1:])))
+  return samples
+
+
+def read_jsonl(path: str, tokenizer) -> list[Sample]:
+  """One {"library": text, "query": text} per line; the library gets BOS, the query does not."""
+  samples = []
+  with open(path) as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{path}:{number}: not valid JSON ({e})') from None
+      if not all(isinstance(record.get(k), str) and record[k] for k in ('library', 'query')):
+        raise ValueError(f'{path}:{number}: expected non-empty string fields "library" and '
+                         '"query"')
+      samples.append(Sample(library=tuple(tokenizer.encode(record['library'])),
+                            query=tuple(tokenizer.encode(record['query'], add_bos=False))))
+  if not samples:
+    raise ValueError(f'{path} holds no samples')
+  return samples

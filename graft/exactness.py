@@ -1,0 +1,82 @@
+"""The graft exactness check: fresh computation against an own-position graft, sample by sample.
+
+For a (library, query) pair:
+  fresh  the engine computes library + query from scratch; we keep the query's logits (every
+         query position) and a greedy continuation;
+  graft  a separately constructed engine computes the library alone and writes it as an artifact
+         to disk; the first engine restores it (verifying every hash), grafts it at its own
+         positions, then processes the query and continues greedily.
+Equal means the SHA-256 of the two float32 query-logit arrays is the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import numpy as np
+
+from analysis import metrics
+from graft import artifact
+from graft.engine import Engine
+
+
+def fresh_run(engine: Engine, library, query, continuation_tokens: int):
+  seq, logits = engine.extend(engine.empty(), list(library) + list(query), logits=len(query))
+  _, continuation = engine.generate(seq, continuation_tokens, stop_at_eos=False)
+  return logits, continuation
+
+
+def graft_run(engine: Engine, writer: Engine, library, query, continuation_tokens: int,
+              artifact_path: str):
+  library_seq, _ = writer.prefill(list(library), logits='none')
+  artifact.save(artifact_path, writer, library_seq)
+  restored = artifact.graft(engine, artifact.load(artifact_path, engine))
+  seq, logits = engine.extend(restored, list(query), logits='all')
+  _, continuation = engine.generate(seq, continuation_tokens, stop_at_eos=False)
+  return logits, continuation
+
+
+def check_sample(engine: Engine, writer: Engine, library, query, *, artifact_path: str,
+                 continuation_tokens: int = 32) -> dict:
+  """One sample's row of the results (see experiments/graft_exactness.py for the schema)."""
+  t0 = time.perf_counter()
+  fresh_logits, fresh_continuation = fresh_run(engine, library, query, continuation_tokens)
+  t1 = time.perf_counter()
+  graft_logits, graft_continuation = graft_run(engine, writer, library, query,
+                                               continuation_tokens, artifact_path)
+  t2 = time.perf_counter()
+  comparison = metrics.compare_logits(fresh_logits, graft_logits)
+  return {
+      'library_tokens': len(library),
+      'query_tokens': len(query),
+      'fresh_sha256': metrics.sha256_bytes(fresh_logits),
+      'graft_sha256': metrics.sha256_bytes(graft_logits),
+      'equal': comparison['equal'],
+      'kl': comparison['kl'],
+      'argmax_agreement': comparison['argmax_agreement'],
+      'continuation_equal': fresh_continuation == graft_continuation,
+      'max_abs': comparison['max_abs'],
+      'max_ulp': comparison['max_ulp'],
+      'top5_overlap': comparison['top5_overlap'],
+      'continuation_tokens': len(fresh_continuation),
+      'continuation_sha256': hashlib.sha256(
+          np.asarray(fresh_continuation, np.int32).tobytes()).hexdigest(),
+      'fresh_seconds': round(t1 - t0, 3),
+      'graft_seconds': round(t2 - t1, 3),
+      'artifact': os.path.basename(artifact_path),
+  }
+
+
+def summarize(rows: list[dict]) -> dict:
+  positions = sum(r['query_tokens'] for r in rows)
+  agreeing = sum(r['argmax_agreement'] * r['query_tokens'] for r in rows)
+  return {
+      'samples': len(rows),
+      'equal': sum(r['equal'] for r in rows),
+      'max_kl': max((r['kl'] for r in rows), default=0.0),
+      'argmax_agreement': agreeing / positions if positions else 1.0,
+      'continuations_equal': sum(r['continuation_equal'] for r in rows),
+  }
+
