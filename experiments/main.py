@@ -1,0 +1,90 @@
+"""The main job on the embedded model: a tour that ends with every figure redrawn from results/.
+
+  python -m experiments.main
+
+1. generation: "The capital of France is" continued greedily (pinned engine);
+2. logits: a few texts through experiments.logits' format (ids, last-position logits, argmax);
+3. graft exactness: a handful of fresh-vs-graft samples on the embedded model, byte for byte;
+4. replay: the committed CI manifest recomputed here, hash for hash;
+5. figures: analysis.figures redraws figures/ from the committed results/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import numpy as np
+from absl import app, flags, logging
+
+from analysis import figures
+from experiments import common, generate, logits, replay, samples
+from graft import exactness
+
+flags.DEFINE_integer('exactness_samples', 6, 'Graft exactness samples in step 3.')
+flags.DEFINE_string('replay_manifest', 'manifests/ci_gemma3_270m_float32.json',
+                    'Manifest replayed in step 4.')
+flags.DEFINE_string('results_dir', 'results', 'Results the figures are drawn from.')
+flags.DEFINE_string('figures_dir', 'figures', 'Where figures are written.')
+common.define_model_flags()
+common.define_engine_flags(cache_len=2560)
+FLAGS = flags.FLAGS
+
+DEMO_TEXTS = [
+    'The capital of France is',
+    'def fibonacci(n):\n    """Returns the n-th Fibonacci number."""\n',
+    'Der schnellste Weg von Berlin nach München ist',
+]
+
+
+def step(title: str) -> None:
+  print(f'\n== {title} ==', flush=True)
+
+
+def main(argv):
+  del argv
+  loaded = common.load_model()
+  engine = common.make_engine(loaded)
+
+  step('1. generation')
+  prompt = DEMO_TEXTS[0]
+  print(prompt + generate.continue_text(engine, prompt, 24))
+
+  step('2. logits')
+  arrays = logits.text_logits(engine, DEMO_TEXTS)
+  for i, text in enumerate(DEMO_TEXTS):
+    top = loaded.tokenizer.decode([int(arrays[f'argmax_{i}'][-1])])
+    print(f'{len(arrays[f"ids_{i}"]):3d} tokens, next-token argmax {top!r} after {text[:40]!r}')
+  with tempfile.TemporaryDirectory() as scratch:
+    logits.write_npz(os.path.join(scratch, 'demo.npz'), arrays)
+    print('npz keys:', sorted(np.load(os.path.join(scratch, 'demo.npz')).files)[:6], '...')
+
+  step('3. graft exactness')
+  writer = common.make_engine(loaded)
+  pairs = samples.draw(loaded.tokenizer, FLAGS.exactness_samples, seed=0,
+                       window=loaded.config.sliding_window)
+  with tempfile.TemporaryDirectory() as scratch:
+    rows = [exactness.check_sample(engine, writer, s.library, s.query,
+                                   artifact_path=os.path.join(scratch, f'a{i}'))
+            for i, s in enumerate(pairs)]
+  for r in rows:
+    print(f"library {r['library_tokens']:5d}  query {r['query_tokens']:4d}  "
+          f"fresh {r['fresh_sha256'][:16]}  graft {r['graft_sha256'][:16]}  equal={r['equal']}")
+  print(json.dumps(exactness.summarize(rows)))
+
+  step('4. replay')
+  if os.path.exists(FLAGS.replay_manifest):
+    with open(FLAGS.replay_manifest) as f:
+      failures = replay.replay(json.load(f))
+    print('replay:', 'all hashes reproduce' if not failures else '\n'.join(failures))
+  else:
+    logging.warning('no manifest at %s; skipping replay', FLAGS.replay_manifest)
+
+  step('5. figures')
+  written = figures.draw_figures(FLAGS.results_dir, FLAGS.figures_dir)
+  print(f'{len(written)} figures written to {FLAGS.figures_dir}/')
+
+
+if __name__ == '__main__':
+  app.run(main)
