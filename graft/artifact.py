@@ -3,7 +3,8 @@
 On disk an artifact is a directory:
 
     manifest.json   format, token count and hash, positions, the model and engine fingerprints,
-                    and {dtype, shape, sha256} of every leaf's raw bytes
+                    {dtype, shape, sha256} of every leaf's raw bytes, and {size, sha256} of
+                    every file under state/
     state/          an Orbax checkpoint of the leaves: `tokens` int32 [n] and, for each
                     cache-owning layer i, `layer_{i}/k`, `layer_{i}/v` [slots, K, H] and
                     `layer_{i}/positions` int32 [slots]; compression off, raw dtype
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import shutil
@@ -96,6 +98,7 @@ def save(path: str, engine: Engine, seq: Sequence) -> dict:
   try:
     orbax_util.save(os.path.join(staging, STATE),
                     {name.replace('/', '.'): leaf for name, leaf in leaves.items()})
+    manifest['files'] = state_files(staging)
     with open(os.path.join(staging, MANIFEST), 'w') as f:
       json.dump(manifest, f, indent=1, sort_keys=True)
     os.rename(staging, path)
@@ -105,13 +108,43 @@ def save(path: str, engine: Engine, seq: Sequence) -> dict:
   return manifest
 
 
-def _differences(expected, actual, prefix='') -> list[str]:
+def state_files(artifact_dir: str) -> dict[str, dict]:
+  """{relative path: {size, sha256}} of every file under state/: the manifest covers the bytes
+  Orbax does not read too, so no file can be truncated or altered unnoticed."""
+  out = {}
+  root = os.path.join(artifact_dir, STATE)
+  for directory, _, names in os.walk(root):
+    for name in names:
+      path = os.path.join(directory, name)
+      with open(path, 'rb') as f:
+        data = f.read()
+      out[os.path.relpath(path, artifact_dir)] = {'size': len(data),
+                                                  'sha256': hashlib.sha256(data).hexdigest()}
+  return dict(sorted(out.items()))
+
+
+def _check_files(path: str, expected: dict[str, dict]) -> None:
+  actual = state_files(path) if os.path.isdir(os.path.join(path, STATE)) else {}
+  for name in sorted(set(expected) | set(actual)):
+    if name not in actual:
+      raise ArtifactError(f'{path}: file {name} is missing')
+    if name not in expected:
+      raise ArtifactError(f'{path}: unexpected file {name}')
+    want, got = expected[name], actual[name]
+    if got['size'] != want['size']:
+      raise ArtifactError(f'{path}: file {name} has {got["size"]} bytes, the manifest says '
+                          f'{want["size"]} (truncated or extended)')
+    if got['sha256'] != want['sha256']:
+      raise ArtifactError(f'{path}: file {name} was altered (SHA-256 mismatch)')
+
+
+def differences(expected, actual, prefix='') -> list[str]:
   """Readable differences between two JSON-like values, e.g.
   ['pinned.block_size: the artifact has 8, expected 16']."""
   if isinstance(expected, dict) and isinstance(actual, dict):
     out = []
     for key in sorted(set(expected) | set(actual)):
-      out += _differences(expected.get(key), actual.get(key), f'{prefix}{key}.')
+      out += differences(expected.get(key), actual.get(key), f'{prefix}{key}.')
     return out
   if expected == actual:
     return []
@@ -133,13 +166,14 @@ def load(path: str, engine: Engine) -> Artifact:
   if manifest.get('format') != FORMAT:
     raise ArtifactError(f'{path}: unknown artifact format {manifest.get("format")!r}')
   if manifest['model']['sha256'] != engine.model_fingerprint['sha256']:
-    diffs = _differences(engine.model_fingerprint, manifest['model'])
+    diffs = differences(engine.model_fingerprint, manifest['model'])
     raise ArtifactError(f'{path} was made by another model: ' + '; '.join(diffs))
   if manifest['engine']['sha256'] != engine.fingerprint['sha256']:
-    diffs = [d for d in _differences(engine.fingerprint, manifest['engine'])
+    diffs = [d for d in differences(engine.fingerprint, manifest['engine'])
              if not d.startswith('sha256')]
     raise ArtifactError(f'{path} was made under another engine configuration: '
                         + '; '.join(diffs))
+  _check_files(path, manifest.get('files', {}))
   try:
     restored = orbax_util.restore(os.path.join(path, STATE))
   except Exception as e:  # orbax/tensorstore raise many kinds on damaged or missing files
@@ -153,7 +187,7 @@ def load(path: str, engine: Engine) -> Artifact:
   actual = describe(leaves)
   for name in sorted(expected):
     if actual[name] != expected[name]:
-      diffs = _differences(expected[name], actual[name])
+      diffs = differences(expected[name], actual[name])
       raise ArtifactError(f'{path}: leaf {name} does not match its manifest: ' + '; '.join(diffs))
   tokens = tuple(int(t) for t in leaves['tokens'])
   if len(tokens) != manifest['num_tokens']:

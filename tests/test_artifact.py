@@ -1,0 +1,184 @@
+"""Artifacts: saved atomically, verified on restore, refused with the reason when anything is off."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from analysis.metrics import sha256_bytes
+from gemma_jax import weights
+from graft import artifact
+from graft.artifact import ArtifactError
+from graft.engine import Engine, PinnedConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PINNED = PinnedConfig(block_size=8, cache_len=256)
+LIBRARY = [int(t) for t in np.random.default_rng(0).integers(3, 512, 41)]
+QUERY = [int(t) for t in np.random.default_rng(1).integers(3, 512, 9)]
+
+
+@pytest.fixture(scope='module')
+def eng():
+  return Engine(weights.load('tiny_gemma3', 'random:0'), PINNED)
+
+
+@pytest.fixture
+def saved(eng, tmp_path):
+  seq, _ = eng.prefill(LIBRARY, logits='none')
+  path = tmp_path / 'library'
+  artifact.save(str(path), eng, seq)
+  return path
+
+
+def data_files(path):
+  """The Orbax data files holding array bytes, largest first."""
+  files = [p for p in (path / 'state').rglob('*') if p.is_file() and p.parent.name == 'd']
+  return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
+
+
+def test_manifest_records_hashes_and_fingerprints(eng, saved):
+  manifest = json.loads((saved / 'manifest.json').read_text())
+  assert manifest['num_tokens'] == len(LIBRARY)
+  assert manifest['model']['sha256'] == eng.model_fingerprint['sha256']
+  assert manifest['engine']['sha256'] == eng.fingerprint['sha256']
+  assert manifest['engine']['pinned']['block_size'] == 8
+  assert manifest['leaves']['tokens']['sha256'] == sha256_bytes(np.asarray(LIBRARY, np.int32))
+  # Layer 5 is global (every token stored); layer 0 is local, a ring of W + B - 1 = 15 slots.
+  assert manifest['leaves']['layer_5/k']['shape'] == [len(LIBRARY), 2, 16]
+  assert manifest['leaves']['layer_0/k']['shape'] == [15, 2, 16]
+  assert manifest['leaves']['layer_0/k']['dtype'] == 'float32'
+  assert all(f.startswith('state/') and f in manifest['files'] for f in map(
+      lambda p: str(p.relative_to(saved)), data_files(saved)))
+
+
+def test_restore_verifies_and_grafts_exactly(eng, saved):
+  _, fresh = eng.extend(eng.empty(), LIBRARY + QUERY, logits=len(QUERY))
+  _, grafted = eng.extend(artifact.graft(eng, artifact.load(str(saved), eng)), QUERY,
+                          logits='all')
+  assert sha256_bytes(fresh) == sha256_bytes(grafted)
+
+
+def test_restore_in_a_fresh_process_is_byte_exact(eng, saved):
+  _, fresh = eng.extend(eng.empty(), LIBRARY + QUERY, logits=len(QUERY))
+  script = f'''
+from analysis.metrics import sha256_bytes
+from gemma_jax import weights
+from graft import artifact
+from graft.engine import Engine, PinnedConfig
+eng = Engine(weights.load('tiny_gemma3', 'random:0'), PinnedConfig(block_size=8, cache_len=256))
+seq = artifact.graft(eng, artifact.load({str(saved)!r}, eng))
+print(sha256_bytes(eng.extend(seq, {QUERY!r}, logits='all')[1]))
+'''
+  out = subprocess.run([sys.executable, '-c', script], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, 'PYTHONPATH': str(REPO)}, check=True)
+  assert out.stdout.strip().splitlines()[-1] == sha256_bytes(fresh)
+
+
+def test_refuses_an_artifact_of_another_model(saved):
+  other = Engine(weights.load('tiny_gemma3', 'random:1'), PINNED)
+  with pytest.raises(ArtifactError, match='another model.*params_sha256'):
+    artifact.load(str(saved), other)
+
+
+def test_refuses_another_dtype(saved):
+  other = Engine(weights.load('tiny_gemma3', 'random:0', 'bfloat16'), PINNED)
+  with pytest.raises(ArtifactError, match="dtype: the artifact has 'float32', expected "
+                                          "'bfloat16'"):
+    artifact.load(str(saved), other)
+
+
+def test_refuses_another_engine_configuration(eng, saved):
+  other = Engine(eng.loaded, PinnedConfig(block_size=16, cache_len=256))
+  with pytest.raises(ArtifactError, match='block_size: the artifact has 8, expected 16'):
+    artifact.load(str(saved), other)
+
+
+def test_refuses_one_flipped_byte(eng, saved):
+  target = data_files(saved)[0]
+  data = bytearray(target.read_bytes())
+  data[len(data) // 2] ^= 0x01
+  target.write_bytes(bytes(data))
+  with pytest.raises(ArtifactError, match=f'file {target.relative_to(saved)} was altered'):
+    artifact.load(str(saved), eng)
+
+
+def test_refuses_a_truncated_file(eng, saved):
+  target = data_files(saved)[0]
+  target.write_bytes(target.read_bytes()[:-100])
+  with pytest.raises(ArtifactError, match='bytes, the manifest says .* \\(truncated'):
+    artifact.load(str(saved), eng)
+
+
+def test_leaf_hashes_catch_what_the_file_list_would_miss(eng, saved):
+  # Even with the file list rewritten to match a damaged file, the leaf hashes refuse it.
+  target = data_files(saved)[0]
+  data = bytearray(target.read_bytes())
+  data[len(data) // 3] ^= 0x10
+  target.write_bytes(bytes(data))
+  manifest = json.loads((saved / 'manifest.json').read_text())
+  manifest['files'] = artifact.state_files(str(saved))
+  (saved / 'manifest.json').write_text(json.dumps(manifest))
+  with pytest.raises(ArtifactError, match='does not match its manifest|cannot be read'):
+    artifact.load(str(saved), eng)
+
+
+def test_refuses_missing_files(eng, saved, tmp_path):
+  no_manifest = tmp_path / 'no_manifest'
+  shutil.copytree(saved, no_manifest)
+  (no_manifest / 'manifest.json').unlink()
+  with pytest.raises(ArtifactError, match='manifest.json is missing'):
+    artifact.load(str(no_manifest), eng)
+  data_files(saved)[0].unlink()
+  with pytest.raises(ArtifactError, match='file state/.* is missing'):
+    artifact.load(str(saved), eng)
+  with pytest.raises(ArtifactError, match='no artifact'):
+    artifact.load(str(tmp_path / 'nothing_here'), eng)
+
+
+def test_refuses_a_missing_leaf_and_a_tampered_manifest(eng, saved):
+  manifest_path = saved / 'manifest.json'
+  manifest = json.loads(manifest_path.read_text())
+  manifest['leaves']['layer_99/k'] = manifest['leaves']['layer_0/k']  # as if its data vanished
+  manifest_path.write_text(json.dumps(manifest))
+  with pytest.raises(ArtifactError, match=r"leaves missing \['layer_99/k'\]"):
+    artifact.load(str(saved), eng)
+  del manifest['leaves']['layer_99/k']
+  manifest['leaves']['layer_0/v']['sha256'] = '0' * 64
+  manifest_path.write_text(json.dumps(manifest))
+  with pytest.raises(ArtifactError, match='leaf layer_0/v does not match'):
+    artifact.load(str(saved), eng)
+
+
+def test_a_refused_artifact_harms_nothing_else(eng, saved, tmp_path):
+  good = tmp_path / 'good'
+  shutil.copytree(saved, good)
+  before = {p: p.read_bytes() for p in good.rglob('*') if p.is_file()}
+  data_files(saved)[0].write_bytes(b'garbage')
+  with pytest.raises(ArtifactError):
+    artifact.load(str(saved), eng)
+  assert {p: p.read_bytes() for p in good.rglob('*') if p.is_file()} == before
+  artifact.graft(eng, artifact.load(str(good), eng))  # the engine still works
+
+
+def test_save_is_atomic_and_never_overwrites(eng, saved, tmp_path, monkeypatch):
+  seq, _ = eng.prefill(LIBRARY, logits='none')
+  with pytest.raises(FileExistsError):
+    artifact.save(str(saved), eng, seq)
+
+  def broken_save(*args, **kwargs):
+    raise OSError('disk full')
+
+  monkeypatch.setattr(artifact.orbax_util, 'save', broken_save)
+  with pytest.raises(OSError, match='disk full'):
+    artifact.save(str(tmp_path / 'half'), eng, seq)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['library']  # nothing half-written
+
+
+def test_empty_context_cannot_be_saved(eng, tmp_path):
+  with pytest.raises(ArtifactError, match='empty'):
+    artifact.save(str(tmp_path / 'x'), eng, eng.empty())
