@@ -73,14 +73,23 @@ def write(layer: LayerKV, k: jax.Array, v: jax.Array, positions: jax.Array,
 
   Rows whose position is EMPTY (padding) are written too, but stay masked: they occupy slots past
   the fill, which the next call overwrites.
+
+  Written as one elementwise select over the buffer (slot s takes new row (s - fill) mod S when
+  that row exists) rather than a scatter: XLA:CPU lowers the scatter with a transposed copy of
+  the whole cache before and after, three passes instead of one.
   """
-  num_tokens = k.shape[1]
-  if num_tokens > layer.num_slots:
-    raise ValueError(f'a call of {num_tokens} tokens does not fit a cache of {layer.num_slots} slots')
-  slots = (fill[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)) % layer.num_slots  # [B, T]
-  rows = jnp.arange(k.shape[0])[:, None]
-  return LayerKV(
-      k=layer.k.at[rows, slots].set(k.astype(layer.k.dtype)),
-      v=layer.v.at[rows, slots].set(v.astype(layer.v.dtype)),
-      positions=layer.positions.at[rows, slots].set(positions.astype(jnp.int32)),
-  )
+  num_tokens, num_slots = k.shape[1], layer.num_slots
+  if num_tokens > num_slots:
+    raise ValueError(f'a call of {num_tokens} tokens does not fit a cache of {num_slots} slots')
+  row = (jnp.arange(num_slots, dtype=jnp.int32)[None, :] - fill[:, None]) % num_slots  # [B, S]
+  written = row < num_tokens
+  source = jnp.minimum(row, num_tokens - 1)
+
+  def merge(old, new):
+    gathered = jnp.take_along_axis(new, source.reshape(source.shape + (1,) * (new.ndim - 2)),
+                                   axis=1)
+    mask = written.reshape(written.shape + (1,) * (old.ndim - 2))
+    return jnp.where(mask, gathered.astype(old.dtype), old)
+
+  return LayerKV(k=merge(layer.k, k), v=merge(layer.v, v),
+                 positions=merge(layer.positions, positions.astype(jnp.int32)))

@@ -54,7 +54,7 @@ class PinnedConfig:
   logits_rows: int = 1  # rows per logits call (pinned)
   cache_len: int = 4096  # KV slots on global layers: the most tokens a context holds
   attention: str = 'xla'  # 'xla' (gemma_jax.attention.attend) or 'pallas' (gemma_jax.kernels)
-  attention_tile: int = 128  # KV tile of the Pallas kernel
+  attention_tile: int | None = None  # KV tile of the Pallas kernel (None: the backend's)
   matmul_precision: str = 'highest'  # jax.default_matmul_precision inside every call
   xla_flags: str = ''  # must equal $XLA_FLAGS when the engine is built
 
@@ -94,11 +94,16 @@ class Engine:
     self.config = loaded.config
     self.pinned = pinned
     self._pinned_shapes = pinned.engine == 'pinned'
+    self._attention_fn = self._make_attention()
     if self._pinned_shapes:
+      # Local layers: a ring just big enough for one block (rounded up to whole Pallas tiles,
+      # so the kernel never pads the cache).
       self._local_slots = kvs.local_slots_needed(self.config, pinned.block_size)
+      tile = self._kernel_tile()
+      if tile:
+        self._local_slots = -(-self._local_slots // tile) * tile
     else:
       self._local_slots = None  # one-shot calls of any length need the full cache
-    self._attention_fn = self._make_attention()
 
     def step(params, tokens, positions, kv):
       with jax.default_matmul_precision(pinned.matmul_precision):
@@ -117,13 +122,26 @@ class Engine:
     from gemma_jax import kernels  # the Pallas kernels load only when asked for
     return kernels.make_pallas_attention(tile_size=self.pinned.attention_tile)
 
+  def _kernel_blocks(self) -> dict:
+    """The Pallas kernel's resolved block shapes per head dim (they change bits too)."""
+    if self.pinned.attention != 'pallas':
+      return {}
+    head_dims = sorted({self.config.layer_spec(i).head_dim for i in range(self.config.num_layers)})
+    return {str(h): dataclasses.asdict(self._attention_fn.block_config(h, self.dtype))
+            for h in head_dims}
+
+  def _kernel_tile(self) -> int | None:
+    blocks = self._kernel_blocks()
+    return max((b['tile_size'] for b in blocks.values()), default=None)
+
   @functools.cached_property
   def model_fingerprint(self) -> dict:
     return fingerprint.model_fingerprint(self.loaded)
 
   @functools.cached_property
   def fingerprint(self) -> dict:
-    return fingerprint.engine_fingerprint(self.pinned, self.loaded.dtype)
+    return fingerprint.engine_fingerprint(self.pinned, self.loaded.dtype,
+                                          kernel_blocks=self._kernel_blocks())
 
   @property
   def dtype(self):

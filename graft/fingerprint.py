@@ -90,6 +90,8 @@ def environment() -> dict:
   }
 
 
-def engine_fingerprint(pinned, dtype: str) -> dict:
+def engine_fingerprint(pinned, dtype: str, kernel_blocks: dict | None = None) -> dict:
   parts = {'pinned': pinned, 'dtype': dtype, 'environment': environment()}
+  if kernel_blocks:
+    parts['kernel_blocks'] = kernel_blocks
   return {'sha256': digest(parts), **json.loads(canonical_json(parts))}
