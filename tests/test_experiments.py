@@ -1,0 +1,94 @@
+"""The command-line tools, run as a researcher runs them (python -m experiments.<name>)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = ['--model=tiny_gemma3', '--weights=random:0']
+
+
+def run(module, *args, check=True):
+  out = subprocess.run([sys.executable, '-m', f'experiments.{module}', *args], cwd=REPO,
+                       env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True,
+                       text=True, timeout=900)
+  if check:
+    assert out.returncode == 0, out.stderr[-3000:]
+  return out
+
+
+def test_generate_prints_prompt_and_continuation_and_samples_reproducibly():
+  greedy = run('generate', *TINY, '--prompt=hello there', '--max_new_tokens=8').stdout
+  assert greedy.startswith('hello there') and len(greedy.strip()) > len('hello there')
+  sampled = [run('generate', *TINY, '--prompt=hello', '--max_new_tokens=12', '--temperature=1.0',
+                 f'--seed={seed}').stdout for seed in (1, 1, 2)]
+  assert sampled[0] == sampled[1] != sampled[2]
+
+
+def test_generate_refuses_an_empty_prompt_and_an_unknown_model():
+  empty = run('generate', *TINY, '--prompt=', check=False)
+  assert empty.returncode != 0 and 'empty' in empty.stderr
+  unknown = run('generate', '--model=gemma9_1t', check=False)
+  assert unknown.returncode != 0 and "unknown model config 'gemma9_1t'" in unknown.stderr
+
+
+def test_logits_writes_ids_last_logits_and_argmax(tmp_path):
+  texts = tmp_path / 'in.jsonl'
+  texts.write_text('\n'.join(json.dumps({'text': t}) for t in ['abc def', 'zebra']) + '\n')
+  out = tmp_path / 'out.npz'
+  run('logits', *TINY, f'--input={texts}', f'--output={out}')
+  data = np.load(out)
+  assert sorted(data.files) == ['argmax_0', 'argmax_1', 'ids_0', 'ids_1', 'last_0', 'last_1']
+  for i in range(2):
+    assert data[f'ids_{i}'].dtype == np.int32 and data[f'ids_{i}'][0] == 2  # BOS
+    assert data[f'last_{i}'].dtype == np.float32 and data[f'last_{i}'].shape == (512,)
+    assert data[f'argmax_{i}'].shape == data[f'ids_{i}'].shape
+    assert data[f'argmax_{i}'][-1] == np.argmax(data[f'last_{i}'])
+
+
+def test_logits_refuses_bad_input_and_writes_nothing(tmp_path):
+  bad = tmp_path / 'bad.jsonl'
+  bad.write_text('{"txt": "no text field"}\n')
+  out = tmp_path / 'out.npz'
+  result = run('logits', *TINY, f'--input={bad}', f'--output={out}', check=False)
+  assert result.returncode != 0 and '"text"' in result.stderr
+  assert not out.exists()
+
+
+@pytest.mark.slow
+def test_graft_exactness_schema_and_replay_detects_a_changed_hash(tmp_path):
+  output, manifest = tmp_path / 'r.json', tmp_path / 'm.json'
+  run('graft_exactness', *TINY, '--samples=4', '--cache_len=2304', f'--output={output}',
+      f'--manifest={manifest}', '--continuation_tokens=4')
+  result = json.loads(output.read_text())
+  assert {'model', 'weights', 'dtype', 'engine', 'attention'} <= set(result['config'])
+  assert set(result['summary']) >= {'samples', 'equal', 'max_kl', 'argmax_agreement',
+                                    'continuations_equal'}
+  for row in result['samples']:
+    assert set(row) >= {'library_tokens', 'query_tokens', 'fresh_sha256', 'graft_sha256', 'equal',
+                        'kl', 'argmax_agreement', 'continuation_equal'}
+  assert result['summary'] == {'samples': 4, 'equal': 4, 'max_kl': 0.0, 'argmax_agreement': 1.0,
+                               'continuations_equal': 4}
+
+  assert 'reproduce' in run('replay', f'--manifest={manifest}').stdout
+  tampered = json.loads(manifest.read_text())
+  tampered['samples'][2]['graft_sha256'] = '0' * 64
+  manifest.write_text(json.dumps(tampered))
+  failed = run('replay', f'--manifest={manifest}', check=False)
+  assert failed.returncode == 1
+  assert 'sample 2: graft_sha256' in failed.stdout and 'sample 1' not in failed.stdout
+
+
+def test_graft_exactness_reads_pairs_from_jsonl(tmp_path):
+  pairs = tmp_path / 'pairs.jsonl'
+  pairs.write_text(json.dumps({'library': 'the quick brown fox', 'query': ' jumps'}) + '\n')
+  output = tmp_path / 'r.json'
+  run('graft_exactness', *TINY, f'--input={pairs}', f'--output={output}',
+      '--continuation_tokens=2', '--cache_len=256')
+  rows = json.loads(output.read_text())['samples']
+  assert len(rows) == 1 and rows[0]['equal'] and rows[0]['query_tokens'] > 0
