@@ -20,7 +20,7 @@ from flax import nnx
 from gemma_jax import kv_state as kvs
 from gemma_jax import rope
 from gemma_jax.config import LayerSpec, TransformerConfig
-from gemma_jax.layers import Einsum, RMSNorm
+from gemma_jax.layers import Dense, RMSNorm
 
 # A finite "minus infinity": exp(MASKED - max) is exactly 0 in float32, and a row with every slot
 # masked (a padding row) stays finite instead of turning into NaN.
@@ -63,9 +63,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
 class Attention(nnx.Module):
   """Projections, QK(V)-norms, RoPE, cache write, attention, output projection.
 
-  Weights (the official layout): q_einsum [N, D, H]; kv_einsum [2, K, D, H], or k_einsum
-  [K, D, H] when one projection feeds K and V; attn_vec_einsum [N, H, D]. A KV-shared layer owns
-  no K/V weights and reads the cache of its source layer.
+  Weights, stored [inputs..., outputs...]: q_proj [D, N, H]; kv_proj [D, 2, K, H], or k_proj
+  [D, K, H] when one projection feeds K and V; o_proj [N, H, D]. A KV-shared layer owns no K/V
+  weights and reads the cache of its source layer.
   """
 
   def __init__(self, config: TransformerConfig, spec: LayerSpec, *, owns_kv: bool, dtype,
@@ -74,39 +74,41 @@ class Attention(nnx.Module):
     self.config = config
     self.spec = spec
     self.owns_kv = owns_kv
-    self.q_einsum = Einsum('btd,ndh->btnh', (n, d, h), fan_in=d, dtype=dtype, rngs=rngs)
-    self.attn_vec_einsum = Einsum('btnh,nhd->btd', (n, h, d), fan_in=n * h, dtype=dtype, rngs=rngs)
+    self.q_proj = Dense((d,), (n, h), dtype=dtype, rngs=rngs)
+    self.o_proj = Dense((n, h), (d,), dtype=dtype, rngs=rngs)
     norm = dict(offset=config.norm_scale_offset, eps=config.rms_norm_eps, dtype=dtype, rngs=rngs)
     self.query_norm = RMSNorm(h, **norm) if config.use_qk_norm else None
     self.key_norm = RMSNorm(h, **norm) if config.use_qk_norm and owns_kv else None
     self.value_norm = (RMSNorm(h, with_scale=False, **norm)
                        if config.use_v_norm and owns_kv else None)
-    self.k_einsum = (Einsum('btd,kdh->btkh', (k, d, h), fan_in=d, dtype=dtype, rngs=rngs)
-                     if owns_kv and spec.k_eq_v else None)
-    self.kv_einsum = (Einsum('btd,ckdh->cbtkh', (2, k, d, h), fan_in=d, dtype=dtype, rngs=rngs)
-                      if owns_kv and not spec.k_eq_v else None)
+    self.k_proj = (Dense((d,), (k, h), dtype=dtype, rngs=rngs)
+                   if owns_kv and spec.k_eq_v else None)
+    self.kv_proj = (Dense((d,), (2, k, h), dtype=dtype, rngs=rngs)
+                    if owns_kv and not spec.k_eq_v else None)
 
   def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     return rope.apply_rope(x, positions, base=self.spec.rope_base, scale=self.spec.rope_scale,
                            rotary_fraction=self.spec.rotary_fraction, mode=self.config.rope_mode)
 
   def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The cache entries of new tokens: normed, rotated K and normed V, each [B, T, K, H]."""
-    if self.k_einsum is not None:
-      k = v = self.k_einsum(x)
+    """The cache entries of new tokens: normed K (rotated unless the config caches keys before
+    RoPE) and normed V, each [B, T, K, H]."""
+    if self.k_proj is not None:
+      k = v = self.k_proj(x)
     else:
-      k, v = self.kv_einsum(x)
+      kv = self.kv_proj(x)  # [B, T, 2, K, H]
+      k, v = kv[:, :, 0], kv[:, :, 1]
     if self.key_norm is not None:
       k = self.key_norm(k)
     if self.value_norm is not None:
       v = self.value_norm(v)
-    return self._rope(k, positions), v
+    return (k if self.config.kv_cache_pre_rope else self._rope(k, positions)), v
 
   def __call__(self, x: jax.Array, positions: jax.Array, cache: kvs.LayerKV, fill: jax.Array,
                attention_fn: AttendFn) -> tuple[jax.Array, kvs.LayerKV]:
     """x [B, T, D], positions [B, T] -> ([B, T, D], the layer cache after this call's write).
     For a KV-shared layer `cache` is the source layer's, already updated, and is returned as is."""
-    q = self.q_einsum(x)
+    q = self.q_proj(x)
     if self.query_norm is not None:
       q = self.query_norm(q)
     q = self._rope(q, positions)
@@ -115,7 +117,10 @@ class Attention(nnx.Module):
     if self.owns_kv:
       k, v = self.keys_values(x, positions)
       cache = kvs.write(cache, k, v, positions, fill)
-    encoded = attention_fn(q, cache.k, cache.v, positions, cache.positions,
+    keys = cache.k
+    if self.config.kv_cache_pre_rope:  # every slot rotated by its own position (empty: masked)
+      keys = self._rope(keys, cache.positions)
+    encoded = attention_fn(q, keys, cache.v, positions, cache.positions,
                            window=self.spec.window, softcap=self.config.attn_logits_softcap)
-    return self.attn_vec_einsum(encoded), cache
+    return self.o_proj(encoded), cache
 

@@ -81,6 +81,9 @@ class TransformerConfig:
   use_skip_scale: bool = False  # Gemma 4: learned scalar on each block's output
   rms_norm_eps: float = 1e-6
   rope_mode: str = 'float'  # 'float' (the model as trained), or the controls 'none', 'quarter_turn'
+  # Cache keys before RoPE and rotate them by their slot positions at every read (the
+  # position-shift experiments' 'pre_rope' method); False caches rotated keys, as Gemma does.
+  kv_cache_pre_rope: bool = False
 
   @property
   def norm_scale_offset(self) -> float:

@@ -1,4 +1,4 @@
-"""Small building blocks: RMSNorm, a weight-only einsum, the gated MLP.
+"""Small building blocks: RMSNorm, a weight-only dense projection, the gated MLP.
 
 Parameters are created by `init_param`, which draws from a seeded generator when the model is built
 with random weights (`nnx.Rngs`) and is never called when weights come from a checkpoint (the model
@@ -6,6 +6,8 @@ is then built abstractly with `nnx.eval_shape` and filled from the checkpoint's 
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,15 +45,26 @@ class RMSNorm(nnx.Module):
     return normed.astype(x.dtype)
 
 
-class Einsum(nnx.Module):
-  """A weight `w` applied with a fixed einsum equation (no bias)."""
+class Dense(nnx.Module):
+  """A weight `w` of shape in_shape + out_shape applied as one 2D matmul (no bias).
 
-  def __init__(self, equation: str, shape: tuple[int, ...], *, fan_in: int, dtype, rngs: nnx.Rngs):
-    self.equation = equation
-    self.w = init_param(rngs, shape, dtype, std=fan_in ** -0.5)
+  Every projection is stored [inputs..., outputs...] so that x [..., *in] @ w is a plain
+  [rows, prod(in)] x [prod(in), prod(out)] matmul: XLA:CPU runs the official einsum layouts
+  ([N, D, H], [2, F, D]) with a transposed copy of the weight on every call, which made a decode
+  step several times slower (measured: 68 ms vs 7 ms for 18 Q/O projection pairs).
+  """
+
+  def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, dtype,
+               rngs: nnx.Rngs):
+    self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
+    self.w = init_param(rngs, self.in_shape + self.out_shape, dtype,
+                        std=math.prod(self.in_shape) ** -0.5)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return jnp.einsum(self.equation, x, self.w[...])
+    batch = x.shape[:x.ndim - len(self.in_shape)]
+    w = self.w[...].reshape(math.prod(self.in_shape), math.prod(self.out_shape))
+    y = x.reshape(-1, w.shape[0]) @ w
+    return y.reshape(batch + self.out_shape)
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
@@ -60,14 +73,12 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 
 
 class FeedForward(nnx.Module):
-  """GeGLU MLP. gating_einsum w: [2, F, D] (index 0 is the gate branch); linear w: [F, D]."""
+  """GeGLU MLP. gate_up_proj w: [D, 2, F] (index 0 is the gate branch); down_proj w: [F, D]."""
 
   def __init__(self, embed_dim: int, hidden_dim: int, *, dtype, rngs: nnx.Rngs):
-    self.gating_einsum = Einsum('btd,cfd->cbtf', (2, hidden_dim, embed_dim), fan_in=embed_dim,
-                                dtype=dtype, rngs=rngs)
-    self.linear = Einsum('btf,fd->btd', (hidden_dim, embed_dim), fan_in=hidden_dim, dtype=dtype,
-                         rngs=rngs)
+    self.gate_up_proj = Dense((embed_dim,), (2, hidden_dim), dtype=dtype, rngs=rngs)
+    self.down_proj = Dense((hidden_dim,), (embed_dim,), dtype=dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    gate, up = self.gating_einsum(x)  # each [B, T, F]
-    return self.linear(gelu_tanh(gate) * up)
+    gate_up = self.gate_up_proj(x)  # [B, T, 2, F]
+    return self.down_proj(gelu_tanh(gate_up[..., 0, :]) * gate_up[..., 1, :])

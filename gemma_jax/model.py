@@ -24,9 +24,12 @@ from flax import nnx
 from gemma_jax import kv_state as kvs
 from gemma_jax.attention import AttendFn, Attention, attend
 from gemma_jax.config import TransformerConfig
-from gemma_jax.layers import Einsum, FeedForward, RMSNorm, gelu_tanh, init_param
+from gemma_jax.layers import Dense, FeedForward, RMSNorm, gelu_tanh, init_param
 
 Params = dict[str, Any]  # nested dict of arrays, keyed like the NNX state
+
+# Version of the parameter tree's names and layouts; caches of converted params key on it.
+PARAMS_LAYOUT = 2
 
 
 class Embedder(nnx.Module):
@@ -44,8 +47,7 @@ class Embedder(nnx.Module):
       num_layers = config.num_layers
       self.per_layer_embeddings = init_param(rngs, (config.vocab_size, num_layers, p), dtype,
                                              std=p ** -0.5)
-      self.per_layer_model_projection = Einsum('btd,dlp->btlp', (d, num_layers, p), fan_in=d,
-                                               dtype=dtype, rngs=rngs)
+      self.per_layer_model_projection = Dense((d,), (num_layers, p), dtype=dtype, rngs=rngs)
       self.per_layer_projection_norm = RMSNorm(p, offset=config.norm_scale_offset,
                                                eps=config.rms_norm_eps, dtype=dtype, rngs=rngs)
 
@@ -91,9 +93,9 @@ class Block(nnx.Module):
     self.post_ffw_norm = RMSNorm(d, **norm)
     p = config.per_layer_embed_dim  # Gemma 4 E-models: a gated per-layer input after the MLP
     self.per_layer_input_gate = (
-        Einsum('btd,dp->btp', (d, p), fan_in=d, dtype=dtype, rngs=rngs) if p else None)
+        Dense((d,), (p,), dtype=dtype, rngs=rngs) if p else None)
     self.per_layer_projection = (
-        Einsum('btp,pd->btd', (p, d), fan_in=p, dtype=dtype, rngs=rngs) if p else None)
+        Dense((p,), (d,), dtype=dtype, rngs=rngs) if p else None)
     self.post_per_layer_input_norm = RMSNorm(d, **norm) if p else None
     self.skip_scale = (init_param(rngs, (1,), dtype, std=0.1, mean=1.0)
                        if config.use_skip_scale else None)

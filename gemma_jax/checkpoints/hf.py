@@ -1,9 +1,10 @@
 """Conversion between gemma_jax parameters and Hugging Face tensor names and layouts.
 
-HF stores every projection as a [out, in] matrix; gemma_jax keeps the official einsum layouts
-(q_einsum [N, D, H], kv_einsum [2, K, D, H], attn_vec_einsum [N, H, D], gating_einsum [2, F, D],
-linear [F, D]). GGUF files use the HF layouts under llama.cpp names, so the GGUF loader goes
-through this module too.
+HF stores every projection as an [out, in] matrix; gemma_jax stores [in..., out...] (q_proj
+[D, N, H], kv_proj [D, 2, K, H], o_proj [N, H, D], gate_up_proj [D, 2, F], down_proj [F, D]).
+Two HF tensors can fill one gemma_jax weight: k_proj and v_proj are the halves of kv_proj, gate
+and up the halves of gate_up_proj (each a `part`: an index along an axis). GGUF files use the HF
+layouts under llama.cpp names, so the GGUF loader goes through this module too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Entry:
   path: tuple  # path in the gemma_jax params tree
   to_hf: Callable[[np.ndarray], np.ndarray]
   from_hf: Callable[[np.ndarray], np.ndarray]
+  part: tuple[int, int] | None = None  # (axis, index) when the HF tensor is a slice of the leaf
 
 
 def _same(x):
@@ -33,34 +35,34 @@ def _transpose(x):
   return x.T
 
 
-def _heads_to_hf(w):  # [N, D, H] -> [N * H, D]
-  return w.transpose(0, 2, 1).reshape(-1, w.shape[1])
+def _in_to_hf(w):  # [D, *out] -> [prod(out), D]
+  return w.reshape(w.shape[0], -1).T
 
 
-def _heads_from_hf(num_heads):  # [N * H, D] -> [N, D, H]
-  return lambda m: m.reshape(num_heads, -1, m.shape[1]).transpose(0, 2, 1)
+def _in_from_hf(*out):  # [prod(out), D] -> [D, *out]
+  return lambda m: m.T.reshape(m.shape[1], *out)
 
 
-def _out_to_hf(w):  # [N, H, D] -> [D, N * H]
-  return w.reshape(-1, w.shape[2]).T
+def _out_to_hf(w):  # [*in, D] -> [D, prod(in)]
+  return w.reshape(-1, w.shape[-1]).T
 
 
-def _out_from_hf(num_heads):  # [D, N * H] -> [N, H, D]
-  return lambda m: m.T.reshape(num_heads, -1, m.shape[0])
+def _out_from_hf(*in_shape):  # [D, prod(in)] -> [*in, D]
+  return lambda m: m.T.reshape(*in_shape, m.shape[0])
 
 
 def entries(config: TransformerConfig) -> list[Entry]:
   """Every parameter of `config`, with its HF name and layout conversions."""
   out = [Entry('model.embed_tokens.weight', ('embedder', 'input_embedding'), _same, _same),
          Entry('model.norm.weight', ('final_norm', 'scale'), _same, _same)]
-  p, num_layers, d = config.per_layer_embed_dim, config.num_layers, config.embed_dim
+  p, num_layers = config.per_layer_embed_dim, config.num_layers
   if p:
     out += [
         Entry('model.embed_tokens_per_layer.weight', ('embedder', 'per_layer_embeddings'),
               lambda w: w.reshape(w.shape[0], -1), lambda m: m.reshape(m.shape[0], num_layers, p)),
         Entry('model.per_layer_model_projection.weight',
-              ('embedder', 'per_layer_model_projection', 'w'),
-              lambda w: w.reshape(d, -1).T, lambda m: m.T.reshape(d, num_layers, p)),
+              ('embedder', 'per_layer_model_projection', 'w'), _in_to_hf,
+              _in_from_hf(num_layers, p)),
         Entry('model.per_layer_projection_norm.weight',
               ('embedder', 'per_layer_projection_norm', 'scale'), _same, _same),
     ]
@@ -68,39 +70,37 @@ def entries(config: TransformerConfig) -> list[Entry]:
   for i in range(num_layers):
     spec = config.layer_spec(i)
     owns_kv = spec.kv_source == i
-    k = spec.num_kv_heads
-    pre, at = f'model.layers.{i}.', ('layers', i, 'attn')
+    k, h = spec.num_kv_heads, spec.head_dim
+    pre, at, mlp = f'model.layers.{i}.', ('layers', i, 'attn'), ('layers', i, 'mlp')
 
     def norm(hf, *path):
       return Entry(pre + hf + '.weight', ('layers', i) + path + ('scale',), _same, _same)
 
     out += [
-        Entry(pre + 'self_attn.q_proj.weight', at + ('q_einsum', 'w'), _heads_to_hf,
-              _heads_from_hf(n)),
-        Entry(pre + 'self_attn.o_proj.weight', at + ('attn_vec_einsum', 'w'), _out_to_hf,
-              _out_from_hf(n)),
+        Entry(pre + 'self_attn.q_proj.weight', at + ('q_proj', 'w'), _in_to_hf, _in_from_hf(n, h)),
+        Entry(pre + 'self_attn.o_proj.weight', at + ('o_proj', 'w'), _out_to_hf,
+              _out_from_hf(n, h)),
         norm('input_layernorm', 'pre_attention_norm'),
         norm('post_attention_layernorm', 'post_attention_norm'),
         norm('pre_feedforward_layernorm', 'pre_ffw_norm'),
         norm('post_feedforward_layernorm', 'post_ffw_norm'),
-        Entry(pre + 'mlp.gate_proj.weight', ('layers', i, 'mlp', 'gating_einsum', 'w', 0), _same,
-              _same),
-        Entry(pre + 'mlp.up_proj.weight', ('layers', i, 'mlp', 'gating_einsum', 'w', 1), _same,
-              _same),
-        Entry(pre + 'mlp.down_proj.weight', ('layers', i, 'mlp', 'linear', 'w'), _transpose,
-              _transpose),
+        Entry(pre + 'mlp.gate_proj.weight', mlp + ('gate_up_proj', 'w'), _transpose, _transpose,
+              part=(1, 0)),
+        Entry(pre + 'mlp.up_proj.weight', mlp + ('gate_up_proj', 'w'), _transpose, _transpose,
+              part=(1, 1)),
+        Entry(pre + 'mlp.down_proj.weight', mlp + ('down_proj', 'w'), _transpose, _transpose),
     ]
     if config.use_qk_norm:
       out.append(norm('self_attn.q_norm', 'attn', 'query_norm'))
       if owns_kv:
         out.append(norm('self_attn.k_norm', 'attn', 'key_norm'))
     if owns_kv and spec.k_eq_v:
-      out.append(Entry(pre + 'self_attn.k_proj.weight', at + ('k_einsum', 'w'), _heads_to_hf,
-                       _heads_from_hf(k)))
+      out.append(Entry(pre + 'self_attn.k_proj.weight', at + ('k_proj', 'w'), _in_to_hf,
+                       _in_from_hf(k, h)))
     elif owns_kv:
       for c, name in enumerate(('k_proj', 'v_proj')):
-        out.append(Entry(pre + f'self_attn.{name}.weight', at + ('kv_einsum', 'w', c),
-                         _heads_to_hf, _heads_from_hf(k)))
+        out.append(Entry(pre + f'self_attn.{name}.weight', at + ('kv_proj', 'w'), _in_to_hf,
+                         _in_from_hf(k, h), part=(1, c)))
     if p:
       out += [
           Entry(pre + 'per_layer_input_gate.weight', ('layers', i, 'per_layer_input_gate', 'w'),
@@ -115,7 +115,7 @@ def entries(config: TransformerConfig) -> list[Entry]:
 
 
 def params_to_hf(params, config: TransformerConfig) -> dict[str, np.ndarray]:
-  return {e.hf_name: np.ascontiguousarray(e.to_hf(tree.get(params, e.path)))
+  return {e.hf_name: np.ascontiguousarray(e.to_hf(tree.get(params, e.path, e.part)))
           for e in entries(config)}
 
 
@@ -126,5 +126,6 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], config: TransformerConfig,
   if missing:
     raise ValueError(f'{source}: {len(missing)} tensors that {config.name} needs are missing, '
                      f'e.g. {missing[:3]}')
-  leaves = {e.path: np.asarray(e.from_hf(np.asarray(tensors[e.hf_name]))) for e in entries(config)}
+  leaves = {(e.path, e.part): np.asarray(e.from_hf(np.asarray(tensors[e.hf_name])))
+            for e in entries(config)}
   return tree.assemble(leaves, config, source=source, dtype=dtype)

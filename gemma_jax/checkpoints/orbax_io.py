@@ -11,9 +11,11 @@ leaves, e.g.
     transformer/layer_3                    {skip_scale [1]}  (Gemma 4)
     transformer/final_norm                 {scale [D]}
 
-gemma_jax's params use the same module and leaf names (`layers/3/attn/q_einsum/w`), so the mapping
-is a renaming: `layers/{i}` <-> `layer_{i}`, the module path is the key and the last name the
-leaf. Gemma 2/3 call the QK norms `_query_norm` and `_key_norm`; Gemma 4 drops the underscore.
+gemma_jax stores projections [inputs..., outputs...] under its own names (`layers/3/attn/q_proj/w`
+[D, N, H]; see gemma_jax/layers.py for why), so the mapping renames modules (`layers/{i}` <->
+`layer_{i}`, q_proj <-> q_einsum, kv_proj <-> kv_einsum, k_proj <-> k_einsum, o_proj <->
+attn_vec_einsum, gate_up_proj <-> gating_einsum, down_proj <-> linear) and permutes axes. Gemma 2/3
+call the QK norms `_query_norm` and `_key_norm`; Gemma 4 drops the underscore.
 On load, a fused `qkv_einsum` is split into `q_einsum` and `kv_einsum`, and a [2, D, F] gating
 weight is transposed, each only when the shapes say so. Arrays are restored as NumPy, whatever
 sharding they were saved with.
@@ -39,11 +41,23 @@ def _ocp():
   return ocp
 
 
-def _norm_renames(config: TransformerConfig) -> dict[str, str]:
-  """Internal module name -> official name where they differ."""
-  if config.family is Family.GEMMA4:
-    return {}
-  return {'query_norm': '_query_norm', 'key_norm': '_key_norm'}
+# Internal module -> (official module, axis permutation from internal to official layout).
+_MODULES = {
+    'q_proj': ('q_einsum', (1, 0, 2)),  # [D, N, H] -> [N, D, H]
+    'k_proj': ('k_einsum', (1, 0, 2)),  # [D, K, H] -> [K, D, H]
+    'kv_proj': ('kv_einsum', (1, 2, 0, 3)),  # [D, 2, K, H] -> [2, K, D, H]
+    'o_proj': ('attn_vec_einsum', None),  # [N, H, D] both
+    'gate_up_proj': ('gating_einsum', (1, 2, 0)),  # [D, 2, F] -> [2, F, D]
+    'down_proj': ('linear', None),  # [F, D] both
+}
+
+
+def _module_renames(config: TransformerConfig) -> dict[str, str]:
+  """Internal module name -> official name."""
+  renames = {name: official for name, (official, _) in _MODULES.items()}
+  if config.family is not Family.GEMMA4:
+    renames.update(query_norm='_query_norm', key_norm='_key_norm')
+  return renames
 
 
 def official_name(internal: str, config: TransformerConfig) -> tuple[str, str]:
@@ -51,9 +65,15 @@ def official_name(internal: str, config: TransformerConfig) -> tuple[str, str]:
   parts = internal.split('/')
   if parts[0] == 'layers':
     parts = [f'layer_{parts[1]}'] + parts[2:]
-  renames = _norm_renames(config)
+  renames = _module_renames(config)
   parts = [renames.get(p, p) for p in parts]
   return '/'.join([_ROOT] + parts[:-1]), parts[-1]
+
+
+def _permutation(internal: str) -> tuple[int, ...] | None:
+  """Axis permutation taking the internal layout of this leaf to the official one."""
+  module = internal.split('/')[-2] if '/' in internal else ''
+  return _MODULES.get(module, (None, None))[1]
 
 
 def to_official(params, config: TransformerConfig) -> dict[str, dict[str, np.ndarray]]:
@@ -61,7 +81,8 @@ def to_official(params, config: TransformerConfig) -> dict[str, dict[str, np.nda
   out: dict[str, dict[str, np.ndarray]] = {}
   for internal, leaf in tree.flatten(params).items():
     key, leaf_name = official_name(internal, config)
-    out.setdefault(key, {})[leaf_name] = np.asarray(leaf)
+    value, perm = np.asarray(leaf), _permutation(internal)
+    out.setdefault(key, {})[leaf_name] = value if perm is None else value.transpose(perm)
   return out
 
 
@@ -134,10 +155,16 @@ def from_official(modules: dict, config: TransformerConfig, *, source: str, dtyp
       raise ValueError(f'{source}: weight {name} (for {internal} of {config.name}) is missing')
     value = np.asarray(stored[name])
     used.add(name)
-    if internal.endswith('mlp/gating_einsum/w') and value.shape == (
-        struct.shape[0], struct.shape[2], struct.shape[1]) and value.shape != struct.shape:
-      value = value.transpose(0, 2, 1)  # Gemma 2 2B stores [2, D, F]
-    leaves[tuple(int(p) if p.isdigit() else p for p in internal.split('/'))] = value
+    perm = _permutation(internal)
+    if perm is not None:
+      official_shape = tuple(struct.shape[a] for a in perm)
+      if internal.endswith('mlp/gate_up_proj/w') and value.shape != official_shape and (
+          value.shape == (official_shape[0], official_shape[2], official_shape[1])):
+        value = value.transpose(0, 2, 1)  # Gemma 2 2B stores [2, D, F]
+      if value.ndim == len(perm):
+        value = value.transpose(np.argsort(perm))
+    path = tuple(int(p) if p.isdigit() else p for p in internal.split('/'))
+    leaves[(path, None)] = value
   surplus = sorted(n for n in set(stored) - used if _is_layer_weight(n)
                    and not _unused_kv_weight(n, config))
   if surplus:

@@ -32,28 +32,37 @@ def unflatten(flat: Mapping[str, np.ndarray]) -> dict:
   return out
 
 
-def get(params, path: tuple):
-  """The leaf at `path`; trailing integers past a leaf index into the array."""
+def get(params, path: tuple, part: tuple[int, int] | None = None) -> np.ndarray:
+  """The leaf at `path`, or its slice `index` along `axis` when part = (axis, index)."""
   node = params
-  for part in path:
-    node = node[part]
-  return np.asarray(node)
+  for key in path:
+    node = node[key]
+  leaf = np.asarray(node)
+  return leaf if part is None else np.take(leaf, part[1], axis=part[0])
 
 
 def assemble(leaves: Mapping[tuple, np.ndarray], config, *, source: str, dtype) -> dict:
-  """Builds the params tree of `config` from leaves keyed by path. A leaf may also be given as
-  slices `path + (c,)` along its first axis (e.g. the gate and up halves of gating_einsum).
-  Missing leaves and wrong shapes raise ValueError naming them."""
-  expected = flatten(model.abstract_params(config))
+  """Builds the params tree of `config` from leaves keyed by (path, part): part None for a whole
+  leaf, (axis, index) for slices that are stacked along `axis` (e.g. the gate and up halves of
+  gate_up_proj). Missing leaves and wrong shapes raise ValueError naming them."""
+  pieces: dict[tuple, dict] = {}
+  for (path, part), value in leaves.items():
+    pieces.setdefault(path, {})[part] = np.asarray(value)
   flat = {}
-  for name, struct in expected.items():
+  for name, struct in flatten(model.abstract_params(config)).items():
     path = tuple(int(p) if p.isdigit() else p for p in name.split('/'))
-    if path in leaves:
-      value = np.asarray(leaves[path])
-    elif path + (0,) in leaves:
-      value = np.stack([np.asarray(leaves[path + (c,)]) for c in range(struct.shape[0])])
-    else:
+    parts = pieces.get(path)
+    if not parts:
       raise ValueError(f'{source}: no weights for {name} of {config.name}')
+    if None in parts:
+      value = parts[None]
+    else:
+      axis = next(iter(parts))[0]
+      missing = [c for c in range(struct.shape[axis]) if (axis, c) not in parts]
+      if missing:
+        raise ValueError(f'{source}: {name} of {config.name} lacks parts {missing} along axis '
+                         f'{axis}')
+      value = np.stack([parts[(axis, c)] for c in range(struct.shape[axis])], axis=axis)
     if value.shape != struct.shape:
       raise ValueError(f'{source}: {name} has shape {value.shape}, but {config.name} expects '
                        f'{struct.shape}')
