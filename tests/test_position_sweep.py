@@ -1,0 +1,184 @@
+"""Shifted grafts (graft/shift.py, experiments/position_sweep.py) on tiny_gemma3, random weights.
+
+The claims: an own-position graft (δ = 0) is byte-exact for both graft methods; the NoPE control
+is exact at every δ and the quarter-turn control at every even δ, for every method; float RoPE
+is not exact at some δ != 0 (found by searching, not hard-coded). Exactness is SHA-256 equality
+of raw bytes, never a tolerance.
+
+Why quarter_turn is exact only at even δ: its rotations compose exactly (layer 0's keys are
+bit-equal after a re-rotation by any δ), but an odd shift turns the pairs with multiplier 1 or 3
+by a quarter, which moves the products q_i k_i and q_{i+H/2} k_{i+H/2} to each other's dimension
+in the QK dot product: the same terms summed in another order, so other rounding from layer 1
+on. An even shift is a half turn or none (both signs flip, products unchanged in place).
+"""
+
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from analysis import metrics
+from experiments import position_sweep as ps
+from gemma_jax import rope, weights
+from graft import shift
+from graft.engine import Engine, PinnedConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LIBRARY, QUERY, BLOCK = 24, 6, 8  # the library crosses tiny_gemma3's 8-token window three times
+
+
+@functools.lru_cache(maxsize=None)
+def engines(rope_mode='float'):
+  loaded = shift.with_config(weights.load('tiny_gemma3', 'random:0', 'float32'),
+                             rope_mode=rope_mode)
+  pinned = PinnedConfig(block_size=BLOCK, cache_len=ps.auto_cache_len(LIBRARY, QUERY, BLOCK))
+  return ps.build_engines(loaded, pinned, shift.METHODS)
+
+
+def tokens(n, seed=0):
+  return [int(t) for t in np.random.default_rng(seed).integers(3, 512, n)]
+
+
+@functools.lru_cache(maxsize=None)
+def sweep_run(rope_mode='float'):
+  return ps.Run(engines=engines(rope_mode), library=tokens(LIBRARY), query=tokens(QUERY, 1))
+
+
+def row(rope_mode, method, offset):
+  base = 0 if offset >= 0 else 16
+  return ps.measure(sweep_run(rope_mode), method, offset, base)
+
+
+@pytest.mark.parametrize('method', shift.GRAFT_METHODS)
+def test_own_position_graft_is_byte_exact(method):
+  r = row('float', method, 0)
+  assert r['equal'] and r['reference_sha256'] == r['sha256'] and r['kv_equal']
+  assert r['max_ulp'] == 0 and r['kl'] == 0 and r['first_differing_layer'] is None
+
+
+@pytest.mark.parametrize('method', shift.METHODS)
+@pytest.mark.parametrize('offset', [1, 3, 13, 256, -1])
+def test_nope_control_is_exact_at_every_offset(method, offset):
+  r = row('none', method, offset)
+  assert r['equal'] and r['kv_equal'], (r['max_ulp'], r['first_differing_layer'])
+
+
+@pytest.mark.parametrize('method', shift.METHODS)
+@pytest.mark.parametrize('offset', [2, 4, 64, 1026, -2])
+def test_quarter_turn_control_is_exact_at_even_offsets(method, offset):
+  r = row('quarter_turn', method, offset)
+  assert r['equal'] and r['kv_equal'], (r['max_ulp'], r['first_differing_layer'])
+
+
+def test_quarter_turn_at_odd_offsets_composes_exactly_but_sums_in_another_order():
+  # Layer 0's re-rotated keys are bit-equal to fresh ones (R(δ)R(p) == R(p+δ) exactly); the
+  # bits part at layer 1, where layer 0's attention (the reordered QK sum) feeds in.
+  r = row('quarter_turn', 'rerotate', 1)
+  assert r['layers'][0]['k_equal'] and r['layers'][0]['v_equal']
+  assert not r['equal'] and r['first_differing_layer'] == 1
+  # The mechanism, bare: same q, k at the same position, shifted by one; the dot product's
+  # terms are the same numbers in other dimensions, and the float sum changes.
+  x = np.random.default_rng(0).standard_normal((2, 1, 64, 1, 256)).astype(np.float32)
+  def dots(p):
+    positions = jnp.full((1, 64), p, jnp.int32)
+    q, k = (rope.apply_rope(jnp.asarray(v), positions, base=1e4, mode='quarter_turn') for v in x)
+    products = np.asarray(q * k)[0, :, 0]  # [64, H]
+    return np.asarray(jnp.einsum('bth,bth->bt', q[:, :, 0], k[:, :, 0]))[0], products
+  (d0, p0), (d1, p1) = dots(0), dots(1)
+  np.testing.assert_array_equal(np.sort(p0, axis=-1), np.sort(p1, axis=-1))  # same terms
+  assert not np.array_equal(d0, d1)  # another order, other bits
+  assert np.array_equal(d0, dots(2)[0])  # a half turn keeps every term in place
+
+
+def test_float_rope_is_inexact_at_some_nonzero_offset():
+  inexact = {}
+  for offset in (1, 2, 3, 5, 7, 64, 1000):
+    for method in shift.METHODS:
+      r = row('float', method, offset)
+      if not r['equal']:
+        inexact.setdefault(method, []).append(offset)
+    if set(inexact) == set(shift.METHODS):
+      break
+  assert set(inexact) == set(shift.METHODS), inexact
+
+
+def test_float_rerotate_diverges_at_layer0_keys_and_pre_rope_after_layer0():
+  r = row('float', 'rerotate', 5)
+  assert not r['layers'][0]['k_equal'] and r['layers'][0]['v_equal']
+  p = row('float', 'pre_rope', 5)
+  assert p['layers'][0]['k_equal'] and p['layers'][0]['v_equal']
+  assert p['first_differing_layer'] == 1 and p['reference_equals_standard_fresh'] in (True, False)
+
+
+def test_negative_offsets_graft_a_library_computed_past_zero():
+  r = row('float', 'rerotate', -3)
+  assert r['base_position'] == 16 and r['start_position'] == 13
+  runs, skipped = ps.resolve_offsets(['-1', '-64', '-65', '0'], max_context=4096, library=10,
+                                     query=2, negative_base=64)
+  assert runs == [(-64, 64), (-1, 64), (0, 0)]
+  assert [s['offset'] for s in skipped] == [-65] and '< 0' in skipped[0]['reason']
+
+
+def test_offsets_past_the_context_are_skipped():
+  runs, skipped = ps.resolve_offsets(['max', 'max-1', 'max+1', '5000', '7'], max_context=4096,
+                                     library=10, query=2, negative_base=64)
+  assert runs == [(7, 0), (4083, 0), (4084, 0)]  # max = 4096 - 10 - 2: last position 4095
+  assert sorted(s['offset'] for s in skipped) == [4085, 5000]
+  assert all('max_context' in s['reason'] for s in skipped)
+
+
+def test_shifts_refuse_the_wrong_engine_and_out_of_range_positions():
+  std, pre = engines()['standard'], engines()['pre_rope']
+  seq, _ = std.prefill(tokens(LIBRARY), logits='none')
+  with pytest.raises(shift.ShiftError, match='before RoPE'):
+    shift.shift(pre, seq, 1, 'rerotate')
+  with pytest.raises(shift.ShiftError, match='kv_cache_pre_rope'):
+    shift.shift(std, seq, 1, 'pre_rope')
+  with pytest.raises(shift.ShiftError, match='< 0'):
+    shift.shift(std, seq, -1, 'rerotate')
+  with pytest.raises(shift.ShiftError, match='context'):
+    shift.shift(std, seq, 4096 - LIBRARY + 1, 'rerotate')
+
+
+def test_entry_point_writes_the_documented_schema(tmp_path):
+  output = tmp_path / 'sweep.json'
+  result = subprocess.run(
+      [sys.executable, '-m', 'experiments.position_sweep', '--model=tiny_gemma3',
+       '--weights=random:0', '--library_tokens=12', '--query_tokens=3', '--block_size=4',
+       '--offsets=0,1,-1,max,max+1', '--rope=float', f'--output={output}'],
+      cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True,
+      timeout=900)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'skipping offset max+1' in result.stderr
+  data = json.loads(output.read_text())
+  config = data['config']
+  for key in ('model', 'weights', 'dtype', 'rope', 'methods', 'offsets', 'skipped',
+              'library_tokens', 'query_tokens', 'seed', 'block_size', 'cache_len', 'pinned',
+              'transformer_config', 'model_fingerprint', 'engine_fingerprint', 'command'):
+    assert key in config, key
+  assert config['offsets'] == [-1, 0, 1, 4096 - 15] and config['skipped'][0]['offset'] == 4082
+  assert config['transformer_config']['rope_mode'] == 'float'
+  rows = data['rows']
+  assert len(rows) == 4 * len(shift.METHODS)
+  for r in rows:
+    for key in ('model', 'weights', 'dtype', 'rope', 'method', 'offset', 'equal', 'max_abs',
+                'max_ulp', 'kl', 'argmax_agreement', 'top5_overlap', 'layers'):
+      assert key in r, key
+    assert len(r['layers']) == 7
+    for layer in r['layers']:
+      assert set(layer) >= {'layer', 'k_max_abs', 'v_max_abs', 'k_max_ulp', 'v_max_ulp',
+                            'k_equal', 'v_equal'}
+  own = [r for r in rows if r['offset'] == 0]
+  assert all(r['equal'] for r in own)
+  # The figures read it.
+  from analysis import figures
+  (tmp_path / 'results').mkdir()
+  (tmp_path / 'results' / 'position_sweep_tiny_gemma3_float32_float.json').write_text(
+      output.read_text())
+  assert len(figures.load_position_sweeps(tmp_path / 'results')) == len(rows)
