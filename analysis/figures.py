@@ -159,7 +159,8 @@ def _save(fig, path: pathlib.Path) -> pathlib.Path:
 
 def _symlog_offsets(ax) -> None:
   ax.set_xscale('symlog', linthresh=1)
-  ax.set_xlim(left=-0.3)  # offsets are >= 0: no negative half
+  if not ax.dataLim.x0 < 0:  # no negative offsets drawn: no negative half
+    ax.set_xlim(left=-0.3)
   ax.set_xlabel('offset δ (positions; symlog)')
 
 
