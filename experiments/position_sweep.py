@@ -51,6 +51,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import os
+import subprocess
 import sys
 import time
 
@@ -186,13 +188,17 @@ class Run:
   _fresh: dict = dataclasses.field(default_factory=dict)
   _libraries: dict = dataclasses.field(default_factory=dict)
 
-  def fresh(self, name: str, start: int):
-    """(context, query logits [Q, V]) of library + query computed from scratch at `start`."""
+  def fresh(self, name: str, start: int, *, again: bool = False):
+    """(context, query logits [Q, V]) of library + query computed from scratch at `start`;
+    `again` computes it once more instead of returning the memoized result."""
     key = (name, start)
-    if key not in self._fresh:
+    if key not in self._fresh or again:
       engine = self.engines[name]
-      self._fresh[key] = engine.extend(engine.empty(start), self.library + self.query,
-                                       logits=len(self.query))
+      result = engine.extend(engine.empty(start), self.library + self.query,
+                             logits=len(self.query))
+      if again:
+        return result
+      self._fresh[key] = result
     return self._fresh[key]
 
   def library_artifact(self, name: str, base: int):
@@ -249,12 +255,15 @@ def measure(run: Run, method: str, offset: int, base: int) -> dict:
     return _row(method, offset, base, reference_logits, logits, layers,
                 time.perf_counter() - t0, **extra)
   if method == 'recompute':
+    # At δ = 0 the two sides are separate computations (a run-to-run determinism check), not
+    # one result compared with itself.
     _, reference_logits = run.fresh('standard', base)
-    _, logits = run.fresh('standard', start)
+    _, logits = run.fresh('standard', start, again=offset == 0)
     # Layers: the pre-RoPE engine's caches (keys before RoPE, V), the position-free part.
     pre = run.engines['pre_rope']
     layers = shift.layer_divergence(
-        pre.config, run.fresh('pre_rope', start)[0], run.fresh('pre_rope', base)[0],
+        pre.config, run.fresh('pre_rope', start, again=offset == 0)[0],
+        run.fresh('pre_rope', base)[0],
         slot_positions=(base, base + library_span), keys='cache', position_offset=offset)
     return _row(method, offset, base, reference_logits, logits, layers,
                 time.perf_counter() - t0, layers_engine='pre_rope (keys before RoPE)')
@@ -286,6 +295,21 @@ def sweep(engines: dict[str, Engine], library, query, offsets: list[tuple[int, i
 # ----------------------------------------------------------------------------------------------
 
 
+def source_state() -> dict:
+  """The commit the code ran from and the files that differed from it (results are only as
+  reproducible as the code that made them)."""
+  def git(*args):
+    try:
+      return subprocess.run(['git', *args], capture_output=True, text=True, timeout=30,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+                            ).stdout
+    except (OSError, subprocess.SubprocessError):
+      return None
+  status = git('status', '--porcelain', '--untracked-files=no') or ''
+  return {'git_commit': (git('rev-parse', 'HEAD') or '').strip() or None,
+          'git_modified_files': sorted(line[3:] for line in status.splitlines() if line)}
+
+
 def build_engines(loaded: weights.LoadedModel, pinned: PinnedConfig,
                   methods) -> dict[str, Engine]:
   engines = {'standard': Engine(loaded, pinned)}
@@ -297,6 +321,7 @@ def build_engines(loaded: weights.LoadedModel, pinned: PinnedConfig,
 def main(argv):
   del argv
   t_start = time.perf_counter()
+  source = source_state()
   methods = [m.strip() for m in FLAGS.methods]
   unknown = sorted(set(methods) - set(shift.METHODS))
   if unknown or not methods:
@@ -346,6 +371,7 @@ def main(argv):
                                      if 'pre_rope' in engines else None),
       'engine_fingerprint': standard.fingerprint,
       'command': ' '.join(['python -m experiments.position_sweep'] + sys.argv[1:]),
+      **source,
       'wall_seconds': round(time.perf_counter() - t_start, 1),
   }
   common.write_json(output, {'config': run_config, 'rows': rows})
