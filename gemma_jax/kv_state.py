@@ -74,22 +74,39 @@ def write(layer: LayerKV, k: jax.Array, v: jax.Array, positions: jax.Array,
   Rows whose position is EMPTY (padding) are written too, but stay masked: they occupy slots past
   the fill, which the next call overwrites.
 
-  Written as one elementwise select over the buffer (slot s takes new row (s - fill) mod S when
-  that row exists) rather than a scatter: XLA:CPU lowers the scatter with a transposed copy of
-  the whole cache before and after, three passes instead of one.
+  When the T slots are contiguous (no wrap around the ring) the write is a dynamic_update_slice,
+  which XLA performs in place when the caller donates the cache; a wrapping write is one
+  elementwise select over the buffer. (XLA:CPU lowers a scatter here with a transposed copy of
+  the whole cache before and after, three passes instead of one.)
   """
   num_tokens, num_slots = k.shape[1], layer.num_slots
   if num_tokens > num_slots:
     raise ValueError(f'a call of {num_tokens} tokens does not fit a cache of {num_slots} slots')
+  new = LayerKV(k=k.astype(layer.k.dtype), v=v.astype(layer.v.dtype),
+                positions=positions.astype(jnp.int32))
+  if k.shape[0] != 1:  # batched rows may each wrap differently: always select
+    return _write_select(layer, new, fill)
+  start = fill[0] % num_slots
+  return jax.lax.cond(start + num_tokens <= num_slots,
+                      lambda: _write_slice(layer, new, start),
+                      lambda: _write_select(layer, new, fill))
+
+
+def _write_slice(layer: LayerKV, new: LayerKV, start: jax.Array) -> LayerKV:
+  return jax.tree.map(
+      lambda old, rows: jax.lax.dynamic_update_slice_in_dim(old, rows, start, axis=1), layer, new)
+
+
+def _write_select(layer: LayerKV, new: LayerKV, fill: jax.Array) -> LayerKV:
+  """Slot s takes new row (s - fill) mod S when that row exists."""
+  num_tokens, num_slots = new.k.shape[1], layer.num_slots
   row = (jnp.arange(num_slots, dtype=jnp.int32)[None, :] - fill[:, None]) % num_slots  # [B, S]
   written = row < num_tokens
   source = jnp.minimum(row, num_tokens - 1)
 
-  def merge(old, new):
-    gathered = jnp.take_along_axis(new, source.reshape(source.shape + (1,) * (new.ndim - 2)),
-                                   axis=1)
-    mask = written.reshape(written.shape + (1,) * (old.ndim - 2))
-    return jnp.where(mask, gathered.astype(old.dtype), old)
+  def merge(old, rows):
+    extra = (1,) * (rows.ndim - 2)
+    gathered = jnp.take_along_axis(rows, source.reshape(source.shape + extra), axis=1)
+    return jnp.where(written.reshape(written.shape + extra), gathered, old)
 
-  return LayerKV(k=merge(layer.k, k), v=merge(layer.v, v),
-                 positions=merge(layer.positions, positions.astype(jnp.int32)))
+  return jax.tree.map(merge, layer, new)

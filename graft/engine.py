@@ -109,11 +109,14 @@ class Engine:
       with jax.default_matmul_precision(pinned.matmul_precision):
         return model.forward(params, self.config, tokens, positions, kv, self._attention_fn)
 
-    def head(params, hidden):
+    def head(params, hidden, rows):
+      # hidden [1, T, D], rows [R] -> logits [1, R, V] of those rows (gathered inside the jit).
       with jax.default_matmul_precision(pinned.matmul_precision):
-        return model.compute_logits(params, self.config, hidden)
+        return model.compute_logits(params, self.config, jnp.take(hidden, rows, axis=1))
 
-    self._step = jax.jit(step)
+    # The KV state is donated: XLA updates the cache in place. Callers' contexts stay valid
+    # because a context that may be used again is copied first (see extend's `consume`).
+    self._step = jax.jit(step, donate_argnums=(3,))
     self._head = jax.jit(head)
 
   def _make_attention(self):
@@ -180,23 +183,24 @@ class Engine:
     positions[0, :len(tokens)] = first_position + np.arange(len(tokens))
     return self._step(self.loaded.params, ids, positions, kv)
 
-  def _logits(self, hidden_rows: list[jax.Array]) -> np.ndarray:
-    """float32 [len(hidden_rows), V] for hidden rows [D] each."""
+  def _logits(self, hidden: jax.Array, rows: list[int]) -> list[np.ndarray]:
+    """float32 logits [V] of the given rows of one call's hidden states [1, T, D]."""
     if not self._pinned_shapes:
-      return np.asarray(self._head(self.loaded.params, jnp.stack(hidden_rows)[None])[0])
-    r = self.pinned.logits_rows
-    out = []
-    for i in range(0, len(hidden_rows), r):
-      chunk = hidden_rows[i:i + r]
-      block = jnp.zeros((r, chunk[0].shape[-1]), chunk[0].dtype).at[:len(chunk)].set(
-          jnp.stack(chunk))
-      out.append(np.asarray(self._head(self.loaded.params, block[None])[0, :len(chunk)]))
-    return np.concatenate(out)
+      return list(np.asarray(self._head(self.loaded.params, hidden, np.asarray(rows, np.int32))[0]))
+    r, out = self.pinned.logits_rows, []
+    for i in range(0, len(rows), r):
+      chunk = rows[i:i + r]
+      padded = np.zeros(r, np.int32)  # every logits call has exactly r rows
+      padded[:len(chunk)] = chunk
+      out.extend(np.asarray(self._head(self.loaded.params, hidden, padded)[0, :len(chunk)]))
+    return out
 
-  def extend(self, seq: Sequence, tokens: Seq[int], *,
-             logits: str | int = 'none') -> tuple[Sequence, np.ndarray | None]:
+  def extend(self, seq: Sequence, tokens: Seq[int], *, logits: str | int = 'none',
+             consume: bool = False) -> tuple[Sequence, np.ndarray | None]:
     """Appends tokens to the context and returns float32 logits for the last rows asked for:
-    `logits` is 'none', 'last' ([1, V]), 'all' ([n, V]) or a count k of trailing rows ([k, V])."""
+    `logits` is 'none', 'last' ([1, V]), 'all' ([n, V]) or a count k of trailing rows ([k, V]).
+    `consume=True` promises that `seq` will not be used again, so its KV buffers are updated in
+    place instead of copied."""
     tokens = self._check_tokens(seq, tokens)
     wanted = {'none': 0, 'last': 1, 'all': len(tokens)}.get(logits, logits)
     if not isinstance(wanted, int) or not 0 <= wanted <= len(tokens):
@@ -204,12 +208,15 @@ class Engine:
                        f'[0, {len(tokens)}], not {logits!r}')
     first_wanted = len(tokens) - wanted
     rows = self.pinned.block_size if self._pinned_shapes else _next_power_of_two(len(tokens))
-    kv, hidden_rows = seq.kv, []
+    kv = seq.kv if consume else jax.tree.map(jnp.copy, seq.kv)
+    logit_rows = []
     for start in range(0, len(tokens), rows):
       chunk = tokens[start:start + rows]
       hidden, kv = self._call(kv, chunk, seq.next_position + start, rows)
-      hidden_rows.extend(hidden[0, i] for i in range(max(0, first_wanted - start), len(chunk)))
-    result = self._logits(hidden_rows) if wanted else None
+      wanted_rows = list(range(max(0, first_wanted - start), len(chunk)))
+      if wanted_rows:
+        logit_rows.extend(self._logits(hidden, wanted_rows))
+    result = np.stack(logit_rows) if wanted else None
     new = Sequence(kv=kv, tokens=seq.tokens + tuple(tokens),
                    next_position=seq.next_position + len(tokens),
                    last_logits=None if result is None else result[-1])
@@ -226,8 +233,8 @@ class Engine:
     rng = np.random.default_rng(seed)
     new_tokens = []
     while len(new_tokens) < max_new_tokens:
-      if new_tokens:
-        seq, _ = self.extend(seq, new_tokens[-1:], logits='last')
+      if new_tokens:  # after the first step the context is this loop's own: update in place
+        seq, _ = self.extend(seq, new_tokens[-1:], logits='last', consume=len(new_tokens) > 1)
       new_tokens.append(sample(seq.last_logits, temperature, rng))
       if stop_at_eos and new_tokens[-1] == EOS_ID:
         break
@@ -236,7 +243,7 @@ class Engine:
   def prefill(self, tokens: Seq[int], *, logits: str = 'last',
               start_position: int = 0) -> tuple[Sequence, np.ndarray | None]:
     """A fresh context holding `tokens`."""
-    return self.extend(self.empty(start_position), tokens, logits=logits)
+    return self.extend(self.empty(start_position), tokens, logits=logits, consume=True)
 
 
 def sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
