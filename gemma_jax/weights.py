@@ -71,7 +71,10 @@ def _tokenizer_for(config: TransformerConfig, directory: str | None) -> Tokenize
   if directory and os.path.isfile(os.path.join(directory, 'tokenizer.model')):
     return Tokenizer.from_file(os.path.join(directory, 'tokenizer.model'))
   if config.vocab_size == get_config(EMBEDDED_CONFIG).vocab_size:
-    return embedded_tokenizer()
+    try:
+      return embedded_tokenizer()
+    except ImportError:  # e.g. an accelerator host without the embedded model's package
+      pass
   return synthetic_tokenizer(config.vocab_size)
 
 
