@@ -223,6 +223,10 @@ def layer_divergence(config: TransformerConfig, seq: Sequence, reference: Sequen
         'slots': int(len(slots)),
         'k_equal': metrics.sha256_bytes(k) == metrics.sha256_bytes(k_ref),
         'v_equal': metrics.sha256_bytes(v) == metrics.sha256_bytes(v_ref),
+        # Equal as numbers (-0.0 == +0.0): True with k_equal False means the bytes differ only
+        # in the sign of zeros.
+        'k_values_equal': bool(np.array_equal(k.astype(np.float32), k_ref.astype(np.float32))),
+        'v_values_equal': bool(np.array_equal(v.astype(np.float32), v_ref.astype(np.float32))),
         'k_max_abs': metrics.max_abs(k, k_ref),
         'v_max_abs': metrics.max_abs(v, v_ref),
         'k_max_ulp': metrics.max_ulp(k, k_ref),

@@ -25,9 +25,10 @@ import pytest
 
 from analysis import metrics
 from experiments import position_sweep as ps
+from gemma_jax import kv_state as kvs
 from gemma_jax import rope, weights
 from graft import shift
-from graft.engine import Engine, PinnedConfig
+from graft.engine import PinnedConfig, Sequence
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY, QUERY, BLOCK = 24, 6, 8  # the library crosses tiny_gemma3's 8-token window three times
@@ -131,6 +132,25 @@ def test_offsets_past_the_context_are_skipped():
   assert runs == [(7, 0), (4083, 0), (4084, 0)]  # max = 4096 - 10 - 2: last position 4095
   assert sorted(s['offset'] for s in skipped) == [4085, 5000]
   assert all('max_context' in s['reason'] for s in skipped)
+
+
+def test_rerotate_by_zero_changes_at_most_the_sign_of_zeros():
+  # x cos 0 - y sin 0 = -0.0 - (-0.0) = +0.0: a key element that is -0.0 (the embedded 270M
+  # has whole key dimensions of zeros) can come back +0.0; every other element is unchanged.
+  std = engines()['standard']
+  seq, _ = std.prefill(tokens(LIBRARY), logits='none')
+  layer = seq.kv.layers[0]
+  k = layer.k.at[0, 0, 0, :2].set(-0.0).at[0, 0, 0, 8].set(-1.0)  # pair 0: (-0, -1)
+  seq = Sequence(kv=kvs.KVState(layers=(layer.replace(k=k),) + seq.kv.layers[1:],
+                                fill=seq.kv.fill),
+                 tokens=seq.tokens, next_position=seq.next_position)
+  moved = shift.rerotate(std.config, seq, 0)
+  before, after = np.asarray(seq.kv.layers[0].k), np.asarray(moved.kv.layers[0].k)
+  assert np.array_equal(before, after)  # as numbers
+  flipped = np.signbit(before) != np.signbit(after)
+  assert flipped[0, 0, 0, 0] and np.all(before[flipped] == 0)
+  for a, b in zip(seq.kv.layers[1:], moved.kv.layers[1:]):
+    assert np.array_equal(a.k, b.k) and metrics.sha256_bytes(a.v) == metrics.sha256_bytes(b.v)
 
 
 def test_shifts_refuse_the_wrong_engine_and_out_of_range_positions():
