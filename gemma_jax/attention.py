@@ -47,17 +47,21 @@ class AttendFn(Protocol):
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
            window: int | None, softcap: float | None) -> jax.Array:
   """Reference attention. q [B, T, N, H] (already scaled), k, v [B, S, K, H], q_pos [B, T],
-  k_pos [B, S] -> [B, T, N, H]. Logits and softmax in float32."""
+  k_pos [B, S] -> [B, T, N, H] in v's dtype.
+
+  Everything runs in float32 (bfloat16 inputs are widened exactly first): XLA:CPU's bfloat16
+  dot with a float32 result is an order of magnitude slower than widening, and float32 softmax
+  is what every Gemma reference does."""
   batch, num_tokens, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
   q = q.reshape(batch, num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
-  logits = jnp.einsum('btkgh,bskh->btkgs', q, k, preferred_element_type=jnp.float32)
+  logits = jnp.einsum('btkgh,bskh->btkgs', q.astype(jnp.float32), k.astype(jnp.float32))
   if softcap is not None:
     logits = jnp.tanh(logits / softcap) * softcap
   mask = attention_mask(q_pos, k_pos, window)[:, :, None, None, :]
   probs = jax.nn.softmax(jnp.where(mask, logits, MASKED), axis=-1)
-  out = jnp.einsum('btkgs,bskh->btkgh', probs.astype(v.dtype), v)
-  return out.reshape(batch, num_tokens, num_heads, head_dim)
+  out = jnp.einsum('btkgs,bskh->btkgh', probs, v.astype(jnp.float32))
+  return out.reshape(batch, num_tokens, num_heads, head_dim).astype(v.dtype)
 
 
 class Attention(nnx.Module):

@@ -68,9 +68,14 @@ class Embedder(nnx.Module):
     return x, (by_context + by_token) * jnp.asarray(2.0 ** -0.5, x.dtype)
 
   def decode(self, hidden: jax.Array) -> jax.Array:
-    """hidden [B, T, D] -> logits [B, T, V] in float32, soft-capped where the family does."""
-    logits = jnp.einsum('btd,vd->btv', hidden, self.input_embedding[...],
-                        preferred_element_type=jnp.float32)
+    """hidden [B, T, D] -> logits [B, T, V] in float32, soft-capped where the family does.
+
+    One 2D matmul on float32 operands (bfloat16 ones are widened exactly): on XLA:CPU a 3D
+    einsum, or a bfloat16 dot with a float32 result, is 25-40x slower here (measured 350 ms vs
+    9 ms for the 270M's head in bfloat16)."""
+    table = self.input_embedding[...].astype(jnp.float32)  # [V, D]
+    rows = hidden.reshape(-1, hidden.shape[-1]).astype(jnp.float32)
+    logits = (rows @ table.T).reshape(hidden.shape[:-1] + (table.shape[0],))
     cap = self.config.final_logit_softcap
     if cap is not None:
       logits = jnp.tanh(logits / cap) * cap
