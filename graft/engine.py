@@ -50,7 +50,7 @@ class PinnedConfig:
   """Everything about an engine that can change the bits of its results."""
 
   engine: str = 'pinned'  # 'pinned' or 'default'
-  block_size: int = 32  # B: token rows per transformer call (pinned)
+  block_size: int = 16  # B: token rows per transformer call (pinned); see the module docstring
   logits_rows: int = 1  # rows per logits call (pinned)
   cache_len: int = 4096  # KV slots on global layers: the most tokens a context holds
   attention: str = 'xla'  # 'xla' (gemma_jax.attention.attend) or 'pallas' (gemma_jax.kernels)
