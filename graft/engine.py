@@ -18,6 +18,18 @@ a pure function of the tokens up to it: prefill, graft continuation and decode a
 same two compiled functions, and an own-position graft is byte-exact for any split point and any
 chunking, before and far past the sliding window (tests/test_graft_exact.py, results/).
 
+The block size is a trade. A decode step is a whole block (one real row, B - 1 padding rows),
+so its matmuls cost B rows; a prefill gets XLA:CPU's better efficiency at larger M. Measured on
+the 270M in float32 (2 cores, tokens/s, pinned / default): B = 8: prefill 0.66x, decode 0.90x;
+B = 16: prefill ~1.0x, decode 0.65-0.77x; B = 32: prefill 1.3x, decode 0.5x. B = 16 is the
+default (results/bench_graft_*.json has the current numbers).
+
+Everything that decides bits is in PinnedConfig and the engine fingerprint (graft/fingerprint.py):
+block size, logits rows, cache length (attention reduces over the whole buffer), attention
+implementation and its kernel blocks, matmul precision, XLA flags, dtype, jax/jaxlib versions,
+backend, device kind and CPU vector extensions. The thread count is not: tests/test_threads.py
+shows the bits are the same on one core, two cores, and with Eigen single-threaded.
+
 The default engine is the plain fast path: one call per extend, padded only to the next power of
 two (so XLA sees whatever M the request has), logits for the requested rows in one call, local
 layers over the full cache. It is here to show what pinning buys.
