@@ -84,6 +84,7 @@ def environment() -> dict:
       'jaxlib': jaxlib.__version__,
       'backend': jax.default_backend(),
       'device_kind': device.device_kind,
+      'device_count': jax.device_count(),
       'machine': platform.machine(),
       'cpu_features': cpu_features() if jax.default_backend() == 'cpu' else [],
       'xla_flags': os.environ.get('XLA_FLAGS', ''),
