@@ -32,7 +32,8 @@ def _ordered_int(array: np.ndarray) -> np.ndarray:
     bits = array.view(np.int16).astype(np.int64)
     sign_bit = np.int64(1) << 15
   else:
-    raise TypeError(f'ULP distance is defined here for float32, float64, bfloat16; got {array.dtype}')
+    raise TypeError('ULP distance is defined here for float32, float64 and bfloat16, not '
+                    f'{array.dtype}')
   return np.where(bits < 0, -(bits + sign_bit), bits)
 
 

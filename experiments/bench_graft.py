@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import tempfile
-import time
 
 from absl import app, flags, logging
 
@@ -34,27 +32,20 @@ common.define_engine_flags(cache_len=2560)
 FLAGS = flags.FLAGS
 
 
-def median_seconds(fn, repeats: int) -> float:
-  fn()  # warm-up: compilation and caches
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def throughput(engine, prompt: list[int], decode_tokens: int, repeats: int) -> dict:
-  prefill = median_seconds(lambda: engine.prefill(prompt, logits='last'), repeats)
+  prefill = common.median_seconds(lambda: engine.prefill(prompt, logits='last'), repeats)
   seq, _ = engine.prefill(prompt, logits='last')
-  decode = median_seconds(lambda: engine.generate(seq, decode_tokens + 1, stop_at_eos=False),
-                          repeats)
+  decode = common.median_seconds(
+      lambda: engine.generate(seq, decode_tokens + 1, stop_at_eos=False), repeats)
   return {'prefill_seconds': prefill, 'prefill_tokens_per_s': len(prompt) / prefill,
           'decode_seconds': decode, 'decode_tokens_per_s': decode_tokens / decode}
 
 
 def time_to_first_token(engine, library: list[int], query: list[int], repeats: int) -> dict:
-  recompute = median_seconds(lambda: engine.prefill(library + query, logits='last'), repeats)
+  recompute = common.median_seconds(lambda: engine.prefill(library + query, logits='last'),
+                                    repeats)
   with tempfile.TemporaryDirectory() as scratch:
     path = os.path.join(scratch, 'library')
     seq, _ = engine.prefill(library, logits='none')
@@ -64,7 +55,7 @@ def time_to_first_token(engine, library: list[int], query: list[int], repeats: i
       restored = artifact.graft(engine, artifact.load(path, engine))
       return engine.extend(restored, query, logits='last')
 
-    grafted = median_seconds(graft_then_query, repeats)
+    grafted = common.median_seconds(graft_then_query, repeats)
   return {'recompute_seconds': recompute, 'graft_seconds': grafted,
           'speedup': recompute / grafted}
 
@@ -85,8 +76,8 @@ def main(argv):
     result[kind] = throughput(engine, prompt, FLAGS.decode_tokens, FLAGS.repeats)
     logging.info('%s: %s', kind, result[kind])
   result['pinned_vs_default'] = {
-      'prefill': result['pinned']['prefill_tokens_per_s'] / result['default']['prefill_tokens_per_s'],
-      'decode': result['pinned']['decode_tokens_per_s'] / result['default']['decode_tokens_per_s']}
+      what: result['pinned'][f'{what}_tokens_per_s'] / result['default'][f'{what}_tokens_per_s']
+      for what in ('prefill', 'decode')}
   pinned = common.make_engine(loaded, engine='pinned')
   result['time_to_first_token'] = time_to_first_token(pinned, library, query, FLAGS.repeats)
   result['environment'] = pinned.fingerprint['environment']

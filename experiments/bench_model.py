@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
-import time
 
 from absl import app, flags, logging
 
@@ -31,21 +29,13 @@ common.define_engine_flags(cache_len=2560)
 FLAGS = flags.FLAGS
 
 
-def median_seconds(fn, repeats: int) -> float:
-  fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def ours(engine, prompt: list[int], decode_tokens: int, repeats: int) -> dict:
-  prefill = median_seconds(lambda: engine.prefill(prompt, logits='last'), repeats)
+  prefill = common.median_seconds(lambda: engine.prefill(prompt, logits='last'), repeats)
   seq, _ = engine.prefill(prompt[:32], logits='last')
-  decode = median_seconds(lambda: engine.generate(seq, decode_tokens + 1, stop_at_eos=False),
-                          repeats)
+  decode = common.median_seconds(
+      lambda: engine.generate(seq, decode_tokens + 1, stop_at_eos=False), repeats)
   return {'prefill_tokens_per_s': len(prompt) / prefill,
           'decode_tokens_per_s': decode_tokens / decode}
 
@@ -72,11 +62,11 @@ def huggingface(gguf_path: str, prompt: list[int], decode_tokens: int, repeats: 
       out = model(token, past_key_values=out.past_key_values, use_cache=True)
       token = out.logits[:, -1:].argmax(-1)
 
-  last = median_seconds(lambda: prefill(1), repeats)
-  every = median_seconds(lambda: prefill(0), repeats)
+  last = common.median_seconds(lambda: prefill(1), repeats)
+  every = common.median_seconds(lambda: prefill(0), repeats)
   # Time the decode loop net of its 32-token prompt.
-  prompt_only = median_seconds(lambda: model(ids[:, :32], logits_to_keep=1), repeats)
-  loop = median_seconds(decode, repeats)
+  prompt_only = common.median_seconds(lambda: model(ids[:, :32], logits_to_keep=1), repeats)
+  loop = common.median_seconds(decode, repeats)
   return {'prefill_tokens_per_s': len(prompt) / last,
           'prefill_all_logits_tokens_per_s': len(prompt) / every,
           'decode_tokens_per_s': decode_tokens / max(loop - prompt_only, 1e-9),

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
+import time
 
 from absl import flags, logging
 
@@ -70,3 +72,37 @@ def write_json(path: str, value) -> None:
     os.unlink(staging)
     raise
   logging.info('wrote %s', path)
+
+
+def median_seconds(fn, repeats: int) -> float:
+  """Median wall time of `repeats` calls of fn, after one untimed warm-up (compilation)."""
+  fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
+  """Records of a JSONL file, each required to hold non-empty strings under `fields`; errors
+  name the file and line."""
+  records = []
+  with open(path) as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{path}:{number}: not valid JSON ({e})') from None
+      if not isinstance(record, dict) or not all(
+          isinstance(record.get(k), str) and record[k] for k in fields):
+        names = ', '.join(f'"{k}"' for k in fields)
+        raise ValueError(f'{path}:{number}: expected an object with non-empty string fields '
+                         f'{names}')
+      records.append(record)
+  if not records:
+    raise ValueError(f'{path} holds no records')
+  return records

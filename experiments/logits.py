@@ -9,7 +9,6 @@ vocabulary) and `argmax_{i}` (int32 argmax at every position).
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 
@@ -26,23 +25,7 @@ FLAGS = flags.FLAGS
 
 
 def read_texts(path: str) -> list[str]:
-  texts = []
-  with open(path) as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{path}:{number}: not valid JSON ({e})') from None
-      if not isinstance(record, dict) or not isinstance(record.get('text'), str):
-        raise ValueError(f'{path}:{number}: expected an object with a string "text" field')
-      if not record['text']:
-        raise ValueError(f'{path}:{number}: "text" is empty')
-      texts.append(record['text'])
-  if not texts:
-    raise ValueError(f'{path} holds no texts')
-  return texts
+  return [record['text'] for record in common.read_jsonl(path, ('text',))]
 
 
 def text_logits(engine, texts: list[str]) -> dict[str, np.ndarray]:

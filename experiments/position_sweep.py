@@ -26,24 +26,31 @@ offset whose positions would leave [0, max_context) is skipped with a logged war
 under config.skipped). Offsets may be written `max` or `max-N`: the largest δ whose last query
 token still sits inside the context (max_context - L - Q), minus N.
 
-The runs committed under results/ (file names position_sweep_<model>_<dtype>_<rope>.json):
+The runs committed under results/ (file names position_sweep_<model>_<dtype>_<rope>.json; each
+file's config.command repeats its command line, config.wall_seconds its time on a shared
+two-core CPU). bfloat16 runs slowly on CPU, so those and the larger models use fewer offsets:
 
   python -m experiments.position_sweep --dtype=float32 --rope=float
   python -m experiments.position_sweep --dtype=float32 --rope=none
   python -m experiments.position_sweep --dtype=float32 --rope=quarter_turn
-  python -m experiments.position_sweep --dtype=bfloat16 --rope=float
-  python -m experiments.position_sweep --dtype=bfloat16 --rope=none
-  python -m experiments.position_sweep --dtype=bfloat16 --rope=quarter_turn
+  python -m experiments.position_sweep --dtype=bfloat16 --rope=float \
+      --offsets=0,1,2,3,7,13,64,512,4096,16384,-1,max      (and --rope=none, --rope=quarter_turn)
+  python -m experiments.position_sweep --model=tiny_gemma4 --weights=random:0 --rope=float
+      (and --rope=none, --rope=quarter_turn)
   python -m experiments.position_sweep --model=gemma3_1b --weights=random:0 --rope=float \
       --offsets=0,1,2,3,7,13,64,1024,16384,-1,max
-  python -m experiments.position_sweep --model=tiny_gemma4 --weights=random:0 --rope=float \
-      --library_tokens=600 --query_tokens=32
   python -m experiments.position_sweep --model=gemma4_e2b --weights=random:0 --rope=float \
       --overrides=num_layers=10,num_kv_shared_layers=5,vocab_size=4096 \
       --model_label=gemma4_e2b_10L --offsets=0,1,2,3,7,13,64,1024,16384,-1,max
 
-(--output defaults to results/position_sweep_<label>_<dtype>_<rope>.json; results/README.md
-lists the exact commands and their wall times.)
+(--output defaults to results/position_sweep_<label>_<dtype>_<rope>.json.) Then
+`python -m analysis.figures --results=results --output=figures`.
+
+What to expect (see the results): float RoPE exact at δ = 0 only; NoPE exact everywhere; the
+quarter-turn control exact at even δ only. Its rotations compose exactly, but an odd δ turns the
+pairs with multiplier 1 or 3 by a quarter, which moves the products q_i k_i and
+q_{i+H/2} k_{i+H/2} of the QK dot product into each other's dimension: the same terms, summed
+in another order, so other bits from layer 1 on (tests/test_position_sweep.py shows it bare).
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ text source once drawn.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 
@@ -69,20 +68,7 @@ def draw(tokenizer, count: int, *, seed: int, window: int) -> list[Sample]:
 
 def read_jsonl(path: str, tokenizer) -> list[Sample]:
   """One {"library": text, "query": text} per line; the library gets BOS, the query does not."""
-  samples = []
-  with open(path) as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{path}:{number}: not valid JSON ({e})') from None
-      if not all(isinstance(record.get(k), str) and record[k] for k in ('library', 'query')):
-        raise ValueError(f'{path}:{number}: expected non-empty string fields "library" and '
-                         '"query"')
-      samples.append(Sample(library=tuple(tokenizer.encode(record['library'])),
-                            query=tuple(tokenizer.encode(record['query'], add_bos=False))))
-  if not samples:
-    raise ValueError(f'{path} holds no samples')
-  return samples
+  from experiments.common import read_jsonl as read_records
+  return [Sample(library=tuple(tokenizer.encode(r['library'])),
+                 query=tuple(tokenizer.encode(r['query'], add_bos=False)))
+          for r in read_records(path, ('library', 'query'))]

@@ -105,7 +105,8 @@ class TransformerConfig:
       kind = self.attention_types[i]
       candidates = [j for j in range(first_shared) if self.attention_types[j] is kind]
       if not candidates:
-        raise ValueError(f'{self.name}: layer {i} shares KV but no earlier {kind.value} layer exists')
+        raise ValueError(f'{self.name}: layer {i} shares KV but no earlier {kind.value} layer '
+                         'exists')
       sources.append(candidates[-1])
     return tuple(sources)
 
@@ -120,7 +121,8 @@ class TransformerConfig:
     shared = self.kv_sources[i] != i
     return LayerSpec(
         attention_type=kind,
-        num_kv_heads=(self.global_num_kv_heads or self.num_kv_heads) if is_global else self.num_kv_heads,
+        num_kv_heads=((self.global_num_kv_heads or self.num_kv_heads) if is_global
+                      else self.num_kv_heads),
         head_dim=(self.global_head_dim or self.head_dim) if is_global else self.head_dim,
         rope_base=self.global_rope_base if is_global else self.local_rope_base,
         rope_scale=self.global_rope_scale if is_global else 1.0,

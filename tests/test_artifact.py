@@ -1,4 +1,5 @@
-"""Artifacts: saved atomically, verified on restore, refused with the reason when anything is off."""
+"""Artifacts: saved atomically, verified on restore, refused with the reason when anything is
+off."""
 
 import json
 import os
