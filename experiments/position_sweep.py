@@ -35,13 +35,20 @@ two-core CPU). bfloat16 runs slowly on CPU, so those and the larger models use f
   python -m experiments.position_sweep --dtype=float32 --rope=quarter_turn
   python -m experiments.position_sweep --dtype=bfloat16 --rope=float \
       --offsets=0,1,2,3,7,13,64,512,4096,16384,-1,max      (and --rope=none, --rope=quarter_turn)
-  python -m experiments.position_sweep --model=tiny_gemma4 --weights=random:0 --rope=float
-      (and --rope=none, --rope=quarter_turn)
+  python -m experiments.position_sweep --model=tiny_gemma4 --weights=random:0 --rope=float \
+      --library_tokens=608 --block_size=16      (and --rope=none, --rope=quarter_turn)
   python -m experiments.position_sweep --model=gemma3_1b --weights=random:0 --rope=float \
       --offsets=0,1,2,3,7,13,64,1024,16384,-1,max
   python -m experiments.position_sweep --model=gemma4_e2b --weights=random:0 --rope=float \
       --overrides=num_layers=10,num_kv_shared_layers=5,vocab_size=4096 \
-      --model_label=gemma4_e2b_10L --offsets=0,1,2,3,7,13,64,1024,16384,-1,max
+      --model_label=gemma4_e2b_10L --offsets=0,1,2,3,7,13,64,1024,16384,-1,max \
+      --library_tokens=608 --block_size=16
+
+Gemma 4 runs use a library that is a whole number of blocks (608 = 38 x 16): with per-layer
+embeddings the pinned engine's rows are not independent of their index in a block at block
+sizes 16 and 32 (tiny_gemma4: a library of 600 continued by a query differs from the one-shot
+computation even without any shift), so a library ending mid-block would make every graft,
+own-position ones included, inexact for a reason that has nothing to do with positions.
 
 (--output defaults to results/position_sweep_<label>_<dtype>_<rope>.json.) Then
 `python -m analysis.figures --results=results --output=figures`.
@@ -51,6 +58,10 @@ quarter-turn control exact at even δ only. Its rotations compose exactly, but a
 pairs with multiplier 1 or 3 by a quarter, which moves the products q_i k_i and
 q_{i+H/2} k_{i+H/2} of the QK dot product into each other's dimension: the same terms, summed
 in another order, so other bits from layer 1 on (tests/test_position_sweep.py shows it bare).
+rerotate's K bytes can differ from fresh even where the logits are equal (δ = 0, and the
+controls): a rotation by 0 computes x cos 0 - y sin 0, which turns a key element -0.0 into +0.0
+when its partner is negative (the embedded 270M has whole key dimensions of zeros); each layer
+entry's k_values_equal (-0.0 == +0.0) tells these apart from real differences.
 """
 
 from __future__ import annotations
