@@ -33,14 +33,9 @@ def library_lengths(count: int, window: int, rng: np.random.Generator) -> list[i
   draws = []
   for _ in range(max(0, count - len(fixed))):
     kind = rng.integers(4)
-    if kind == 0:
-      draws.append(int(rng.integers(2, 64)))
-    elif kind == 1:
-      draws.append(int(rng.integers(64, window - 16)))
-    elif kind == 2:
-      draws.append(int(rng.integers(window - 16, window + 48)))
-    else:
-      draws.append(int(rng.integers(window + 48, 2100)))
+    low, high = [(2, 64), (64, max(65, window - 16)),
+                 (max(2, window - 16), window + 48), (window + 48, 2100)][kind]
+    draws.append(int(rng.integers(low, high)))
   return (fixed + draws)[:count]
 
 

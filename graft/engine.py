@@ -176,8 +176,9 @@ class Engine:
     for i, t in enumerate(tokens):
       if not 0 <= t < vocab:
         raise ValueError(f'token id {t} at index {i} is outside the vocabulary [0, {vocab})')
-    padded = (-(-len(tokens) // self.pinned.block_size) * self.pinned.block_size
-              if self._pinned_shapes else _next_power_of_two(len(tokens)))
+    padded = self._rows_per_call(seq, len(tokens))
+    if self._pinned_shapes:
+      padded *= -(-len(tokens) // padded)
     if len(seq.tokens) + padded > self.pinned.cache_len:
       raise ValueError(
           f'a context of {len(seq.tokens)} + {len(tokens)} tokens does not fit the cache of '
@@ -186,6 +187,14 @@ class Engine:
       raise ValueError(f'positions up to {seq.next_position + len(tokens) - 1} exceed '
                        f'{self.config.name}\'s context of {self.config.max_context}')
     return tokens
+
+  def _rows_per_call(self, seq: Sequence, num_tokens: int) -> int:
+    """Pinned: the block size. Default: the next power of two, but no more than the cache has
+    room for (a bucket past the cache's end would wrap onto earlier tokens)."""
+    if self._pinned_shapes:
+      return self.pinned.block_size
+    room = self.pinned.cache_len - len(seq.tokens)
+    return max(num_tokens, min(_next_power_of_two(num_tokens), room))
 
   def _call(self, kv, tokens: list[int], first_position: int, rows: int):
     """One transformer call of `rows` rows (the tokens, then padding)."""
@@ -219,7 +228,7 @@ class Engine:
       raise ValueError(f"logits must be 'none', 'last', 'all' or a row count in "
                        f'[0, {len(tokens)}], not {logits!r}')
     first_wanted = len(tokens) - wanted
-    rows = self.pinned.block_size if self._pinned_shapes else _next_power_of_two(len(tokens))
+    rows = self._rows_per_call(seq, len(tokens))
     kv = seq.kv if consume else jax.tree.map(jnp.copy, seq.kv)
     logit_rows = []
     for start in range(0, len(tokens), rows):
