@@ -14,10 +14,12 @@ For every offset δ and method (graft/shift.py):
 
 Each row compares the query's logits at every query position (SHA-256 equality, max abs, max
 ULP, max KL over positions, argmax agreement, top-5 overlap) and, per cache-owning layer, the
-K/V of the library's slots that remain after the query (k/v_max_abs, k/v_max_ulp, k/v_equal).
+grafted library's K/V (before the query) with the library computed alone at b + δ, over every
+slot holding a library token (k/v_max_abs, k/v_max_ulp, k/v_equal, k/v_values_equal).
 rerotate compares the cache as stored (rotated keys); pre_rope compares keys as attention sees
-them (rotated by slot position); recompute compares the pre-RoPE engine's caches (keys before
-RoPE, and V: the position-free part, since rotated keys differ by construction).
+them (rotated by slot position); recompute compares the pre-RoPE engine's libraries at b + δ
+and b (keys before RoPE, and V: the position-free part, since rotated keys differ by
+construction).
 
 Base position. Positions must stay >= 0, so offsets δ >= 0 use b = 0 (the library at [0, L), as
 a library is computed in practice) and negative offsets use b = --negative_base (default 64):
@@ -207,8 +209,8 @@ class Run:
   _libraries: dict = dataclasses.field(default_factory=dict)
 
   def fresh(self, name: str, start: int, *, again: bool = False):
-    """(context, query logits [Q, V]) of library + query computed from scratch at `start`;
-    `again` computes it once more instead of returning the memoized result."""
+    """(context, query logits [Q, V]) of library + query computed from scratch at `start`, in
+    one extend; `again` computes it once more instead of returning the memoized result."""
     key = (name, start)
     if key not in self._fresh or again:
       engine = self.engines[name]
@@ -219,18 +221,25 @@ class Run:
       self._fresh[key] = result
     return self._fresh[key]
 
-  def library_artifact(self, name: str, base: int):
-    """The library computed alone at `base`, as an in-memory artifact (its canonical leaves)."""
-    key = (name, base)
-    if key not in self._libraries:
+  def library_state(self, name: str, start: int, *, again: bool = False):
+    """The context holding the library alone, computed from scratch at `start`."""
+    key = (name, start)
+    if key not in self._libraries or again:
       engine = self.engines[name]
-      seq, _ = engine.prefill(self.library, logits='none', start_position=base)
-      self._libraries[key] = shift.in_memory_artifact(engine, seq)
+      seq, _ = engine.prefill(self.library, logits='none', start_position=start)
+      if again:
+        return seq
+      self._libraries[key] = seq
     return self._libraries[key]
 
+  def library_artifact(self, name: str, base: int):
+    """The library computed alone at `base`, as an in-memory artifact (its canonical leaves)."""
+    return shift.in_memory_artifact(self.engines[name], self.library_state(name, base))
+
   def forget(self, keep_starts) -> None:
-    """Drops memoized fresh computations at starts not in `keep_starts` (memory)."""
+    """Drops memoized computations at starts not in `keep_starts` (memory)."""
     self._fresh = {k: v for k, v in self._fresh.items() if k[1] in keep_starts}
+    self._libraries = {k: v for k, v in self._libraries.items() if k[1] in keep_starts}
 
 
 def _row(method, offset, base, reference_logits, logits, layers, seconds, **extra) -> dict:
@@ -252,7 +261,12 @@ def _row(method, offset, base, reference_logits, logits, layers, seconds, **extr
 
 
 def measure(run: Run, method: str, offset: int, base: int) -> dict:
-  """One row: `method` at offset δ = `offset` for a library computed at `base`."""
+  """One row: `method` at offset δ = `offset` for a library computed at `base`.
+
+  Logits: the query's, continuing the grafted library, against the one-shot fresh computation
+  of library + query at base + δ. Layers: the grafted library's K/V, before the query, against
+  the library computed alone at base + δ (every slot that holds a library token; the query
+  would evict the oldest ones from the local rings)."""
   t0 = time.perf_counter()
   library_span = len(run.library)
   start = base + offset
@@ -260,11 +274,12 @@ def measure(run: Run, method: str, offset: int, base: int) -> dict:
     name = 'standard' if method == 'rerotate' else 'pre_rope'
     engine = run.engines[name]
     grafted = shift.graft_shifted(engine, run.library_artifact(name, base), offset, method)
-    seq, logits = engine.extend(grafted, run.query, logits='all')
-    reference_seq, reference_logits = run.fresh(name, start)
     layers = shift.layer_divergence(
-        engine.config, seq, reference_seq, slot_positions=(start, start + library_span),
+        engine.config, grafted, run.library_state(name, start),
+        slot_positions=(start, start + library_span),
         keys='attention' if method == 'pre_rope' else 'cache')
+    _, logits = engine.extend(grafted, run.query, logits='all')
+    _, reference_logits = run.fresh(name, start)
     extra = {}
     if method == 'pre_rope':
       _, standard_logits = run.fresh('standard', start)
@@ -277,12 +292,12 @@ def measure(run: Run, method: str, offset: int, base: int) -> dict:
     # one result compared with itself.
     _, reference_logits = run.fresh('standard', base)
     _, logits = run.fresh('standard', start, again=offset == 0)
-    # Layers: the pre-RoPE engine's caches (keys before RoPE, V), the position-free part.
+    # Layers: the pre-RoPE engine's library (keys before RoPE, and V: the position-free part).
     pre = run.engines['pre_rope']
     layers = shift.layer_divergence(
-        pre.config, run.fresh('pre_rope', start, again=offset == 0)[0],
-        run.fresh('pre_rope', base)[0],
-        slot_positions=(base, base + library_span), keys='cache', position_offset=offset)
+        pre.config, run.library_state('pre_rope', start, again=offset == 0),
+        run.library_state('pre_rope', base), slot_positions=(base, base + library_span),
+        keys='cache', position_offset=offset)
     return _row(method, offset, base, reference_logits, logits, layers,
                 time.perf_counter() - t0, layers_engine='pre_rope (keys before RoPE)')
   raise ValueError(f'unknown method {method!r}; expected one of {shift.METHODS}')
