@@ -21,17 +21,19 @@ from absl import app, flags, logging
 from experiments import common, samples
 from graft import artifact
 
-flags.DEFINE_integer('prefill_tokens', 2000, 'Prompt length for prefill throughput.')
-flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps for decode throughput.')
-flags.DEFINE_integer('library_tokens', 2048, 'Library length for time to first token.')
-flags.DEFINE_integer('query_tokens', 64, 'Query length for time to first token.')
-flags.DEFINE_integer('repeats', 3, 'Timed repetitions (after one warm-up).')
-flags.DEFINE_string('output', None, 'Results JSON.', required=True)
-common.define_model_flags()
-common.define_engine_flags(cache_len=2560)
 FLAGS = flags.FLAGS
 
 
+def define_flags() -> None:
+  """Flags of this entry point (defined only when it runs, so importing it is free)."""
+  flags.DEFINE_integer('prefill_tokens', 2000, 'Prompt length for prefill throughput.')
+  flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps for decode throughput.')
+  flags.DEFINE_integer('library_tokens', 2048, 'Library length for time to first token.')
+  flags.DEFINE_integer('query_tokens', 64, 'Query length for time to first token.')
+  flags.DEFINE_integer('repeats', 3, 'Timed repetitions (after one warm-up).')
+  flags.DEFINE_string('output', None, 'Results JSON.', required=True)
+  common.define_model_flags()
+  common.define_engine_flags(cache_len=2560)
 
 
 def throughput(engine, prompt: list[int], decode_tokens: int, repeats: int) -> dict:
@@ -93,4 +95,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

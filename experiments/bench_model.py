@@ -19,16 +19,18 @@ from absl import app, flags, logging
 
 from experiments import common, samples
 
-flags.DEFINE_integer('prefill_tokens', 2000, 'Prompt length for prefill.')
-flags.DEFINE_integer('decode_tokens', 32, 'Greedy decode steps.')
-flags.DEFINE_integer('repeats', 3, 'Timed repetitions after one warm-up.')
-flags.DEFINE_bool('hf', True, 'Also measure HF transformers (needs torch and transformers).')
-flags.DEFINE_string('output', None, 'Results JSON.', required=True)
-common.define_model_flags()
-common.define_engine_flags(cache_len=2560)
 FLAGS = flags.FLAGS
 
 
+def define_flags() -> None:
+  """Flags of this entry point (defined only when it runs, so importing it is free)."""
+  flags.DEFINE_integer('prefill_tokens', 2000, 'Prompt length for prefill.')
+  flags.DEFINE_integer('decode_tokens', 32, 'Greedy decode steps.')
+  flags.DEFINE_integer('repeats', 3, 'Timed repetitions after one warm-up.')
+  flags.DEFINE_bool('hf', True, 'Also measure HF transformers (needs torch and transformers).')
+  flags.DEFINE_string('output', None, 'Results JSON.', required=True)
+  common.define_model_flags()
+  common.define_engine_flags(cache_len=2560)
 
 
 def ours(engine, prompt: list[int], decode_tokens: int, repeats: int) -> dict:
@@ -107,4 +109,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

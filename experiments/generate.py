@@ -9,13 +9,18 @@ from absl import app, flags
 
 from experiments import common
 
-flags.DEFINE_string('prompt', 'The capital of France is', 'Text to continue (BOS is prepended).')
-flags.DEFINE_integer('max_new_tokens', 24, 'Tokens to generate.')
-flags.DEFINE_float('temperature', 0.0, '0: greedy; otherwise softmax sampling at this temperature.')
-flags.DEFINE_integer('seed', 0, 'Seed of the sampler (used when --temperature > 0).')
-common.define_model_flags()
-common.define_engine_flags()
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Flags of this entry point (defined only when it runs, so importing it is free)."""
+  flags.DEFINE_string('prompt', 'The capital of France is', 'Text to continue (BOS is prepended).')
+  flags.DEFINE_integer('max_new_tokens', 24, 'Tokens to generate.')
+  flags.DEFINE_float('temperature', 0.0,
+                     '0: greedy; otherwise softmax sampling at this temperature.')
+  flags.DEFINE_integer('seed', 0, 'Seed of the sampler (used when --temperature > 0).')
+  common.define_model_flags()
+  common.define_engine_flags()
 
 
 def continue_text(engine, prompt: str, max_new_tokens: int, temperature: float = 0.0,
@@ -36,4 +41,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

@@ -24,16 +24,20 @@ from absl import app, flags, logging
 from experiments import common, samples
 from graft import exactness
 
-flags.DEFINE_integer('samples', 50, 'Samples to draw from real text (ignored with --input).')
-flags.DEFINE_integer('seed', 0, 'Seed of the sample generator.')
-flags.DEFINE_string('input', None, 'JSONL of {"library": text, "query": text} pairs.')
-flags.DEFINE_string('output', None, 'Results JSON.', required=True)
-flags.DEFINE_string('manifest', None, 'Also write a replayable manifest here.')
-flags.DEFINE_integer('continuation_tokens', 32, 'Greedy tokens compared after the query.')
-flags.DEFINE_string('artifact_dir', None, 'Where artifacts go (default: a temporary directory).')
-common.define_model_flags()
-common.define_engine_flags(cache_len=2560)
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Flags of this entry point (defined only when it runs, so importing it is free)."""
+  flags.DEFINE_integer('samples', 50, 'Samples to draw from real text (ignored with --input).')
+  flags.DEFINE_integer('seed', 0, 'Seed of the sample generator.')
+  flags.DEFINE_string('input', None, 'JSONL of {"library": text, "query": text} pairs.')
+  flags.DEFINE_string('output', None, 'Results JSON.', required=True)
+  flags.DEFINE_string('manifest', None, 'Also write a replayable manifest here.')
+  flags.DEFINE_integer('continuation_tokens', 32, 'Greedy tokens compared after the query.')
+  flags.DEFINE_string('artifact_dir', None, 'Where artifacts go (default: a temporary directory).')
+  common.define_model_flags()
+  common.define_engine_flags(cache_len=2560)
 
 
 def run_config(engine) -> dict:
@@ -101,4 +105,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

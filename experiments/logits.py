@@ -17,11 +17,15 @@ from absl import app, flags, logging
 
 from experiments import common
 
-flags.DEFINE_string('input', None, 'JSONL file, one {"text": ...} per line.', required=True)
-flags.DEFINE_string('output', None, 'Output .npz file.', required=True)
-common.define_model_flags()
-common.define_engine_flags()
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Flags of this entry point (defined only when it runs, so importing it is free)."""
+  flags.DEFINE_string('input', None, 'JSONL file, one {"text": ...} per line.', required=True)
+  flags.DEFINE_string('output', None, 'Output .npz file.', required=True)
+  common.define_model_flags()
+  common.define_engine_flags()
 
 
 def read_texts(path: str) -> list[str]:
@@ -62,4 +66,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

@@ -22,14 +22,19 @@ from analysis import figures
 from experiments import common, generate, logits, replay, samples
 from graft import exactness
 
-flags.DEFINE_integer('exactness_samples', 6, 'Graft exactness samples in step 3.')
-flags.DEFINE_string('replay_manifest', 'manifests/ci_gemma3_270m_float32.json',
-                    'Manifest replayed in step 4.')
-flags.DEFINE_string('results_dir', 'results', 'Results the figures are drawn from.')
-flags.DEFINE_string('figures_dir', 'figures', 'Where figures are written.')
-common.define_model_flags()
-common.define_engine_flags(cache_len=2560)
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Flags of this entry point (defined only when it runs, so importing it is free)."""
+  flags.DEFINE_integer('exactness_samples', 6, 'Graft exactness samples in step 3.')
+  flags.DEFINE_string('replay_manifest', 'manifests/ci_gemma3_270m_float32.json',
+                      'Manifest replayed in step 4.')
+  flags.DEFINE_string('results_dir', 'results', 'Results the figures are drawn from.')
+  flags.DEFINE_string('figures_dir', 'figures', 'Where figures are written.')
+  common.define_model_flags()
+  common.define_engine_flags(cache_len=2560)
+
 
 DEMO_TEXTS = [
     'The capital of France is',
@@ -87,4 +92,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

@@ -23,9 +23,14 @@ from graft import exactness
 from graft.artifact import differences
 from graft.engine import Engine, PinnedConfig
 
-flags.DEFINE_string('manifest', None, 'Manifest JSON to replay.', required=True)
-flags.DEFINE_integer('limit', 0, 'Replay only the first N samples (0: all).')
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Flags of this entry point (defined only when it runs, so importing it is free)."""
+  flags.DEFINE_string('manifest', None, 'Manifest JSON to replay.', required=True)
+  flags.DEFINE_integer('limit', 0, 'Replay only the first N samples (0: all).')
+
 
 HASHES = ('fresh_sha256', 'graft_sha256', 'continuation_sha256')
 
@@ -76,4 +81,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)
