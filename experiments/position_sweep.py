@@ -55,11 +55,12 @@ own-position ones included, inexact for a reason that has nothing to do with pos
 (--output defaults to results/position_sweep_<label>_<dtype>_<rope>.json.) Then
 `python -m analysis.figures --results=results --output=figures`.
 
-What to expect (see the results): float RoPE exact at δ = 0 only; NoPE exact everywhere; the
-quarter-turn control exact at even δ only. Its rotations compose exactly, but an odd δ turns the
-pairs with multiplier 1 or 3 by a quarter, which moves the products q_i k_i and
-q_{i+H/2} k_{i+H/2} of the QK dot product into each other's dimension: the same terms, summed
-in another order, so other bits from layer 1 on (tests/test_position_sweep.py shows it bare).
+What to expect (see the results): float RoPE exact at δ = 0 only; NoPE and the quarter-turn
+control exact everywhere. The quarter-turn control needs its scores computed from relative
+rotations (gemma_jax.attention.quarter_turn_logits): with a plain QK dot it is exact at even δ
+only, as an odd δ turns the pairs with multiplier 1 or 3 by a quarter, which moves the products
+q_i k_i and q_{i+H/2} k_{i+H/2} into each other's dimension: the same terms, summed in another
+order (tests/test_position_sweep.py shows it bare).
 rerotate's K bytes can differ from fresh even where the logits are equal (δ = 0, and the
 controls): a rotation by 0 computes x cos 0 - y sin 0, which turns a key element -0.0 into +0.0
 when its partner is negative (the embedded 270M has whole key dimensions of zeros); each layer

@@ -11,6 +11,7 @@ same signature, selected through the model's `attention_fn` argument.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import jax
@@ -44,10 +45,37 @@ class AttendFn(Protocol):
     ...
 
 
+def dot_logits(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+  """q [B, T, K, G, H], k [B, S, K, H] (float32) -> scores [B, T, K, G, S]."""
+  del q_pos, k_pos
+  return jnp.einsum('btkgh,bskh->btkgs', q, k)
+
+
+def quarter_turn_logits(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
+                        rotary_fraction: float = 1.0) -> jax.Array:
+  """dot_logits for the quarter-turn control (rope.py), computed from relative rotations.
+
+  Quarter turns compose exactly, yet a plain q . k is not translation-invariant under them: a
+  shift by an odd δ turns pairs by a quarter, which moves the products q_i k_i and
+  q_{i+H/2} k_{i+H/2} into each other's dimension, and the dot adds the same terms in another
+  order (XLA:CPU also contracts a product and an add into a multiply-add, so no elementwise
+  rewrite of the sum is safe). Instead q is turned back to position 0 and every key by the
+  query's position (both exact: signed permutations), so the dot sees R(p_k - p_q) k and the
+  unrotated q, which a shift does not change. Costs a [B, T, S, K, H] key tensor: controls only.
+  """
+  head_dim = q.shape[-1]
+  sin, cos = rope.quarter_turn_sin_cos(-q_pos, head_dim, rotary_fraction)  # [B, T, H/2]
+  q = rope.rotate(q, sin[:, :, None, None], cos[:, :, None, None])
+  relative = rope.rotate(k[:, None], sin[:, :, None, None], cos[:, :, None, None])
+  del k_pos  # k already carries its own rotation
+  return jnp.einsum('btkgh,btskh->btkgs', q, relative)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
-           window: int | None, softcap: float | None) -> jax.Array:
+           window: int | None, softcap: float | None, logits_fn=dot_logits) -> jax.Array:
   """Reference attention. q [B, T, N, H] (already scaled), k, v [B, S, K, H], q_pos [B, T],
-  k_pos [B, S] -> [B, T, N, H] in v's dtype.
+  k_pos [B, S] -> [B, T, N, H] in v's dtype. `logits_fn` computes the scores (dot_logits, or
+  quarter_turn_logits for that control).
 
   Everything runs in float32 (bfloat16 inputs are widened exactly first): XLA:CPU's bfloat16
   dot with a float32 result is an order of magnitude slower than widening, and float32 softmax
@@ -55,7 +83,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
   batch, num_tokens, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
   q = q.reshape(batch, num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
-  logits = jnp.einsum('btkgh,bskh->btkgs', q.astype(jnp.float32), k.astype(jnp.float32))
+  q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+  logits = logits_fn(q, k, q_pos, k_pos)
   if softcap is not None:
     logits = jnp.tanh(logits / softcap) * softcap
   mask = attention_mask(q_pos, k_pos, window)[:, :, None, None, :]
@@ -124,6 +153,11 @@ class Attention(nnx.Module):
     keys = cache.k
     if self.config.kv_cache_pre_rope:  # every slot rotated by its own position (empty: masked)
       keys = self._rope(keys, cache.positions)
+    if self.config.rope_mode == 'quarter_turn':
+      # The control needs scores a shift leaves bit-identical: only the reference attention
+      # computes those (the engine refuses other attention functions with it).
+      attention_fn = functools.partial(attend, logits_fn=functools.partial(
+          quarter_turn_logits, rotary_fraction=self.spec.rotary_fraction))
     encoded = attention_fn(q, keys, cache.v, positions, cache.positions,
                            window=self.spec.window, softcap=self.config.attn_logits_softcap)
     return self.o_proj(encoded), cache

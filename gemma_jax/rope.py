@@ -10,7 +10,8 @@ Two control modes exist for the position experiments (see analysis/ and
 experiments/position_sweep.py):
   'none'          no rotation at all (a NoPE variant of the model);
   'quarter_turn'  angles that are integer multiples of pi/2, so rotations compose exactly in
-                  floating point: R(a) R(b) == R(a + b) bit for bit.
+                  floating point: R(a) R(b) == R(a + b) bit for bit (attention then
+                  scores from relative rotations: see attention.quarter_turn_logits).
 """
 
 from __future__ import annotations
@@ -71,7 +72,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, base: float, scale: float 
     sin, cos = quarter_turn_sin_cos(positions, head_dim, rotary_fraction)
   else:
     raise ValueError(f'unknown RoPE mode {mode!r}; expected one of {ROPE_MODES}')
-  sin, cos = sin[..., None, :], cos[..., None, :]  # [B, T, 1, H/2]: broadcast over heads
+  # [B, T, 1, H/2]: broadcast over heads
+  return rotate(x, sin[..., None, :], cos[..., None, :]).astype(x.dtype)
+
+
+def rotate(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+  """Pair i of x [..., H] (dimensions i and i + H/2) turned by the angle whose sin and cos
+  [..., H/2] broadcast against it; float32."""
   first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-  return rotated.astype(x.dtype)
+  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)

@@ -134,6 +134,9 @@ class Engine:
   def _make_attention(self):
     if self.pinned.attention == 'xla':
       return attend
+    if self.config.rope_mode == 'quarter_turn':
+      raise ValueError("the quarter-turn RoPE control sums attention scores pair by pair, which "
+                       "only attention='xla' does")
     from gemma_jax import kernels  # the Pallas kernels load only when asked for
     return kernels.make_pallas_attention(tile_size=self.pinned.attention_tile)
 

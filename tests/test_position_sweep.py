@@ -1,15 +1,15 @@
 """Shifted grafts (graft/shift.py, experiments/position_sweep.py) on tiny_gemma3, random weights.
 
-The claims: an own-position graft (δ = 0) is byte-exact for both graft methods; the NoPE control
-is exact at every δ and the quarter-turn control at every even δ, for every method; float RoPE
-is not exact at some δ != 0 (found by searching, not hard-coded). Exactness is SHA-256 equality
-of raw bytes, never a tolerance.
+The claims: an own-position graft (δ = 0) is byte-exact for both graft methods; the NoPE and
+quarter-turn controls are exact at every δ, for every method; float RoPE is not exact at some
+δ != 0 (found by searching, not hard-coded). Exactness is SHA-256 equality of raw bytes, never a
+tolerance.
 
-Why quarter_turn is exact only at even δ: its rotations compose exactly (layer 0's keys are
-bit-equal after a re-rotation by any δ), but an odd shift turns the pairs with multiplier 1 or 3
-by a quarter, which moves the products q_i k_i and q_{i+H/2} k_{i+H/2} to each other's dimension
-in the QK dot product: the same terms summed in another order, so other rounding from layer 1
-on. An even shift is a half turn or none (both signs flip, products unchanged in place).
+Why the quarter-turn control computes its scores from relative rotations
+(gemma_jax.attention.quarter_turn_logits): its rotations compose exactly, but an odd shift turns
+the pairs with multiplier 1 or 3 by a quarter, which moves the products q_i k_i and
+q_{i+H/2} k_{i+H/2} into each other's dimension. A dot over H adds the same terms in another
+order (other bits, measured below); a dot of the unrotated q with R(p_k - p_q) k does not move.
 """
 
 import functools
@@ -26,9 +26,9 @@ import pytest
 from analysis import metrics
 from experiments import position_sweep as ps
 from gemma_jax import kv_state as kvs
-from gemma_jax import rope, weights
+from gemma_jax import attention, rope, weights
 from graft import shift
-from graft.engine import PinnedConfig, Sequence
+from graft.engine import Engine, PinnedConfig, Sequence
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY, QUERY, BLOCK = 24, 6, 8  # the library crosses tiny_gemma3's 8-token window three times
@@ -71,30 +71,33 @@ def test_nope_control_is_exact_at_every_offset(method, offset):
 
 
 @pytest.mark.parametrize('method', shift.METHODS)
-@pytest.mark.parametrize('offset', [2, 4, 64, 1026, -2])
-def test_quarter_turn_control_is_exact_at_even_offsets(method, offset):
+@pytest.mark.parametrize("offset", [1, 2, 3, 13, 64, 1026, -1, -2])
+def test_quarter_turn_control_is_exact_at_every_offset(method, offset):
   r = row('quarter_turn', method, offset)
   assert r['equal'] and r['kv_equal'], (r['max_ulp'], r['first_differing_layer'])
 
 
-def test_quarter_turn_at_odd_offsets_composes_exactly_but_sums_in_another_order():
-  # Layer 0's re-rotated keys are bit-equal to fresh ones (R(δ)R(p) == R(p+δ) exactly); the
-  # bits part at layer 1, where layer 0's attention (the reordered QK sum) feeds in.
-  r = row('quarter_turn', 'rerotate', 1)
-  assert r['layers'][0]['k_equal'] and r['layers'][0]['v_equal']
-  assert not r['equal'] and r['first_differing_layer'] == 1
-  # The mechanism, bare: same q, k at the same position, shifted by one; the dot product's
-  # terms are the same numbers in other dimensions, and the float sum changes.
+def test_quarter_turn_scores_need_relative_rotations():
+  # Same q, k at the same positions, shifted by one: the QK terms are the same numbers in other
+  # dimensions. A dot over H adds them in another order (other bits); the control's scores,
+  # a dot of the unrotated q with keys turned by the query's position, are bit-identical.
+  # A half turn keeps every term in place for both.
   x = np.random.default_rng(0).standard_normal((2, 1, 64, 1, 256)).astype(np.float32)
-  def dots(p):
-    positions = jnp.full((1, 64), p, jnp.int32)
+  def scores(p):
+    positions = jnp.full((1, 64), p, jnp.int32) + jnp.arange(64)
     q, k = (rope.apply_rope(jnp.asarray(v), positions, base=1e4, mode='quarter_turn') for v in x)
     products = np.asarray(q * k)[0, :, 0]  # [64, H]
-    return np.asarray(jnp.einsum('bth,bth->bt', q[:, :, 0], k[:, :, 0]))[0], products
-  (d0, p0), (d1, p1) = dots(0), dots(1)
+    dot = np.asarray(jnp.einsum('bth,bth->bt', q[:, :, 0], k[:, :, 0]))[0]
+    relative = attention.quarter_turn_logits(q[:, :, :, None], k, positions, positions)
+    return dot, np.diagonal(np.asarray(relative)[0, :, 0, 0]), products
+  (d0, s0, p0), (d1, s1, p1), (d2, s2, _) = scores(0), scores(1), scores(2)
   np.testing.assert_array_equal(np.sort(p0, axis=-1), np.sort(p1, axis=-1))  # same terms
-  assert not np.array_equal(d0, d1)  # another order, other bits
-  assert np.array_equal(d0, dots(2)[0])  # a half turn keeps every term in place
+  assert not np.array_equal(d0, d1)  # a dot: another order, other bits
+  assert metrics.sha256_bytes(s0) == metrics.sha256_bytes(s1) == metrics.sha256_bytes(s2)
+  assert np.array_equal(d0, d2)
+  np.testing.assert_allclose(s0, d0, rtol=1e-5, atol=1e-4)  # the same scores, rounded otherwise
+  with pytest.raises(ValueError, match='quarter-turn'):
+    Engine(engines('quarter_turn')['standard'].loaded, PinnedConfig(attention='pallas'))
 
 
 def test_float_rope_is_inexact_at_some_nonzero_offset():
