@@ -137,7 +137,7 @@ class Attention(nnx.Module):
       v = self.value_norm(v)
     return (k if self.config.kv_cache_pre_rope else self._rope(k, positions)), v
 
-  def __call__(self, x: jax.Array, positions: jax.Array, cache: kvs.LayerKV, fill: jax.Array,
+  def __call__(self, x: jax.Array, positions: jax.Array, cache: kvs.LayerKV, start: jax.Array,
                attention_fn: AttendFn) -> tuple[jax.Array, kvs.LayerKV]:
     """x [B, T, D], positions [B, T] -> ([B, T, D], the layer cache after this call's write).
     For a KV-shared layer `cache` is the source layer's, already updated, and is returned as is."""
@@ -149,7 +149,7 @@ class Attention(nnx.Module):
       q = q * jnp.asarray(self.config.query_pre_attn_scalar ** -0.5, q.dtype)
     if self.owns_kv:
       k, v = self.keys_values(x, positions)
-      cache = kvs.write(cache, k, v, positions, fill)
+      cache = kvs.write(cache, k, v, positions, start)
     keys = cache.k
     if self.config.kv_cache_pre_rope:  # every slot rotated by its own position (empty: masked)
       keys = self._rope(keys, cache.positions)

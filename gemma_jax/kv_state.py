@@ -3,6 +3,9 @@
 Layout. Each cache-owning layer holds `k`, `v` [B, S, K, H] and `positions` [B, S] (the RoPE
 position of the token in each slot, -1 for an empty slot). `fill` [B] counts the tokens written so
 far; the token with sequence index j (0-based, in the order tokens were fed) lives in slot j mod S.
+A call's rows sit at consecutive sequence indices; padding rows (position EMPTY) may come before
+the real tokens (an engine that aligns its calls to the sequence) or after them, and write
+nothing.
 Slots are assigned by sequence index, never by position, so the same tokens occupy the same slots
 whatever positions they were given (the position experiments shift positions, not slots) and
 whatever calls they were fed in (the graft experiments cut sequences into calls).
@@ -68,11 +71,11 @@ def init_kv_state(config: TransformerConfig, *, batch_size: int, cache_len: int,
 
 
 def write(layer: LayerKV, k: jax.Array, v: jax.Array, positions: jax.Array,
-          fill: jax.Array) -> LayerKV:
-  """Writes T new tokens (k, v [B, T, K, H], positions [B, T]) at sequence indices fill .. fill+T-1.
-
-  Rows whose position is EMPTY (padding) are written too, but stay masked: they occupy slots past
-  the fill, which the next call overwrites.
+          start: jax.Array) -> LayerKV:
+  """Writes a call's T rows (k, v [B, T, K, H], positions [B, T]) at sequence indices
+  start .. start+T-1. Rows whose position is EMPTY (padding, before or after the real tokens)
+  leave their slot as it was, so a slot always holds the last real token written to it, however
+  the sequence was cut into calls.
 
   When the T slots are contiguous (no wrap around the ring) the write is a dynamic_update_slice,
   which XLA performs in place when the caller donates the cache; a wrapping write is one
@@ -84,29 +87,39 @@ def write(layer: LayerKV, k: jax.Array, v: jax.Array, positions: jax.Array,
     raise ValueError(f'a call of {num_tokens} tokens does not fit a cache of {num_slots} slots')
   new = LayerKV(k=k.astype(layer.k.dtype), v=v.astype(layer.v.dtype),
                 positions=positions.astype(jnp.int32))
+  padding = positions == EMPTY  # [B, T]
   if k.shape[0] != 1:  # batched rows may each wrap differently: always select
-    return _write_select(layer, new, fill)
-  start = fill[0] % num_slots
-  return jax.lax.cond(start + num_tokens <= num_slots,
-                      lambda: _write_slice(layer, new, start),
-                      lambda: _write_select(layer, new, fill))
+    return _write_select(layer, new, padding, start)
+  first = start[0] % num_slots
+  return jax.lax.cond(first + num_tokens <= num_slots,
+                      lambda: _write_slice(layer, new, padding, first),
+                      lambda: _write_select(layer, new, padding, start))
 
 
-def _write_slice(layer: LayerKV, new: LayerKV, start: jax.Array) -> LayerKV:
-  return jax.tree.map(
-      lambda old, rows: jax.lax.dynamic_update_slice_in_dim(old, rows, start, axis=1), layer, new)
+def _rows_mask(mask: jax.Array, like: jax.Array) -> jax.Array:
+  return mask.reshape(mask.shape + (1,) * (like.ndim - 2))
 
 
-def _write_select(layer: LayerKV, new: LayerKV, fill: jax.Array) -> LayerKV:
-  """Slot s takes new row (s - fill) mod S when that row exists."""
+def _write_slice(layer: LayerKV, new: LayerKV, padding: jax.Array, first: jax.Array) -> LayerKV:
+  num_tokens = padding.shape[1]
+
+  def put(old, rows):
+    current = jax.lax.dynamic_slice_in_dim(old, first, num_tokens, axis=1)
+    rows = jnp.where(_rows_mask(padding, rows), current, rows)
+    return jax.lax.dynamic_update_slice_in_dim(old, rows, first, axis=1)
+
+  return jax.tree.map(put, layer, new)
+
+
+def _write_select(layer: LayerKV, new: LayerKV, padding: jax.Array, start: jax.Array) -> LayerKV:
+  """Slot s takes new row (s - start) mod S when that row exists and is not padding."""
   num_tokens, num_slots = new.k.shape[1], layer.num_slots
-  row = (jnp.arange(num_slots, dtype=jnp.int32)[None, :] - fill[:, None]) % num_slots  # [B, S]
-  written = row < num_tokens
+  row = (jnp.arange(num_slots, dtype=jnp.int32)[None, :] - start[:, None]) % num_slots  # [B, S]
   source = jnp.minimum(row, num_tokens - 1)
+  written = (row < num_tokens) & ~jnp.take_along_axis(padding, source, axis=1)
 
   def merge(old, rows):
-    extra = (1,) * (rows.ndim - 2)
-    gathered = jnp.take_along_axis(rows, source.reshape(source.shape + extra), axis=1)
-    return jnp.where(written.reshape(written.shape + extra), gathered, old)
+    gathered = jnp.take_along_axis(rows, _rows_mask(source, rows), axis=1)
+    return jnp.where(_rows_mask(written, rows), gathered, old)
 
   return jax.tree.map(merge, layer, new)

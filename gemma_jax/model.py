@@ -105,8 +105,8 @@ class Block(nnx.Module):
     self.skip_scale = (init_param(rngs, (1,), dtype, std=0.1, mean=1.0)
                        if config.use_skip_scale else None)
 
-  def __call__(self, x, positions, cache, fill, per_layer_input, attention_fn):
-    attn_out, cache = self.attn(self.pre_attention_norm(x), positions, cache, fill, attention_fn)
+  def __call__(self, x, positions, cache, start, per_layer_input, attention_fn):
+    attn_out, cache = self.attn(self.pre_attention_norm(x), positions, cache, start, attention_fn)
     x = x + self.post_attention_norm(attn_out)
     x = x + self.post_ffw_norm(self.mlp(self.pre_ffw_norm(x)))
     if per_layer_input is not None:
@@ -132,12 +132,15 @@ class Transformer(nnx.Module):
     """tokens, positions [B, T] (position EMPTY marks a padding row) -> (hidden [B, T, D] after
     the final norm, the KV state with these tokens written)."""
     x, per_layer_inputs = self.embedder.encode(tokens)
+    # Row 0's sequence index: padding rows before the first real token (an engine aligning its
+    # calls to the sequence) sit at the indices just before kv.fill.
+    start = kv.fill - jnp.argmax(positions != kvs.EMPTY, axis=1).astype(jnp.int32)
     cache_index = {layer: j for j, layer in enumerate(self.config.cache_layers)}
     caches = list(kv.layers)
     for i, block in enumerate(self.layers):
       j = cache_index[self.config.kv_sources[i]]
       per_layer = None if per_layer_inputs is None else per_layer_inputs[:, :, i]
-      x, caches[j] = block(x, positions, caches[j], kv.fill, per_layer, attention_fn)
+      x, caches[j] = block(x, positions, caches[j], start, per_layer, attention_fn)
     fill = kv.fill + jnp.sum(positions != kvs.EMPTY, axis=1, dtype=jnp.int32)
     return self.final_norm(x), kvs.KVState(layers=tuple(caches), fill=fill)
 

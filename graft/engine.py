@@ -2,19 +2,23 @@
 
 Why pinning is needed. XLA picks kernels by shape. Measured on this project's CPU machines (jax
 0.10.2, XLA:CPU, float32 and bfloat16): row 0 of `x[:M] @ W` has different bits for M = 1,
-M in 2..32 and M >= 64, while at a fixed M a row's bits depend neither on its row index nor on the
-other rows. An attention row over a fixed-size buffer likewise has the same bits whatever its row
-index, its neighbours or the (masked) contents of slots past its position. So "restore a prefix,
-then prefill the rest" differs from a one-shot prefill unless every call has the same shape.
+M in 2..32 and M >= 64. At a fixed M, a row of the Gemma 3 matmuls has the same bits whatever
+its row index and the other rows, but not every shape keeps that: in tiny_gemma4 (the per-layer
+input path, a [T, 64] @ [64, 8] matmul) a token's bits change with its row index. An attention
+row over a fixed-size buffer has the same bits whatever its neighbours or the (masked) contents
+of slots past its position. So "restore a prefix, then prefill the rest" differs from a one-shot
+prefill unless every call has the same shape and every token the same row.
 
-The pinned design. Every transformer call processes exactly `block_size` token rows (B): a
-sequence is fed in blocks of B, the last one padded with rows whose position is EMPTY (masked
-everywhere, written only to slots the next call overwrites). Every logits call processes exactly
-`logits_rows` rows (1: a GEMV per row, which is also the cheapest way to get the one row a decode
-step needs). Attention writes the block's K/V into the cache first, then reduces over the whole
-fixed-size buffer in slot order, where a token's slot is its sequence index (mod the buffer size
-on local layers, which use a ring of W + B - 1 slots). With these rules a token's KV and logits are
-a pure function of the tokens up to it: prefill, graft continuation and decode all go through the
+The pinned design. Every transformer call processes exactly `block_size` token rows (B), and
+blocks are aligned to the sequence: the token with sequence index j sits in row j mod B of its
+call, whatever the calls before it. A block holds padding rows (position EMPTY: masked
+everywhere, writing nothing) before the first token of a call that continues a context
+mid-block, and after its last token. Every logits call processes exactly `logits_rows` rows
+(1: a GEMV per row, which is also the cheapest way to get the one row a decode step needs).
+Attention writes the block's K/V into the cache first, then reduces over the whole fixed-size
+buffer in slot order, where a token's slot is its sequence index (mod the buffer size on local
+layers, which use a ring of W + B - 1 slots). With these rules a token's KV and logits are a
+pure function of the tokens up to it: prefill, graft continuation and decode all go through the
 same two compiled functions, and an own-position graft is byte-exact for any split point and any
 chunking, before and far past the sliding window (tests/test_graft_exact.py, results/).
 
@@ -179,32 +183,28 @@ class Engine:
     for i, t in enumerate(tokens):
       if not 0 <= t < vocab:
         raise ValueError(f'token id {t} at index {i} is outside the vocabulary [0, {vocab})')
-    padded = self._rows_per_call(seq, len(tokens))
-    if self._pinned_shapes:
-      padded *= -(-len(tokens) // padded)
-    if len(seq.tokens) + padded > self.pinned.cache_len:
+    if len(seq.tokens) + len(tokens) > self.pinned.cache_len:
       raise ValueError(
           f'a context of {len(seq.tokens)} + {len(tokens)} tokens does not fit the cache of '
-          f'{self.pinned.cache_len} slots (calls are padded to {padded} rows); raise cache_len')
+          f'{self.pinned.cache_len} slots; raise cache_len')
     if seq.next_position + len(tokens) > self.config.max_context:
       raise ValueError(f'positions up to {seq.next_position + len(tokens) - 1} exceed '
                        f'{self.config.name}\'s context of {self.config.max_context}')
     return tokens
 
-  def _rows_per_call(self, seq: Sequence, num_tokens: int) -> int:
-    """Pinned: the block size. Default: the next power of two, but no more than the cache has
-    room for (a bucket past the cache's end would wrap onto earlier tokens)."""
+  def _rows_per_call(self, num_tokens: int) -> int:
+    """Pinned: the block size. Default: the next power of two, but no more rows than the cache
+    has slots."""
     if self._pinned_shapes:
       return self.pinned.block_size
-    room = self.pinned.cache_len - len(seq.tokens)
-    return max(num_tokens, min(_next_power_of_two(num_tokens), room))
+    return max(num_tokens, min(_next_power_of_two(num_tokens), self.pinned.cache_len))
 
-  def _call(self, kv, tokens: list[int], first_position: int, rows: int):
-    """One transformer call of `rows` rows (the tokens, then padding)."""
+  def _call(self, kv, tokens: list[int], first_position: int, rows: int, lead: int):
+    """One transformer call of `rows` rows: `lead` padding rows, the tokens, padding."""
     ids = np.zeros((1, rows), np.int32)
     positions = np.full((1, rows), kvs.EMPTY, np.int32)
-    ids[0, :len(tokens)] = tokens
-    positions[0, :len(tokens)] = first_position + np.arange(len(tokens))
+    ids[0, lead:lead + len(tokens)] = tokens
+    positions[0, lead:lead + len(tokens)] = first_position + np.arange(len(tokens))
     return self._step(self.loaded.params, ids, positions, kv)
 
   def _logits(self, hidden: jax.Array, rows: list[int]) -> list[np.ndarray]:
@@ -231,13 +231,17 @@ class Engine:
       raise ValueError(f"logits must be 'none', 'last', 'all' or a row count in "
                        f'[0, {len(tokens)}], not {logits!r}')
     first_wanted = len(tokens) - wanted
-    rows = self._rows_per_call(seq, len(tokens))
+    rows = self._rows_per_call(len(tokens))
+    # Pinned: blocks are aligned to the sequence, so the token with sequence index j always sits
+    # in row j mod B, whatever the calls before (the first block may start with padding rows).
+    lead = len(seq.tokens) % rows if self._pinned_shapes else 0
     kv = seq.kv if consume else jax.tree.map(jnp.copy, seq.kv)
     logit_rows = []
-    for start in range(0, len(tokens), rows):
-      chunk = tokens[start:start + rows]
-      hidden, kv = self._call(kv, chunk, seq.next_position + start, rows)
-      wanted_rows = list(range(max(0, first_wanted - start), len(chunk)))
+    for block_start in range(-lead, len(tokens), rows):  # token index of the block's row 0
+      first = max(block_start, 0)
+      chunk = tokens[first:block_start + rows]
+      hidden, kv = self._call(kv, chunk, seq.next_position + first, rows, first - block_start)
+      wanted_rows = [j - block_start for j in range(max(first, first_wanted), first + len(chunk))]
       if wanted_rows:
         logit_rows.extend(self._logits(hidden, wanted_rows))
     result = np.stack(logit_rows) if wanted else None

@@ -89,10 +89,27 @@ def test_kv_write_uses_sequence_index_slots_in_a_ring():
   layer = kvs.LayerKV(k=jnp.zeros((1, 4, 1, 2)), v=jnp.zeros((1, 4, 1, 2)),
                       positions=jnp.full((1, 4), kvs.EMPTY, jnp.int32))
   new = jnp.arange(3, dtype=jnp.float32).reshape(1, 3, 1, 1) * jnp.ones((1, 3, 1, 2))
-  out = kvs.write(layer, new, new, jnp.array([[100, 101, 102]]), fill=jnp.array([3]))
+  out = kvs.write(layer, new, new, jnp.array([[100, 101, 102]]), start=jnp.array([3]))
   # Sequence indices 3, 4, 5 land in slots 3, 0, 1; positions are stored as given.
   np.testing.assert_array_equal(out.positions[0], [101, 102, kvs.EMPTY, 100])
   np.testing.assert_array_equal(out.k[0, :, 0, 0], [1, 2, 0, 0])
+
+
+@pytest.mark.parametrize('start', [0, 2, 3])  # no wrap (in-place slice), and wrapping (select)
+def test_kv_write_padding_rows_leave_their_slots_alone(start):
+  old = jnp.full((1, 6, 1, 2), 7.0)
+  layer = kvs.LayerKV(k=old, v=old, positions=jnp.arange(6, dtype=jnp.int32)[None] + 50)
+  new = jnp.arange(4, dtype=jnp.float32).reshape(1, 4, 1, 1) * jnp.ones((1, 4, 1, 2))
+  positions = jnp.array([[kvs.EMPTY, 10, 11, kvs.EMPTY]])  # padding before and after
+  out = kvs.write(layer, new, new, positions, start=jnp.array([start]))
+  slots = [(start + r) % 6 for r in range(4)]
+  expected_k = np.full(6, 7.0)
+  expected_pos = np.arange(6) + 50
+  expected_k[slots[1:3]] = [1, 2]
+  expected_pos[slots[1:3]] = [10, 11]
+  np.testing.assert_array_equal(out.k[0, :, 0, 0], expected_k)
+  np.testing.assert_array_equal(out.v[0, :, 0, 1], expected_k)
+  np.testing.assert_array_equal(out.positions[0], expected_pos)
 
 
 def _logits(cfg, params, tokens, *, local_cache_len, block):
