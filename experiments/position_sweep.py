@@ -46,11 +46,10 @@ two-core CPU). bfloat16 runs slowly on CPU, so those and the larger models use f
       --model_label=gemma4_e2b_10L --offsets=0,1,2,3,7,13,64,1024,16384,-1,max \
       --library_tokens=608 --block_size=16
 
-Gemma 4 runs use a library that is a whole number of blocks (608 = 38 x 16): with per-layer
-embeddings the pinned engine's rows are not independent of their index in a block at block
-sizes 16 and 32 (tiny_gemma4: a library of 600 continued by a query differs from the one-shot
-computation even without any shift), so a library ending mid-block would make every graft,
-own-position ones included, inexact for a reason that has nothing to do with positions.
+The Gemma 4 runs use a library of a whole number of blocks (608 = 38 x 16). They were chosen
+when the pinned engine still started every call at row 0: with per-layer embeddings a token's
+bits depend on its row in the block, so a library ending mid-block made every graft inexact.
+The engine now aligns blocks to the sequence (graft/engine.py), and any length works.
 
 (--output defaults to results/position_sweep_<label>_<dtype>_<rope>.json.) Then
 `python -m analysis.figures --results=results --output=figures`.
