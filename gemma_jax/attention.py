@@ -63,11 +63,11 @@ def quarter_turn_logits(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax
   query's position (both exact: signed permutations), so the dot sees R(p_k - p_q) k and the
   unrotated q, which a shift does not change. Costs a [B, T, S, K, H] key tensor: controls only.
   """
-  head_dim = q.shape[-1]
-  sin, cos = rope.quarter_turn_sin_cos(-q_pos, head_dim, rotary_fraction)  # [B, T, H/2]
-  q = rope.rotate(q, sin[:, :, None, None], cos[:, :, None, None])
-  relative = rope.rotate(k[:, None], sin[:, :, None, None], cos[:, :, None, None])
-  del k_pos  # k already carries its own rotation
+  del k_pos  # each key already carries its own rotation
+  sin, cos = rope.quarter_turn_sin_cos(-q_pos, q.shape[-1], rotary_fraction)  # [B, T, H/2]
+  sin, cos = sin[:, :, None, None], cos[:, :, None, None]
+  q = rope.rotate(q, sin, cos)
+  relative = rope.rotate(k[:, None], sin, cos)  # [B, T, S, K, H]
   return jnp.einsum('btkgh,btskh->btkgs', q, relative)
 
 
