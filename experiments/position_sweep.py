@@ -41,6 +41,10 @@ two-core CPU). bfloat16 runs slowly on CPU, so those and the larger models use f
       --library_tokens=608 --block_size=16      (and --rope=none, --rope=quarter_turn)
   python -m experiments.position_sweep --model=gemma3_1b --weights=random:0 --rope=float \
       --offsets=0,1,2,3,7,13,64,1024,16384,-1,max
+  python -m experiments.position_sweep --model=gemma3_1b --weights=random:0 --rope=none \
+      --offsets=0,1,3,64,1024,-1,max      (and --rope=quarter_turn)
+  python -m experiments.position_sweep --model=gemma3_1b --weights=random:0 --dtype=bfloat16 \
+      --rope=float --offsets=0,1,3,64,1024,max
   python -m experiments.position_sweep --model=gemma4_e2b --weights=random:0 --rope=float \
       --overrides=num_layers=10,num_kv_shared_layers=5,vocab_size=4096 \
       --model_label=gemma4_e2b_10L --offsets=0,1,2,3,7,13,64,1024,16384,-1,max \
