@@ -76,6 +76,7 @@ LONG_PROSE = (
     'in the house by the harbour, says that')
 
 PROMPTS = {
+    'capital': 'The capital of France is',  # the README's generate example
     'english': 'The old bridge over the river had been closed for repairs since the spring, so '
                'every morning the baker took the long road through the village, past the school '
                'and the empty market square, and',
