@@ -58,6 +58,12 @@ def model_config_json() -> dict:
   return {'model': FLAGS.model, 'weights': FLAGS.weights, 'dtype': FLAGS.dtype}
 
 
+def current_umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
 def write_json(path: str, value) -> None:
   """Writes JSON atomically: readers see the old file or the new one, never half of one."""
   directory = os.path.dirname(os.path.abspath(path))
@@ -67,6 +73,7 @@ def write_json(path: str, value) -> None:
     with os.fdopen(fd, 'w') as f:
       json.dump(value, f, indent=1)
       f.write('\n')
+    os.chmod(staging, 0o666 & ~current_umask())  # mkstemp makes it owner-only
     os.replace(staging, path)
   except BaseException:
     os.unlink(staging)

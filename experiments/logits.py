@@ -51,6 +51,7 @@ def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
   os.close(fd)
   try:
     np.savez(staging, **arrays)
+    os.chmod(staging, 0o666 & ~common.current_umask())  # mkstemp makes it owner-only
     os.replace(staging, path)
   except BaseException:
     os.unlink(staging)

@@ -101,6 +101,9 @@ def save(path: str, engine: Engine, seq: Sequence) -> dict:
     manifest['files'] = state_files(staging)
     with open(os.path.join(staging, MANIFEST), 'w') as f:
       json.dump(manifest, f, indent=1, sort_keys=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it owner-only
     os.rename(staging, path)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)

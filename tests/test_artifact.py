@@ -55,6 +55,9 @@ def test_manifest_records_hashes_and_fingerprints(eng, saved):
   assert manifest['leaves']['layer_0/k']['dtype'] == 'float32'
   assert all(f.startswith('state/') and f in manifest['files'] for f in map(
       lambda p: str(p.relative_to(saved)), data_files(saved)))
+  umask = os.umask(0)
+  os.umask(umask)
+  assert saved.stat().st_mode & 0o777 == 0o777 & ~umask  # not the staging dir's owner-only mode
 
 
 def test_restore_verifies_and_grafts_exactly(eng, saved):

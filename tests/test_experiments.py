@@ -22,6 +22,15 @@ def run(module, *args, check=True):
   return out
 
 
+def test_write_json_is_atomic_and_readable_by_others(tmp_path):
+  from experiments import common
+  path = tmp_path / 'out' / 'result.json'
+  common.write_json(str(path), {'a': [1, 2]})
+  assert json.loads(path.read_text()) == {'a': [1, 2]}
+  assert path.stat().st_mode & 0o777 == 0o666 & ~common.current_umask()
+  assert [p.name for p in path.parent.iterdir()] == ['result.json']  # no staging file left
+
+
 def test_generate_prints_prompt_and_continuation_and_samples_reproducibly():
   greedy = run('generate', *TINY, '--prompt=hello there', '--max_new_tokens=8').stdout
   assert greedy.startswith('hello there') and len(greedy.strip()) > len('hello there')
