@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
+import uuid
 
 from absl import flags, logging
 
@@ -58,25 +58,26 @@ def model_config_json() -> dict:
   return {'model': FLAGS.model, 'weights': FLAGS.weights, 'dtype': FLAGS.dtype}
 
 
-def current_umask() -> int:
-  mask = os.umask(0)
-  os.umask(mask)
-  return mask
+def staging_path(path: str, suffix: str = '') -> str:
+  """A fresh hidden name next to `path`, to write to and then rename into place (created with
+  the umask's permissions, unlike mkstemp's owner-only files)."""
+  directory, name = os.path.split(os.path.abspath(path))
+  return os.path.join(directory, f'.{name}.{uuid.uuid4().hex}{suffix}')
 
 
 def write_json(path: str, value) -> None:
   """Writes JSON atomically: readers see the old file or the new one, never half of one."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
-  fd, staging = tempfile.mkstemp(prefix='.' + os.path.basename(path), dir=directory)
+  staging = staging_path(path)
   try:
-    with os.fdopen(fd, 'w') as f:
+    with open(staging, 'x') as f:
       json.dump(value, f, indent=1)
       f.write('\n')
-    os.chmod(staging, 0o666 & ~current_umask())  # mkstemp makes it owner-only
     os.replace(staging, path)
   except BaseException:
-    os.unlink(staging)
+    if os.path.exists(staging):
+      os.unlink(staging)
     raise
   logging.info('wrote %s', path)
 

@@ -10,7 +10,6 @@ vocabulary) and `argmax_{i}` (int32 argmax at every position).
 from __future__ import annotations
 
 import os
-import tempfile
 
 import numpy as np
 from absl import app, flags, logging
@@ -47,14 +46,13 @@ def text_logits(engine, texts: list[str]) -> dict[str, np.ndarray]:
 def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
-  fd, staging = tempfile.mkstemp(suffix='.npz', dir=directory)
-  os.close(fd)
+  staging = common.staging_path(path, suffix='.npz')  # savez appends .npz to other names
   try:
     np.savez(staging, **arrays)
-    os.chmod(staging, 0o666 & ~common.current_umask())  # mkstemp makes it owner-only
     os.replace(staging, path)
   except BaseException:
-    os.unlink(staging)
+    if os.path.exists(staging):
+      os.unlink(staging)
     raise
 
 

@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
+import uuid
 
 import jax.numpy as jnp
 import numpy as np
@@ -94,16 +94,15 @@ def save(path: str, engine: Engine, seq: Sequence) -> dict:
   }
   parent = os.path.dirname(os.path.abspath(path))
   os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(path)}.', dir=parent)
+  # A fresh hidden name, created with the umask's permissions (mkdtemp's are owner-only).
+  staging = os.path.join(parent, f'.{os.path.basename(path)}.{uuid.uuid4().hex}')
+  os.mkdir(staging)
   try:
     orbax_util.save(os.path.join(staging, STATE),
                     {name.replace('/', '.'): leaf for name, leaf in leaves.items()})
     manifest['files'] = state_files(staging)
     with open(os.path.join(staging, MANIFEST), 'w') as f:
       json.dump(manifest, f, indent=1, sort_keys=True)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it owner-only
     os.rename(staging, path)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
