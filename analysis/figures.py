@@ -2,29 +2,16 @@
 
     python -m analysis.figures --results=results --output=figures
 
-Every figure reads committed results files and nothing else: a figure whose input is absent is
-skipped with a logged warning (never drawn from made-up data). Filenames are stable:
-
-  position_exactness.png        (a) fraction of bit-equal results and KL against the offset δ,
-                                    per method, from results/position_sweep_*_float.json
-  layer_divergence.png          (b) per-layer K/V divergence (max abs, max ulp) of shifted grafts,
-                                    one line per offset, from the same files
-  rope_composition_error.png    (c) |R(δ)R(p)x - R(p+δ)x| against position, per frequency, from
-                                    results/rope_float.json
-  rope_angle_error.png              float32 angle error and spacing against position (rope_float)
-  rope_composition_exactness.png    bit-exact fraction of re-rotation against δ (rope_float)
-  position_controls.png         (d) float RoPE next to the controls (quarter_turn, none): max abs
-                                    and KL against δ, from results/position_sweep_*.json
-  graft_exactness.png           (e) equal samples out of all, per model/dtype/engine, from
-                                    results/graft_exactness_*.json
-
-The position-sweep and graft-exactness schemas are documented in the functions that read them.
+A result is recognised by its "schema" field (analysis/results.py), never by its file name.
+Every figure reads those results and nothing else: a figure whose input is absent is skipped
+with a logged warning (never drawn from made-up data), and each figure drawn logs one line.
+`FIGURES` is the one list of figures: a new figure is one function and one entry there.
 """
 
 from __future__ import annotations
 
 import collections
-import json
+import dataclasses
 import pathlib
 from typing import Any, Callable, Iterable, Sequence
 
@@ -38,13 +25,12 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import matplotlib.ticker  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from analysis import rope_float
+from analysis import results as results_lib
+from gemma_jax import files
+from gemma_jax import rope
 
-FIGURES = ('position_exactness', 'layer_divergence', 'rope_composition_error', 'rope_angle_error',
-           'rope_composition_exactness', 'position_controls', 'graft_exactness')
-METHOD_ORDER = ('rerotate', 'pre_rope', 'recompute')
-ROPE_ORDER = ('float', 'quarter_turn', 'none')
-ROPE_FLOAT_FILE = 'rope_float.json'
+METHOD_ORDER = ('rerotate', 'pre_rope', 'recompute')  # graft/shift.py METHODS
+ROPE_ORDER = tuple(rope.MODES)  # float first, then the controls
 DPI = 120
 
 
@@ -53,39 +39,16 @@ DPI = 120
 # --------------------------------------------------------------------------------------------
 
 
-def load_json(path: pathlib.Path) -> dict[str, Any] | None:
-  """The parsed file, or None (with a warning) when it cannot be read as a JSON object."""
-  try:
-    data = json.loads(pathlib.Path(path).read_text())
-  except (OSError, ValueError) as e:
-    logging.warning('skipping %s: %s', path, e)
-    return None
-  if not isinstance(data, dict):
-    logging.warning('skipping %s: not a JSON object', path)
-    return None
-  return data
+Found = dict[str, list[tuple[pathlib.Path, dict]]]  # analysis.results.load
 
 
-def load_position_sweeps(results: pathlib.Path) -> list[dict[str, Any]]:
-  """Rows of every results/position_sweep_<model>_<dtype>_<rope>.json, each row completed with
-  the file's config where it lacks model/weights/dtype/rope. Schema (one row per method and
-  offset, possibly several rows per pair when several samples were measured):
-    {"config": {"model", "weights", "dtype", "rope", "methods", "offsets", ...},
-     "rows": [{"model", "weights", "dtype", "rope", "method", "offset", "equal", "max_abs",
-               "max_ulp", "kl", "argmax_agreement", "top5_overlap",
-               "layers": [{"layer", "k_max_abs", "v_max_abs", "k_max_ulp", "v_max_ulp",
-                           "k_equal", "v_equal"}]}]}"""
+def position_sweep_rows(found: Found) -> list[dict[str, Any]]:
+  """Rows of every position-sweep result, each completed with its file's config where it lacks
+  model/weights/dtype/rope, and the file name under 'source'."""
   rows = []
-  for path in sorted(pathlib.Path(results).glob('position_sweep_*.json')):
-    data = load_json(path)
-    if data is None:
-      continue
+  for path, data in found['position_sweep']:
     config = data.get('config') or {}
-    file_rows = data.get('rows')
-    if not isinstance(file_rows, list):
-      logging.warning('skipping %s: no "rows" list', path)
-      continue
-    for row in file_rows:
+    for row in data['rows']:
       if not isinstance(row, dict) or 'method' not in row or 'offset' not in row:
         logging.warning('%s: skipping a row without method/offset', path)
         continue
@@ -96,29 +59,24 @@ def load_position_sweeps(results: pathlib.Path) -> list[dict[str, Any]]:
   return rows
 
 
-def load_graft_exactness(results: pathlib.Path) -> list[dict[str, Any]]:
-  """Every results/graft_exactness_<model>_<dtype>[_<engine>][_<attention>].json:
-    {"config": {"model", "weights", "dtype", "engine", "attention", ...},
-     "samples": [{"library_tokens", "query_tokens", "fresh_sha256", "graft_sha256", "equal",
-                  "kl", "argmax_agreement", "continuation_equal"}],
-     "summary": {"samples", "equal", "max_kl", "argmax_agreement", "continuations_equal"}}
-  returned as {"config", "samples" (count), "equal" (count), "max_kl", "source"}; counts come
-  from the summary, or from the samples list when there is no summary."""
-  found = []
-  for path in sorted(pathlib.Path(results).glob('graft_exactness_*.json')):
-    data = load_json(path)
-    if data is None:
-      continue
-    summary = data.get('summary') or {}
-    samples = data.get('samples') or []
-    total = summary.get('samples', len(samples))
-    equal = summary.get('equal', sum(bool(s.get('equal')) for s in samples))
-    if not total:
+def graft_exactness_results(found: Found) -> list[dict[str, Any]]:
+  """Every graft-exactness result as {"config", "samples" (count), "equal" (count), "max_kl",
+  "source"}."""
+  out = []
+  for path, data in found['graft_exactness']:
+    summary = data['summary']
+    if not summary.get('samples'):
       logging.warning('skipping %s: no samples', path)
       continue
-    found.append({'config': data.get('config') or {}, 'samples': int(total), 'equal': int(equal),
-                  'max_kl': summary.get('max_kl'), 'source': path.name})
-  return found
+    out.append({'config': data.get('config') or {}, 'samples': int(summary['samples']),
+                'equal': int(summary['equal']), 'max_kl': summary.get('max_kl'),
+                'source': path.name})
+  return out
+
+
+def rope_float_result(found: Found) -> dict[str, Any] | None:
+  """The RoPE float analysis (the last file in name order when there are several)."""
+  return found['rope_float'][-1][1] if found['rope_float'] else None
 
 
 def group_rows(rows: Iterable[dict[str, Any]], keys: Sequence[str]) -> dict[tuple, list[dict]]:
@@ -150,10 +108,9 @@ def _label(model, weights, dtype) -> str:
 
 
 def _save(fig, path: pathlib.Path) -> pathlib.Path:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=DPI, bbox_inches='tight')
+  files.write_atomic(str(path), lambda f: fig.savefig(f, format='png', dpi=DPI,
+                                                      bbox_inches='tight'))
   plt.close(fig)
-  logging.info('wrote %s', path)
   return path
 
 
@@ -186,7 +143,7 @@ def _symlog_y(ax, values: Iterable[float]) -> None:
 def position_exactness(rows: Sequence[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | None:
   rows = [r for r in rows if r.get('rope') == 'float']
   if not rows:
-    logging.warning('position_exactness: no position_sweep_*_float.json results; skipped')
+    logging.warning('position_exactness: no float-RoPE position-sweep results; skipped')
     return None
   groups = group_rows(rows, ('model', 'weights', 'dtype'))
   fig, axes = plt.subplots(len(groups), 2, figsize=(11, 3.8 * len(groups)), squeeze=False,
@@ -283,10 +240,10 @@ def _rope_dtype(rope_result: dict[str, Any]) -> str | None:
 
 def rope_composition_error(rope_result: dict[str, Any] | None, path: pathlib.Path,
                            offsets: Sequence[int] = (1, 1024)) -> pathlib.Path | None:
-  """One row of panels per offset δ (those of `offsets` that rope_float.json has), one panel per
+  """One row of panels per offset δ (those of `offsets` the rope_float result has), one panel per
   layer type, one line per rotation pair."""
   if rope_result is None:
-    logging.warning('rope_composition_error: no %s; skipped', ROPE_FLOAT_FILE)
+    logging.warning('rope_composition_error: no rope_float result; skipped')
     return None
   config, layers = rope_result.get('config', {}), rope_result.get('layer_types', {})
   dtype = _rope_dtype(rope_result)
@@ -295,10 +252,11 @@ def rope_composition_error(rope_result: dict[str, Any] | None, path: pathlib.Pat
   if not chosen:
     chosen = [d for d in available if d != 0][:1]
     if chosen:
-      logging.warning('rope_composition_error: offsets %s not in %s; using %d', list(offsets),
-                      ROPE_FLOAT_FILE, chosen[0])
+      logging.warning('rope_composition_error: offsets %s not in the rope_float result; '
+                      'using %d', list(offsets), chosen[0])
   if not chosen or not layers or dtype is None:
-    logging.warning('rope_composition_error: %s has no nonzero offset; skipped', ROPE_FLOAT_FILE)
+    logging.warning('rope_composition_error: the rope_float result has no nonzero offset; '
+                    'skipped')
     return None
   positions = np.array(config['composition_positions'], np.float64)
   fig, axes = plt.subplots(len(chosen), len(layers), figsize=(4.2 * len(layers), 3.6 * len(chosen)),
@@ -326,11 +284,11 @@ def rope_composition_error(rope_result: dict[str, Any] | None, path: pathlib.Pat
 
 def rope_angle_error(rope_result: dict[str, Any] | None, path: pathlib.Path) -> pathlib.Path | None:
   if rope_result is None:
-    logging.warning('rope_angle_error: no %s; skipped', ROPE_FLOAT_FILE)
+    logging.warning('rope_angle_error: no rope_float result; skipped')
     return None
   layers = rope_result.get('layer_types', {})
   if not layers:
-    logging.warning('rope_angle_error: %s has no layer types; skipped', ROPE_FLOAT_FILE)
+    logging.warning('rope_angle_error: the rope_float result has no layer types; skipped')
     return None
   fig, ax = plt.subplots(figsize=(8, 5), layout='constrained')
   values = []
@@ -355,11 +313,12 @@ def rope_angle_error(rope_result: dict[str, Any] | None, path: pathlib.Path) -> 
 def rope_composition_exactness(rope_result: dict[str, Any] | None,
                                path: pathlib.Path) -> pathlib.Path | None:
   if rope_result is None:
-    logging.warning('rope_composition_exactness: no %s; skipped', ROPE_FLOAT_FILE)
+    logging.warning('rope_composition_exactness: no rope_float result; skipped')
     return None
   layers = rope_result.get('layer_types', {})
   if not layers:
-    logging.warning('rope_composition_exactness: %s has no layer types; skipped', ROPE_FLOAT_FILE)
+    logging.warning('rope_composition_exactness: the rope_float result has no layer types; '
+                    'skipped')
     return None
   fig, axes = plt.subplots(1, len(layers), figsize=(4.2 * len(layers), 3.8), squeeze=False,
                            sharey=True, layout='constrained')
@@ -431,7 +390,7 @@ def position_controls(rows: Sequence[dict[str, Any]], path: pathlib.Path) -> pat
 
 def graft_exactness(results: Sequence[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | None:
   if not results:
-    logging.warning('graft_exactness: no results/graft_exactness_*.json; skipped')
+    logging.warning('graft_exactness: no graft-exactness results; skipped')
     return None
   labels, totals, equals = [], [], []
   for r in results:
@@ -459,34 +418,48 @@ def graft_exactness(results: Sequence[dict[str, Any]], path: pathlib.Path) -> pa
 # --------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Figure:
+  """A figure: the result kinds it reads, how it picks its input from them, how it draws."""
+
+  name: str
+  kinds: tuple[str, ...]
+  inputs: Callable[[Found, dict], Any]  # (results by kind, options) -> the draw function's input
+  draw: Callable[..., pathlib.Path | None]  # (input, path) -> path, or None when skipped
+
+
+FIGURES: tuple[Figure, ...] = (
+    Figure('position_exactness', ('position_sweep',),
+           lambda found, _: position_sweep_rows(found), position_exactness),
+    Figure('layer_divergence', ('position_sweep',),
+           lambda found, _: position_sweep_rows(found), layer_divergence),
+    Figure('rope_composition_error', ('rope_float',),
+           lambda found, options: (rope_float_result(found), options['composition_offsets']),
+           lambda inputs, path: rope_composition_error(inputs[0], path, inputs[1])),
+    Figure('rope_angle_error', ('rope_float',),
+           lambda found, _: rope_float_result(found), rope_angle_error),
+    Figure('rope_composition_exactness', ('rope_float',),
+           lambda found, _: rope_float_result(found), rope_composition_exactness),
+    Figure('position_controls', ('position_sweep',),
+           lambda found, _: position_sweep_rows(found), position_controls),
+    Figure('graft_exactness', ('graft_exactness',),
+           lambda found, _: graft_exactness_results(found), graft_exactness),
+)
+
+
 def draw_figures(results: str | pathlib.Path, output: str | pathlib.Path, *,
                  composition_offsets: Sequence[int] = (1, 1024)) -> dict[str, pathlib.Path | None]:
   """Draws every figure whose inputs exist in `results` into `output`; returns name -> path
-  (None for a skipped figure)."""
-  results, output = pathlib.Path(results), pathlib.Path(output)
-  if not results.is_dir():
-    logging.warning('results directory %s does not exist; no figures drawn', results)
-  sweeps = load_position_sweeps(results)
-  rope_path = results / ROPE_FLOAT_FILE
-  rope_result = load_json(rope_path) if rope_path.exists() else None
-  out = lambda name: output / f'{name}.png'
-  drawn = {
-      'position_exactness': position_exactness(sweeps, out('position_exactness')),
-      'layer_divergence': layer_divergence(sweeps, out('layer_divergence')),
-      'rope_composition_error': rope_composition_error(rope_result, out('rope_composition_error'),
-                                                       composition_offsets),
-      'rope_angle_error': rope_angle_error(rope_result, out('rope_angle_error')),
-      'rope_composition_exactness': rope_composition_exactness(
-          rope_result, out('rope_composition_exactness')),
-      'position_controls': position_controls(sweeps, out('position_controls')),
-      'graft_exactness': graft_exactness(load_graft_exactness(results), out('graft_exactness')),
-  }
-  if sweeps:  # the layer-by-layer account, next to figure (b)
-    for s in rope_float.summarize_layer_propagation({'rows': sweeps}):
-      if s['first_differing_layer'] is not None:
-        logging.info('%s %s %s %s δ=%s: first differing layer %s, mean growth per layer %s',
-                     s['model'], s['dtype'], s['rope'], s['method'], s['offset'],
-                     s['first_differing_layer'], s['mean_growth_factor'])
+  (None for a skipped figure). Logs one line per figure."""
+  found = results_lib.load(results)
+  options = {'composition_offsets': tuple(composition_offsets)}
+  drawn = {}
+  for figure in FIGURES:
+    path = pathlib.Path(output) / f'{figure.name}.png'
+    drawn[figure.name] = figure.draw(figure.inputs(found, options), path)
+    sources = ', '.join(f'{len(found[kind])} {kind}' for kind in figure.kinds)
+    if drawn[figure.name]:
+      logging.info('%s: drawn from %s results -> %s', figure.name, sources, path)
   return drawn
 
 
@@ -494,15 +467,11 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  """Defines the entry point's flags (from __main__ and tests; see rope_float.define_flags)."""
-  def define(kind, name, default, help_text):
-    if name not in FLAGS:
-      getattr(flags, f'DEFINE_{kind}')(name, default, help=help_text)
-
-  define('string', 'results', 'results', 'Directory holding the results JSON files.')
-  define('string', 'output', 'figures', 'Directory to write the PNG figures into.')
-  define('list', 'composition_offsets', ['1', '1024'], 'Offsets δ of the RoPE composition '
-         'figure (one row each).')
+  """Flags of this entry point (defined only when it runs, so importing it is free)."""
+  flags.DEFINE_string('results', 'results', 'Directory holding the results JSON files.')
+  flags.DEFINE_string('output', 'figures', 'Directory to write the PNG figures into.')
+  flags.DEFINE_list('composition_offsets', ['1', '1024'], 'Offsets δ of the RoPE composition '
+                    'figure (one row each).')
 
 
 def main(argv: Sequence[str]) -> None:

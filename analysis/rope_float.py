@@ -5,9 +5,10 @@ A shifted graft moves a cached key from position p to p + δ. Two ways exist: re
 at p + δ. The second applies the same function to the same pre-RoPE key as a fresh computation
 at p + δ, so layer 0's keys come out exact; deeper layers' keys were computed from hidden states
 that attended at the old positions and still differ (experiments/position_sweep measures that).
-The first is exact only if R(δ) R(p) x == R(p + δ) x bit for bit, and this module measures, with
-our own float32 `gemma_jax.rope.apply_rope` path, how often that holds and how large the error is
-when it does not.
+The first is exact only if R(δ) R(p) x == R(p + δ) x bit for bit. This module measures, with the
+model's own float32 `gemma_jax.rope.apply_rope` path, how often that holds and how large the
+error is when it does not. `python -m experiments.rope_float` runs it and writes
+results/rope_float.json; the README quotes its numbers.
 
 Four layer types (see gemma_jax/config.py):
   local             θ = 10k, H = 256 (Gemma 2/3/4 local layers)
@@ -15,51 +16,29 @@ Four layer types (see gemma_jax/config.py):
   global_scale8     θ = 1M,  H = 256, linear scale 8 (Gemma 3 4B+ global layers)
   gemma4_global     θ = 1M,  H = 512, only 25% of the pairs rotate (Gemma 4 global layers)
 
-Facts this module computes (`python -m analysis.rope_float` writes them to results/rope_float.json;
-the numbers quoted here were measured with jax 0.10.2 on XLA:CPU, none is assumed):
+What is measured, and why:
 
-* float32 angle resolution. Pair 0 has timescale exactly 1, so its angle is the position itself,
-  exact, with float32 spacing 2^(floor(log2 p) - 23): 2^-8 = 0.00390625 rad at p = 32,768 and
-  2^-6 = 0.015625 rad at p = 131,072 (as shared/reference/gemma.md says). Every other pair's angle
-  is rounded: the worst angle error over the pairs is 9.7e-4 rad (local) / 8.7e-4 rad (global) at
-  p = 32,768 and 3.9e-3 / 3.5e-3 rad at 131,072 (a quarter of the spacing at p: half the spacing
-  of the largest rounded angle, which lies below p); over the whole grid at most 1.37 ulps of
-  the angle (82% of angles are correctly rounded). The error grows linearly with the position
-  (log-log slope 1.00) and stays below 0.91 times the float32 spacing at the position's largest
-  angle. Linear scale 8 is an exact division by a power of two: angles and their errors are 8x
-  smaller (4.4e-4 rad at 131,072). The float32 timescales are correctly rounded (<= 0.49 ulp) and
-  sin/cos of the rounded angle are accurate (<= 0.56 ulp), so the angle's rounding is what grows.
-* XLA rewrites the reference's `position / timescale` under jit. The algebraic simplifier turns
-  `p / base**f` into `p * base**(-f)` (a multiplication by an inverse frequency, as HF does), and
-  CPU loop fusions contract `x1 * cos - x2 * sin` into a fused multiply-add. So apply_rope has
-  different bits eagerly and under jit (25-30% of the rotated pairs' angles differ). This module
-  measures the jitted path, which is what the model runs; `--execution=eager` measures the other.
-* The rotation against float64. In float32 the error grows linearly with the position, to
-  0.002-0.015 in absolute terms near 131,072 (up to 1e5 float32 ulps of the pair's norm); in
-  bfloat16 it stays within 1.4 bfloat16 ulps of the pair's norm (98.7-99.8% of the outputs are
-  correctly rounded): the float32 angle error at long context is of the order of bfloat16's
-  resolution.
-* Composition. R(0) R(p) x == R(p) x bit for bit (sin 0 = 0 and cos 0 = 1 exactly), and with the
-  quarter-turn control table (sin, cos in {0, ±1}) R(δ) R(p) x == R(p + δ) x bit for bit for
-  every δ and p, for nonzero normal inputs; with exact zeros in x only the values agree (x * 0
-  takes x's sign, so the sign of a zero depends on the path) and XLA:CPU flushes subnormals.
-  With float RoPE in float32, for every δ ≠ 0 measured (1, 2, 3, 5, 7, 16, 64, 1024, 4096, 2^16)
-  only 0.02-4.3% of the (position, pair) samples are bit-exact for all four random vectors (2-31%
-  of single samples; exact pairs are a little more common at low frequencies and short
-  positions). The error is 1-8 float32 ulps of the pair's norm at positions up to 8 and grows
-  linearly with the position (log-log slope about 1 for small δ) to about 0.01 at 131,072 (0.001
-  with scale 8). In bfloat16 the output rounding dominates: 4-56% of the pairs are exact, the
-  rest are off by 1-2 bfloat16 ulps of the pair's norm, whatever the position. Own position
-  (δ = 0) is the only offset at which re-rotation is exact for float RoPE. (Position 0 is left
-  out of the composition grid: R(0) is the identity, so R(δ)R(0)x and R(δ)x are one computation.)
-* Partial rotary (Gemma 4 global): the 75% of pairs that do not rotate are bit-identical under
-  any shift; only the 25% rotated pairs carry error, so the exact fraction of all dimensions is
-  0.75 plus 0.25 times the rotated pairs' exact fraction (0.7501-0.7504 in float32).
-
-Library functions (the tests and analysis.figures call them directly):
-  layer_types, position_grid, reference_angles, float32_angles, angle_error, rotation_error,
-  composition_error, find_composition_witness, ulp_distance, ulp_of,
-  summarize_layer_propagation, analyze.
+* Angle rounding (`angle_error`). Pair 0 has timescale exactly 1, so its angle is the position
+  itself, exact, with float32 spacing 2^(floor(log2 p) - 23) (docs/gemma.md). Every other pair's
+  angle p / θ^(2i/H) is rounded, and the rounding grows linearly with the position; the error
+  is compared with the float32 spacing at the position's largest angle. Linear scale 8 divides
+  by a power of two, exactly.
+* The jitted program is what counts. XLA's algebraic simplifier turns the reference's
+  `p / base**f` into `p * base**(-f)` (a multiplication by an inverse frequency) and CPU loop
+  fusions contract `x1 * cos - x2 * sin` into a fused multiply-add, so apply_rope has other
+  bits eagerly than under jit; the analysis measures the jitted path by default (the model's)
+  and `execution='eager'` the other.
+* The rotation against float64 (`rotation_error`): per component and in ulps of the pair's norm
+  (a rotation keeps the norm, so that is its natural unit; per-component ulps explode where a
+  component crosses zero).
+* Composition (`composition_error`): R(δ) R(p) x against R(p + δ) x, per position and pair,
+  for float RoPE and the quarter-turn control, whose sin and cos are exactly 0 or ±1 so that it
+  composes bit for bit (R(0) is the identity for every mode, so δ = 0 is exact and position 0
+  is left out of the grid). `find_composition_witness` returns one differing case as plain
+  values that reproduce it alone.
+* Partial rotary (Gemma 4 global): the unrotated 75% of the pairs must stay bit-identical under
+  any shift; only the rotated 25% can carry error.
+* Propagation through the layers (`summarize_layer_propagation`), from position-sweep results.
 """
 
 from __future__ import annotations
@@ -74,8 +53,6 @@ import pathlib
 import platform
 from typing import Any, Iterable, Sequence
 
-from absl import app
-from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -83,7 +60,11 @@ import numpy as np
 
 from gemma_jax import config as config_lib
 from gemma_jax import rope
+from gemma_jax.compare import bits_equal, ulp_distance
 
+# Offsets δ of the composition measurement: δ = 0 (must be exact), the smallest shifts (where a
+# rounding coincidence is likeliest), a few powers of two up to 2^16. Fewer than the position
+# sweep's (experiments/position_sweep.py): every offset here costs per-pair curves in the JSON.
 DEFAULT_OFFSETS = (0, 1, 2, 3, 5, 7, 16, 64, 1024, 4096, 2**16)
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 COMPOSITION_MODES = ('float', 'quarter_turn')
@@ -173,31 +154,6 @@ def ulp_of(x: np.ndarray, dtype) -> np.ndarray:
   _, exponent = np.frexp(x)  # x = m * 2^exponent, 0.5 <= m < 1 (exponent 0 for x = 0)
   exponent = np.where(x == 0, info.minexp, np.maximum(exponent - 1, info.minexp))
   return np.ldexp(1.0, exponent - info.nmant)
-
-
-def _ordered_bits(x: np.ndarray) -> np.ndarray:
-  """Maps floats to int64 so that adjacent floats differ by 1 (+0 and -0 both map to 0)."""
-  x = np.asarray(x)
-  nbits = 8 * x.dtype.itemsize
-  raw = x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize]).astype(np.int64)
-  sign = raw >> (nbits - 1)
-  magnitude = raw & ((1 << (nbits - 1)) - 1)
-  return np.where(sign == 1, -magnitude, magnitude)
-
-
-def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-  """[...] int64: how many representable floats lie between a and b (same dtype, finite)."""
-  a, b = np.asarray(a), np.asarray(b)
-  if a.dtype != b.dtype:
-    raise ValueError(f'ulp_distance needs one dtype, got {a.dtype} and {b.dtype}')
-  return np.abs(_ordered_bits(a) - _ordered_bits(b))
-
-
-def bits_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-  """[...] bool: elementwise equality of the raw bytes (so -0.0 != +0.0, NaN == same NaN)."""
-  a, b = np.asarray(a), np.asarray(b)
-  view = {2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
-  return a.view(view) == b.view(view)
 
 
 def _pairs_equal(a: np.ndarray, b: np.ndarray, half: int) -> np.ndarray:
@@ -582,68 +538,3 @@ def analyze(*, max_position: int = 131_072, dtypes: Sequence[str] = ('float32', 
   if sweep_results:
     result['propagation'] = [s for path in sweep_results for s in summarize_layer_propagation(path)]
   return result
-
-
-def to_json(obj: Any, indent: int = 0) -> str:
-  """JSON with one key per line but every list of numbers on a single line (readable diffs,
-  small files)."""
-  pad, inner = ' ' * indent, ' ' * (indent + 1)
-  if isinstance(obj, dict) and obj:
-    items = [f'{inner}{json.dumps(str(k))}: {to_json(v, indent + 1)}' for k, v in obj.items()]
-    return '{\n' + ',\n'.join(items) + '\n' + pad + '}'
-  if isinstance(obj, list) and any(isinstance(v, (dict, list)) for v in obj):
-    return '[\n' + ',\n'.join(inner + to_json(v, indent + 1) for v in obj) + '\n' + pad + ']'
-  return json.dumps(obj)
-
-
-FLAGS = flags.FLAGS
-
-
-def define_flags() -> None:
-  """Defines the entry point's flags. Called from __main__ (and by tests), not at import, so that
-  importing this module next to another entry point (analysis.figures also has --output) does not
-  clash; a flag another module already defined is shared, not redefined."""
-  def define(kind, name, default, help_text, **kwargs):
-    if name not in FLAGS:
-      getattr(flags, f'DEFINE_{kind}')(name, default, help=help_text, **kwargs)
-
-  define('string', 'output', 'results/rope_float.json', 'Where to write the JSON result.')
-  define('integer', 'positions', 131_072, 'Largest position of the log grid.')
-  define('list', 'dtypes', ['float32', 'bfloat16'], f'Activation dtypes: {sorted(DTYPES)}.')
-  define('list', 'head_dims', ['256'], 'Head dims of the local/global/global-scale-8 layer '
-         'types (Gemma 4 global always uses 512).')
-  define('list', 'offsets', [str(d) for d in DEFAULT_OFFSETS], 'Shift offsets δ.')
-  define('integer', 'grid_points', 40, 'Points of the log position grid (powers of two added).')
-  define('integer', 'vectors', 4, 'Random vectors per position.')
-  define('integer', 'seed', 0, 'Seed of the random vectors.')
-  define('enum', 'execution', 'jit', 'Run apply_rope jitted (as the model does) or eagerly '
-         '(op by op).', enum_values=['jit', 'eager'])
-  define('list', 'sweep_results', [], 'Optional position-sweep JSON files whose per-layer K/V '
-         'divergence to summarize (see summarize_layer_propagation).')
-
-
-def main(argv: Sequence[str]) -> None:
-  del argv
-  for name in FLAGS.dtypes:
-    if name not in DTYPES:
-      raise app.UsageError(f'unknown dtype {name!r}; expected one of {sorted(DTYPES)}')
-  result = analyze(max_position=FLAGS.positions, dtypes=FLAGS.dtypes,
-                   head_dims=[int(h) for h in FLAGS.head_dims],
-                   offsets=[int(d) for d in FLAGS.offsets], grid_points=FLAGS.grid_points,
-                   vectors=FLAGS.vectors, seed=FLAGS.seed, execution=FLAGS.execution,
-                   sweep_results=FLAGS.sweep_results)
-  output = pathlib.Path(FLAGS.output)
-  output.parent.mkdir(parents=True, exist_ok=True)
-  tmp = output.with_name(output.name + '.tmp')
-  tmp.write_text(to_json(result) + '\n')
-  os.replace(tmp, output)  # atomic: readers never see half a file
-  for name, summary in result['summary'].items():
-    logging.info('%s: angle error %s; float32 exact fraction %s', name,
-                 summary['angle_max_abs_error_at'],
-                 summary['composition_exact_fraction'].get('float32', {}).get('float'))
-  print(f'wrote {output}')
-
-
-if __name__ == '__main__':
-  define_flags()
-  app.run(main)

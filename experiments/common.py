@@ -1,8 +1,14 @@
 """Flags and helpers shared by the experiment entry points.
 
-Every experiment takes the model flags (--model, --weights, --dtype) and, where it runs an
-engine, the engine flags (--engine, --attention, --block_size, --cache_len). Results are written
-as JSON with the full config, atomically (a temporary file renamed into place).
+Convention: every entry point defines its flags in a `define_flags()` called only under
+`if __name__ == '__main__'`, so every module imports as a library (the main job and the tests
+import several). Model flags (--model, --weights, --dtype) and engine flags (--engine,
+--attention, --block_size, --cache_len) come from here.
+
+Results are written by `write_result`: the JSON gets its schema tag (analysis/results.py), the
+code state it was made from (`provenance`) and is written atomically (gemma_jax.files). An
+entry point whose --output is not given writes results/<kind>_<config parts>.json
+(`default_output`).
 """
 
 from __future__ import annotations
@@ -10,15 +16,29 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
-import uuid
 
 from absl import flags, logging
 
-from gemma_jax import weights
-from graft.engine import ATTENTIONS, ENGINES, Engine, PinnedConfig
+from analysis import results as results_schema
+from gemma_jax import files, weights
+from gemma_jax.attention import IMPLEMENTATIONS
+from graft.engine import MODES, Engine, EngineConfig
 
 FLAGS = flags.FLAGS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Global-layer KV slots for the graft experiments: the longest sample (a 2,070-token library
+# plus a 128-token query, experiments/samples.py) rounded up to a whole number of 512-slot
+# Pallas tiles and 16-row blocks.
+GRAFT_CACHE_LEN = 2560
+
+# Paths whose changes do not change what the code computes: a run that rewrote results is
+# still a run of the committed code.
+_OUTPUT_PATHS = ('results/', 'manifests/', 'figures/')
 
 
 def define_model_flags() -> None:
@@ -30,10 +50,10 @@ def define_model_flags() -> None:
 
 
 def define_engine_flags(engine_default: str = 'pinned', cache_len: int = 4096) -> None:
-  flags.DEFINE_enum('engine', engine_default, ENGINES,
+  flags.DEFINE_enum('engine', engine_default, MODES,
                     'pinned: fixed-shape byte-exact engine; default: the plain fast path.')
-  flags.DEFINE_enum('attention', 'xla', ATTENTIONS, 'Attention implementation.')
-  flags.DEFINE_integer('block_size', PinnedConfig.block_size,
+  flags.DEFINE_enum('attention', 'xla', list(IMPLEMENTATIONS), 'Attention implementation.')
+  flags.DEFINE_integer('block_size', EngineConfig.block_size,
                        'Token rows per transformer call (pinned engine).')
   flags.DEFINE_integer('cache_len', cache_len, 'KV slots: the most tokens a context holds.')
 
@@ -43,43 +63,62 @@ def load_model() -> weights.LoadedModel:
   return weights.load(FLAGS.model, FLAGS.weights, FLAGS.dtype)
 
 
-def pinned_config(**overrides) -> PinnedConfig:
-  values = dict(engine=FLAGS.engine, attention=FLAGS.attention, block_size=FLAGS.block_size,
+def engine_config(**overrides) -> EngineConfig:
+  """The EngineConfig the engine flags describe (with `overrides`)."""
+  values = dict(mode=FLAGS.engine, attention=FLAGS.attention, block_size=FLAGS.block_size,
                 cache_len=FLAGS.cache_len, xla_flags=os.environ.get('XLA_FLAGS', ''))
   values.update(overrides)
-  return PinnedConfig(**values)
+  return EngineConfig(**values)
 
 
 def make_engine(loaded: weights.LoadedModel, **overrides) -> Engine:
-  return Engine(loaded, pinned_config(**overrides))
+  return Engine(loaded, engine_config(**overrides))
 
 
 def model_config_json() -> dict:
   return {'model': FLAGS.model, 'weights': FLAGS.weights, 'dtype': FLAGS.dtype}
 
 
-def staging_path(path: str, suffix: str = '') -> str:
-  """A fresh hidden name next to `path`, to write to and then rename into place (created with
-  the umask's permissions, unlike mkstemp's owner-only files)."""
-  directory, name = os.path.split(os.path.abspath(path))
-  return os.path.join(directory, f'.{name}.{uuid.uuid4().hex}{suffix}')
+def provenance() -> dict:
+  """The code a result was made from: `git_commit` is the commit only when the tracked and
+  untracked source files equal it; otherwise it is None, `git_base_commit` names the commit
+  the changes sit on and `git_modified_files` lists them (a dirty tree is never recorded as a
+  commit). Changes under results/, manifests/ and figures/ do not count."""
+  def git(*args):
+    try:
+      return subprocess.run(['git', *args], capture_output=True, text=True, timeout=30,
+                            cwd=REPO).stdout
+    except (OSError, subprocess.SubprocessError):
+      return ''
+  head = git('rev-parse', 'HEAD').strip() or None
+  status = git('status', '--porcelain', '--untracked-files=all')
+  modified = sorted(line[3:] for line in status.splitlines()
+                    if line and not line[3:].startswith(_OUTPUT_PATHS))
+  return {'git_commit': None if modified else head, 'git_base_commit': head,
+          'git_modified_files': modified,
+          'command': ' '.join(['python -m', _entry_point()] + sys.argv[1:])}
 
 
-def write_json(path: str, value) -> None:
-  """Writes JSON atomically: readers see the old file or the new one, never half of one."""
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  staging = staging_path(path)
-  try:
-    with open(staging, 'x') as f:
-      json.dump(value, f, indent=1)
-      f.write('\n')
-    os.replace(staging, path)
-  except BaseException:
-    if os.path.exists(staging):
-      os.unlink(staging)
-    raise
+def _entry_point() -> str:
+  main = sys.modules.get('__main__')
+  spec = getattr(main, '__spec__', None)
+  return spec.name if spec and spec.name else os.path.basename(sys.argv[0])
+
+
+def default_output(kind: str, *parts) -> str:
+  """results/<kind>_<part>_<part>....json, leaving out empty parts."""
+  name = '_'.join([kind] + [str(p) for p in parts if p not in (None, '')])
+  return os.path.join('results', name + '.json')
+
+
+def write_result(path: str, kind: str, result: dict) -> dict:
+  """Writes a result of `kind` atomically, with its schema tag and its provenance in
+  result['config']; returns what was written."""
+  tagged = {'schema': results_schema.tag(kind), **result}
+  tagged['config'] = {**result.get('config', {}), **provenance()}
+  files.write_json(path, tagged)
   logging.info('wrote %s', path)
+  return tagged
 
 
 def median_seconds(fn, repeats: int) -> float:

@@ -1,27 +1,28 @@
 """Graft exactness: are grafted logits byte-for-byte those of a fresh computation?
 
-  python -m experiments.graft_exactness --samples=50 --output=results/graft_exactness.json
+  python -m experiments.graft_exactness --samples=50 --manifest=manifests/NAME.json
   python -m experiments.graft_exactness --input=pairs.jsonl --engine=default --output=...
 
 Samples are drawn by a seeded generator from real text (experiments/samples.py) or read from
 --input (one {"library": text, "query": text} per line). For each, the fresh side computes
 library + query from scratch; the graft side has a separately constructed engine write the
 library's artifact to disk, restores it (verified) and processes the query (graft/exactness.py).
-The output JSON holds the full config, one row per sample and a summary; --manifest also writes
-the replayable evidence (token ids and output hashes) for experiments.replay.
+The output JSON (schema graft_exactness, analysis/results.py; default
+results/graft_exactness_<model>_<dtype>[_<engine>][_<attention>].json) holds the full config, one
+row per sample and a summary; --manifest also writes the replayable evidence (token ids and
+output hashes) for experiments.replay.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import tempfile
 
-import numpy as np
 from absl import app, flags, logging
 
 from experiments import common, samples
+from gemma_jax import compare, files
 from graft import exactness
 
 FLAGS = flags.FLAGS
@@ -32,25 +33,21 @@ def define_flags() -> None:
   flags.DEFINE_integer('samples', 50, 'Samples to draw from real text (ignored with --input).')
   flags.DEFINE_integer('seed', 0, 'Seed of the sample generator.')
   flags.DEFINE_string('input', None, 'JSONL of {"library": text, "query": text} pairs.')
-  flags.DEFINE_string('output', None, 'Results JSON.', required=True)
+  flags.DEFINE_string('output', None, 'Results JSON (default: named after the config).')
   flags.DEFINE_string('manifest', None, 'Also write a replayable manifest here.')
   flags.DEFINE_integer('continuation_tokens', 32, 'Greedy tokens compared after the query.')
   flags.DEFINE_string('artifact_dir', None, 'Where artifacts go (default: a temporary directory).')
   common.define_model_flags()
-  common.define_engine_flags(cache_len=2560)
+  common.define_engine_flags(cache_len=common.GRAFT_CACHE_LEN)
 
 
 def run_config(engine) -> dict:
   return {**common.model_config_json(), 'engine': FLAGS.engine, 'attention': FLAGS.attention,
-          'pinned': dataclasses.asdict(engine.pinned), 'samples': FLAGS.samples,
+          'engine_config': dataclasses.asdict(engine.engine_config), 'samples': FLAGS.samples,
           'seed': FLAGS.seed, 'input': FLAGS.input,
           'continuation_tokens': FLAGS.continuation_tokens,
           'model_fingerprint': engine.model_fingerprint['sha256'],
           'engine_fingerprint': engine.fingerprint}
-
-
-def ids_sha256(ids) -> str:
-  return hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest()
 
 
 def run(engine, writer, pairs: list[samples.Sample], artifact_dir: str) -> list[dict]:
@@ -75,7 +72,8 @@ def manifest(config: dict, engine, pairs, rows) -> dict:
       'model_fingerprint': engine.model_fingerprint,
       'engine_fingerprint': engine.fingerprint,
       'samples': [{'library': list(s.library), 'query': list(s.query),
-                   'input_sha256': ids_sha256(list(s.library) + [-1] + list(s.query)),
+                   'input_sha256': compare.token_ids_sha256(
+                       list(s.library) + [-1] + list(s.query)),
                    'fresh_sha256': r['fresh_sha256'], 'graft_sha256': r['graft_sha256'],
                    'continuation_sha256': r['continuation_sha256']}
                   for s, r in zip(pairs, rows)],
@@ -96,9 +94,13 @@ def main(argv):
   with tempfile.TemporaryDirectory() as scratch:
     rows = run(engine, writer, pairs, FLAGS.artifact_dir or scratch)
   summary = exactness.summarize(rows)
-  common.write_json(FLAGS.output, {'config': config, 'samples': rows, 'summary': summary})
+  output = FLAGS.output or common.default_output(
+      'graft_exactness', FLAGS.model, FLAGS.dtype, FLAGS.engine if FLAGS.engine != 'pinned' else '',
+      FLAGS.attention if FLAGS.attention != 'xla' else '')
+  written = common.write_result(output, 'graft_exactness',
+                                {'config': config, 'samples': rows, 'summary': summary})
   if FLAGS.manifest:
-    common.write_json(FLAGS.manifest, manifest(config, engine, pairs, rows))
+    files.write_json(FLAGS.manifest, manifest(written['config'], engine, pairs, rows))
   print(f"{summary['equal']}/{summary['samples']} SHA-256 equal, max KL {summary['max_kl']:.3g}, "
         f"argmax agreement {summary['argmax_agreement']:.4f}, "
         f"{summary['continuations_equal']}/{summary['samples']} continuations equal")

@@ -17,7 +17,6 @@ this is the timing part of the device check; compare hashes across runs and mach
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 import time
@@ -29,33 +28,35 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma_jax.attention import attend
+from gemma_jax.compare import sha256_bytes
+from gemma_jax.files import write_json
 from gemma_jax.kernels import make_pallas_attention
 
-_CONTEXTS = flags.DEFINE_list('contexts', None,
-                              'Cache sizes S. Default: 1024 on CPU, 4096,32768 elsewhere.')
-_HEAD_DIM = flags.DEFINE_integer('head_dim', 256, 'H.')
-_NUM_HEADS = flags.DEFINE_integer('num_heads', 8, 'N, query heads.')
-_NUM_KV_HEADS = flags.DEFINE_integer('num_kv_heads', 4, 'K, KV heads (N % K == 0).')
-_BATCH = flags.DEFINE_integer('batch', 1, 'B.')
-_DTYPE = flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'q, k, v dtype.')
-_PREFILL_ROWS = flags.DEFINE_integer('prefill_rows', 128, 'T of the prefill block.')
-_WINDOW = flags.DEFINE_integer('window', None, 'Sliding window (None: global attention).')
-_SOFTCAP = flags.DEFINE_float('softcap', None, 'Attention logit softcap (None: off).')
-_TILE_SIZE = flags.DEFINE_integer('tile_size', None, 'KV tile (None: the backend default).')
-_BLOCK_Q = flags.DEFINE_integer('block_q', None, 'Query rows per block (None: the default).')
-_REPEATS = flags.DEFINE_integer('repeats', 5, 'Timed runs per measurement (median reported).')
-_SEED = flags.DEFINE_integer('seed', 0, 'Seed of the random q, k, v.')
-_SHA256_ONLY = flags.DEFINE_bool('sha256_only', False,
-                                 'Only compute and print the kernel output hashes (no timing).')
-_OUTPUT = flags.DEFINE_string('output', None, 'Write the JSON report here.')
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Flags of this entry point (defined only when it runs, so importing it is free)."""
+  flags.DEFINE_list('contexts', None,
+                    'Cache sizes S. Default: 1024 on CPU, 4096,32768 elsewhere.')
+  flags.DEFINE_integer('head_dim', 256, 'H.')
+  flags.DEFINE_integer('num_heads', 8, 'N, query heads.')
+  flags.DEFINE_integer('num_kv_heads', 4, 'K, KV heads (N % K == 0).')
+  flags.DEFINE_integer('batch', 1, 'B.')
+  flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'q, k, v dtype.')
+  flags.DEFINE_integer('prefill_rows', 128, 'T of the prefill block.')
+  flags.DEFINE_integer('window', None, 'Sliding window (None: global attention).')
+  flags.DEFINE_float('softcap', None, 'Attention logit softcap (None: off).')
+  flags.DEFINE_integer('tile_size', None, 'KV tile (None: the backend default).')
+  flags.DEFINE_integer('block_q', None, 'Query rows per block (None: the default).')
+  flags.DEFINE_integer('repeats', 5, 'Timed runs per measurement (median reported).')
+  flags.DEFINE_integer('seed', 0, 'Seed of the random q, k, v.')
+  flags.DEFINE_bool('sha256_only', False,
+                    'Only compute and print the kernel output hashes (no timing).')
+  flags.DEFINE_string('output', None, 'Write the JSON report here.')
+
 
 _MAX_ROWS = 1024  # queries are the last rows of one fixed draw, so decode's row is prefill's last
-
-
-def sha256_of(x: jax.Array) -> str:
-  """SHA-256 of an array's raw bytes, with its dtype and shape."""
-  a = np.asarray(x)
-  return hashlib.sha256(f'{a.dtype.str}{a.shape}'.encode() + a.tobytes()).hexdigest()
 
 
 def make_inputs(context: int, rows: int, *, batch: int, num_heads: int, num_kv_heads: int,
@@ -89,7 +90,7 @@ def kernel_hashes(contexts, rows_list, *, attention_fn, window, softcap, **shape
   """{f'{S}x{T}': SHA-256 of the kernel output} without timing: the quick cross-run check."""
   kernel = jax.jit(lambda q, k, v, qp, kp: attention_fn(q, k, v, qp, kp, window=window,
                                                          softcap=softcap))
-  return {f'{s}x{t}': sha256_of(kernel(*make_inputs(s, t, **shape)))
+  return {f'{s}x{t}': sha256_bytes(kernel(*make_inputs(s, t, **shape)))
           for s in contexts for t in rows_list}
 
 
@@ -117,8 +118,8 @@ def run_benchmark(contexts, *, attention_fn, prefill_rows: int, window, softcap,
           speedup_vs_reference=statistics.median(ref_times) / statistics.median(kernel_times),
           max_abs_err=float(diff.max()),
           normwise_rel_err=float(diff.max() / np.abs(np.asarray(ref, np.float64)).max()),
-          kernel_sha256=sha256_of(out),
-          kernel_sha256_stable_across_runs=sha256_of(first) == sha256_of(out),
+          kernel_sha256=sha256_bytes(out),
+          kernel_sha256_stable_across_runs=sha256_bytes(first) == sha256_bytes(out),
       ))
       print(json.dumps({k: v for k, v in results[-1].items()
                         if k not in ('kernel_ms', 'reference_ms')}), flush=True)
@@ -130,36 +131,36 @@ def run_benchmark(contexts, *, attention_fn, prefill_rows: int, window, softcap,
 def main(argv):
   del argv
   backend = jax.default_backend()
-  contexts = [int(c) for c in (_CONTEXTS.value or (['1024'] if backend == 'cpu'
+  contexts = [int(c) for c in (FLAGS.contexts or (['1024'] if backend == 'cpu'
                                                    else ['4096', '32768']))]
-  dtype = jnp.dtype(_DTYPE.value)
-  attention_fn = make_pallas_attention(tile_size=_TILE_SIZE.value, block_q=_BLOCK_Q.value)
-  shape = dict(batch=_BATCH.value, num_heads=_NUM_HEADS.value, num_kv_heads=_NUM_KV_HEADS.value,
-               head_dim=_HEAD_DIM.value, dtype=dtype, seed=_SEED.value)
+  dtype = jnp.dtype(FLAGS.dtype)
+  attention_fn = make_pallas_attention(tile_size=FLAGS.tile_size, block_q=FLAGS.block_q)
+  shape = dict(batch=FLAGS.batch, num_heads=FLAGS.num_heads, num_kv_heads=FLAGS.num_kv_heads,
+               head_dim=FLAGS.head_dim, dtype=dtype, seed=FLAGS.seed)
   report = dict(
       experiment='kernel_bench',
-      config=dict(contexts=contexts, prefill_rows=_PREFILL_ROWS.value, window=_WINDOW.value,
-                  softcap=_SOFTCAP.value, repeats=_REPEATS.value, dtype=dtype.name,
+      config=dict(contexts=contexts, prefill_rows=FLAGS.prefill_rows, window=FLAGS.window,
+                  softcap=FLAGS.softcap, repeats=FLAGS.repeats, dtype=dtype.name,
                   **{k: v for k, v in shape.items() if k != 'dtype'}),
       kernel=dict(platform=attention_fn.platform, interpret=attention_fn.interpret,
-                  blocks=attention_fn.block_config(_HEAD_DIM.value, dtype).__dict__),
+                  blocks=attention_fn.block_config(FLAGS.head_dim, dtype).__dict__),
       backend=backend,
       device_kind=jax.devices()[0].device_kind,
       jax_version=jax.__version__,
   )
-  kw = dict(attention_fn=attention_fn, window=_WINDOW.value, softcap=_SOFTCAP.value, **shape)
-  if _SHA256_ONLY.value:
-    report['kernel_sha256'] = kernel_hashes(contexts, (1, _PREFILL_ROWS.value), **kw)
+  kw = dict(attention_fn=attention_fn, window=FLAGS.window, softcap=FLAGS.softcap, **shape)
+  if FLAGS.sha256_only:
+    report['kernel_sha256'] = kernel_hashes(contexts, (1, FLAGS.prefill_rows), **kw)
     for name, digest in report['kernel_sha256'].items():
       print(f'{name} {digest}')
   else:
-    report['results'] = run_benchmark(contexts, prefill_rows=_PREFILL_ROWS.value,
-                                      repeats=_REPEATS.value, **kw)
-  if _OUTPUT.value:
-    with open(_OUTPUT.value, 'w') as f:
-      json.dump(report, f, indent=2)
-    print(f'wrote {_OUTPUT.value}')
+    report['results'] = run_benchmark(contexts, prefill_rows=FLAGS.prefill_rows,
+                                      repeats=FLAGS.repeats, **kw)
+  if FLAGS.output:
+    write_json(FLAGS.output, report)
+    print(f'wrote {FLAGS.output}')
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

@@ -9,12 +9,11 @@ vocabulary) and `argmax_{i}` (int32 argmax at every position).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from absl import app, flags, logging
 
 from experiments import common
+from gemma_jax import files
 
 FLAGS = flags.FLAGS
 
@@ -43,24 +42,11 @@ def text_logits(engine, texts: list[str]) -> dict[str, np.ndarray]:
   return arrays
 
 
-def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  staging = common.staging_path(path, suffix='.npz')  # savez appends .npz to other names
-  try:
-    np.savez(staging, **arrays)
-    os.replace(staging, path)
-  except BaseException:
-    if os.path.exists(staging):
-      os.unlink(staging)
-    raise
-
-
 def main(argv):
   del argv
   texts = read_texts(FLAGS.input)
   engine = common.make_engine(common.load_model())
-  write_npz(FLAGS.output, text_logits(engine, texts))
+  files.write_npz(FLAGS.output, text_logits(engine, texts))
   print(f'wrote logits of {len(texts)} texts to {FLAGS.output}')
 
 

@@ -5,21 +5,26 @@
 1. generation: "The capital of France is" continued greedily (pinned engine);
 2. logits: a few texts through experiments.logits' format (ids, last-position logits, argmax);
 3. graft exactness: a handful of fresh-vs-graft samples on the embedded model, byte for byte;
-4. replay: the committed CI manifest recomputed here, hash for hash;
+4. replay: the committed CI manifest made on a machine like this one, recomputed hash for hash;
 5. figures: analysis.figures redraws figures/ from the committed results/.
+
+Any exactness check that does not hold (a graft not byte-equal, a replayed hash that differs)
+fails the job: it exits with status 1 after listing them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 
 import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 
 from analysis import figures
 from experiments import common, generate, logits, replay, samples
+from gemma_jax import files
 from graft import exactness
 
 FLAGS = flags.FLAGS
@@ -28,12 +33,13 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_integer('exactness_samples', 6, 'Graft exactness samples in step 3.')
-  flags.DEFINE_string('replay_manifest', 'manifests/ci_gemma3_270m_float32.json',
-                      'Manifest replayed in step 4.')
+  flags.DEFINE_string('replay_manifest', 'manifests/ci_gemma3_270m_float32_*.json',
+                      'Manifest replayed in step 4 (a glob: the one made on a machine like '
+                      'this one).')
   flags.DEFINE_string('results_dir', 'results', 'Results the figures are drawn from.')
   flags.DEFINE_string('figures_dir', 'figures', 'Where figures are written.')
   common.define_model_flags()
-  common.define_engine_flags(cache_len=2560)
+  common.define_engine_flags(cache_len=common.GRAFT_CACHE_LEN)
 
 
 DEMO_TEXTS = [
@@ -49,6 +55,7 @@ def step(title: str) -> None:
 
 def main(argv):
   del argv
+  failed = []  # every exactness check that did not hold: any one fails the job
   loaded = common.load_model()
   engine = common.make_engine(loaded)
 
@@ -62,7 +69,7 @@ def main(argv):
     top = loaded.tokenizer.decode([int(arrays[f'argmax_{i}'][-1])])
     print(f'{len(arrays[f"ids_{i}"]):3d} tokens, next-token argmax {top!r} after {text[:40]!r}')
   with tempfile.TemporaryDirectory() as scratch:
-    logits.write_npz(os.path.join(scratch, 'demo.npz'), arrays)
+    files.write_npz(os.path.join(scratch, 'demo.npz'), arrays)
     print('npz keys:', sorted(np.load(os.path.join(scratch, 'demo.npz')).files)[:6], '...')
 
   step('3. graft exactness')
@@ -76,19 +83,26 @@ def main(argv):
   for r in rows:
     print(f"library {r['library_tokens']:5d}  query {r['query_tokens']:4d}  "
           f"fresh {r['fresh_sha256'][:16]}  graft {r['graft_sha256'][:16]}  equal={r['equal']}")
-  print(json.dumps(exactness.summarize(rows)))
+  summary = exactness.summarize(rows)
+  print(json.dumps(summary))
+  if summary['equal'] != summary['samples']:
+    failed.append(f"graft exactness: {summary['samples'] - summary['equal']} of "
+                  f"{summary['samples']} samples not byte-equal")
 
   step('4. replay')
-  if os.path.exists(FLAGS.replay_manifest):
-    with open(FLAGS.replay_manifest) as f:
-      failures = replay.replay(json.load(f))
-    print('replay:', 'all hashes reproduce' if not failures else '\n'.join(failures))
-  else:
-    logging.warning('no manifest at %s; skipping replay', FLAGS.replay_manifest)
+  path = replay.select(FLAGS.replay_manifest)
+  with open(path) as f:
+    failures = replay.replay(json.load(f))
+  print(f'replay of {path}:', 'all hashes reproduce' if not failures else '\n'.join(failures))
+  failed.extend(f'replay: {line}' for line in failures)
 
   step('5. figures')
   written = figures.draw_figures(FLAGS.results_dir, FLAGS.figures_dir)
-  print(f'{len(written)} figures written to {FLAGS.figures_dir}/')
+  print(f'{sum(p is not None for p in written.values())} figures written to '
+        f'{FLAGS.figures_dir}/')
+  if failed:
+    print('\nFAILED:\n' + '\n'.join(failed))
+    sys.exit(1)
 
 
 if __name__ == '__main__':

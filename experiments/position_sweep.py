@@ -28,42 +28,11 @@ offset whose positions would leave [0, max_context) is skipped with a logged war
 under config.skipped). Offsets may be written `max` or `max-N`: the largest δ whose last query
 token still sits inside the context (max_context - L - Q), minus N.
 
-The runs committed under results/ (file names position_sweep_<model>_<dtype>_<rope>.json; each
-file's config.command repeats its command line, config.wall_seconds its time on a shared
-two-core CPU). bfloat16 runs slowly on CPU, so those and the larger models use fewer offsets:
-
-  python -m experiments.position_sweep --dtype=float32 --rope=float
-  python -m experiments.position_sweep --dtype=float32 --rope=none
-  python -m experiments.position_sweep --dtype=float32 --rope=quarter_turn
-  python -m experiments.position_sweep --dtype=bfloat16 --rope=float \
-      --offsets=0,1,2,3,7,13,64,512,4096,16384,-1,max      (and --rope=none, --rope=quarter_turn)
-  python -m experiments.position_sweep --model=tiny_gemma4 --weights=random:0 --rope=float \
-      --library_tokens=608 --block_size=16      (and --rope=none, --rope=quarter_turn)
-  python -m experiments.position_sweep --model=gemma3_1b --weights=random:0 --rope=float \
-      --offsets=0,1,2,3,7,13,64,1024,16384,-1,max
-  python -m experiments.position_sweep --model=gemma3_1b --weights=random:0 --rope=none \
-      --offsets=0,1,3,64,1024,-1,max      (and --rope=quarter_turn)
-  python -m experiments.position_sweep --model=gemma3_1b --weights=random:0 --dtype=bfloat16 \
-      --rope=float --offsets=0,1,3,64,1024,max
-  python -m experiments.position_sweep --model=gemma4_e2b --weights=random:0 --rope=float \
-      --overrides=num_layers=10,num_kv_shared_layers=5,vocab_size=4096 \
-      --model_label=gemma4_e2b_10L --offsets=0,1,2,3,7,13,64,1024,16384,-1,max \
-      --library_tokens=608 --block_size=16
-
-The Gemma 4 runs use a library of a whole number of blocks (608 = 38 x 16). They were chosen
-when the pinned engine still started every call at row 0: with per-layer embeddings a token's
-bits depend on its row in the block, so a library ending mid-block made every graft inexact.
-The engine now aligns blocks to the sequence (graft/engine.py), and any length works.
-
-(--output defaults to results/position_sweep_<label>_<dtype>_<rope>.json.) Then
+Output: schema position_sweep (analysis/results.py), by default
+results/position_sweep_<label>_<dtype>_<rope>.json; each file's config.command repeats its
+command line (the README lists the committed runs). Then
 `python -m analysis.figures --results=results --output=figures`.
 
-What to expect (see the results): float RoPE exact at δ = 0 only; NoPE and the quarter-turn
-control exact everywhere. The quarter-turn control needs its scores computed from relative
-rotations (gemma_jax.attention.quarter_turn_logits): with a plain QK dot it is exact at even δ
-only, as an odd δ turns the pairs with multiplier 1 or 3 by a quarter, which moves the products
-q_i k_i and q_{i+H/2} k_{i+H/2} into each other's dimension: the same terms, summed in another
-order (tests/test_position_sweep.py shows it bare).
 rerotate's K bytes can differ from fresh even where the logits are equal (δ = 0, and the
 controls): a rotation by 0 computes x cos 0 - y sin 0, which turns a key element -0.0 into +0.0
 when its partner is negative (the embedded 270M has whole key dimensions of zeros); each layer
@@ -75,48 +44,51 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import time
 
 import numpy as np
 from absl import app, flags, logging
 
-from analysis import metrics
 from experiments import common, samples
-from gemma_jax import rope as rope_lib
+from gemma_jax import compare, rope as rope_lib
 from gemma_jax import weights
 from gemma_jax.config import BOS_ID, get_config
-from graft import fingerprint, shift
-from graft.engine import Engine, PinnedConfig
+from graft import artifact, fingerprint, shift
+from graft.engine import Engine, EngineConfig
 
+# Offsets δ measured by default: every small δ where a rounding coincidence could make a shift
+# exact (0..3, a few primes), every power of two up to 2^16 (the 270M's 32,768-token context and
+# beyond for longer models), the negative neighbours, and the largest δ the context allows.
 POWERS_OF_TWO = [str(2**e) for e in range(2, 17)]
 DEFAULT_OFFSETS = ['0', '1', '2', '3', '5', '7', '11', '13'] + POWERS_OF_TWO + [
     '-1', '-2', 'max-1', 'max']
 
-flags.DEFINE_list('offsets', DEFAULT_OFFSETS,
-                  'Offsets δ (integers, or max / max-N / max+N: the largest δ that keeps library '
-                  '+ query inside the context, minus or plus N). Negative offsets graft a library computed at '
-                  '--negative_base.')
-flags.DEFINE_list('methods', list(shift.METHODS), f'Any of {", ".join(shift.METHODS)}.')
-flags.DEFINE_enum('rope', 'float', rope_lib.ROPE_MODES,
-                  "RoPE mode (config.rope_mode): 'float' as trained; controls 'none' (NoPE) and "
-                  "'quarter_turn' (angles multiple of pi/2: rotations compose exactly).")
-flags.DEFINE_integer('library_tokens', 600, 'Library length L (600 crosses the 512-token window '
-                     'of Gemma 3).')
-flags.DEFINE_integer('query_tokens', 32, 'Query length Q.')
-flags.DEFINE_integer('seed', 0, 'Seed choosing where in the text the library starts.')
-flags.DEFINE_integer('negative_base', 64, 'Base position of the library for negative offsets.')
-flags.DEFINE_list('overrides', [], 'TransformerConfig fields to replace, name=value (e.g. '
-                  'num_layers=10,num_kv_shared_layers=5): a custom model built from --model.')
-flags.DEFINE_string('model_label', None, 'Name of the model in rows and the default output file '
-                    '(default: --model, with the overrides appended).')
-flags.DEFINE_string('output', None, 'Results JSON (default results/position_sweep_<label>_'
-                    '<dtype>_<rope>.json).')
-common.define_model_flags()
-common.define_engine_flags(cache_len=0)  # 0: just enough for library + query
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Flags of this entry point (defined only when it runs, so importing it is free)."""
+  flags.DEFINE_list('offsets', DEFAULT_OFFSETS,
+                    'Offsets δ (integers, or max / max-N / max+N: the largest δ that keeps '
+                    'library + query inside the context, minus or plus N). Negative offsets graft '
+                    'a library computed at --negative_base.')
+  flags.DEFINE_list('methods', list(shift.METHODS), f'Any of {", ".join(shift.METHODS)}.')
+  flags.DEFINE_enum('rope', 'float', list(rope_lib.MODES),
+                    "RoPE mode (gemma_jax.rope.MODES): 'float' as trained; controls 'none' (NoPE) "
+                    "and 'quarter_turn' (angles multiple of pi/2: rotations compose exactly).")
+  flags.DEFINE_integer('library_tokens', 600, 'Library length L (600 crosses the 512-token '
+                       'window of Gemma 3).')
+  flags.DEFINE_integer('query_tokens', 32, 'Query length Q.')
+  flags.DEFINE_integer('seed', 0, 'Seed choosing where in the text the library starts.')
+  flags.DEFINE_integer('negative_base', 64, 'Base position of the library for negative offsets.')
+  flags.DEFINE_list('overrides', [], 'TransformerConfig fields to replace, name=value (e.g. '
+                    'num_layers=10,num_kv_shared_layers=5): a custom model built from --model.')
+  flags.DEFINE_string('model_label', None, 'Name of the model in rows and the default output '
+                      'file (default: --model, with the overrides appended).')
+  flags.DEFINE_string('output', None, 'Results JSON (default results/position_sweep_<label>_'
+                      '<dtype>_<rope>.json).')
+  common.define_model_flags()
+  common.define_engine_flags(cache_len=0)  # 0: just enough for library + query
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,9 +208,9 @@ class Run:
       self._libraries[key] = seq
     return self._libraries[key]
 
-  def library_artifact(self, name: str, base: int):
+  def library_artifact(self, name: str, base: int) -> artifact.Artifact:
     """The library computed alone at `base`, as an in-memory artifact (its canonical leaves)."""
-    return shift.in_memory_artifact(self.engines[name], self.library_state(name, base))
+    return artifact.capture(self.engines[name], self.library_state(name, base))
 
   def forget(self, keep_starts) -> None:
     """Drops memoized computations at starts not in `keep_starts` (memory)."""
@@ -247,17 +219,17 @@ class Run:
 
 
 def _row(method, offset, base, reference_logits, logits, layers, seconds, **extra) -> dict:
-  comparison = metrics.compare_logits(reference_logits, logits)
-  kl = metrics.kl_per_position(reference_logits, logits)
+  comparison = compare.compare_logits(reference_logits, logits)
+  kl = compare.kl_per_position(reference_logits, logits)
   return {
       'method': method, 'offset': int(offset), 'base_position': int(base),
       'start_position': int(base + offset),
       **comparison,
       'kl_mean': float(np.mean(kl)),
-      'reference_sha256': metrics.sha256_bytes(reference_logits),
-      'sha256': metrics.sha256_bytes(logits),
+      'reference_sha256': compare.sha256_bytes(reference_logits),
+      'sha256': compare.sha256_bytes(logits),
       'kv_equal': all(l['k_equal'] and l['v_equal'] for l in layers),
-      'first_differing_layer': shift.first_differing_layer(layers),
+      'first_differing_layer': compare.first_differing_layer(layers),
       **extra,
       'seconds': round(seconds, 2),
       'layers': layers,
@@ -288,7 +260,7 @@ def measure(run: Run, method: str, offset: int, base: int) -> dict:
     if method == 'pre_rope':
       _, standard_logits = run.fresh('standard', start)
       extra['reference_equals_standard_fresh'] = (
-          metrics.sha256_bytes(standard_logits) == metrics.sha256_bytes(reference_logits))
+          compare.sha256_bytes(standard_logits) == compare.sha256_bytes(reference_logits))
     return _row(method, offset, base, reference_logits, logits, layers,
                 time.perf_counter() - t0, **extra)
   if method == 'recompute':
@@ -332,33 +304,17 @@ def sweep(engines: dict[str, Engine], library, query, offsets: list[tuple[int, i
 # ----------------------------------------------------------------------------------------------
 
 
-def source_state() -> dict:
-  """The commit the code ran from and the files that differed from it (results are only as
-  reproducible as the code that made them)."""
-  def git(*args):
-    try:
-      return subprocess.run(['git', *args], capture_output=True, text=True, timeout=30,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-                            ).stdout
-    except (OSError, subprocess.SubprocessError):
-      return None
-  status = git('status', '--porcelain', '--untracked-files=no') or ''
-  return {'git_commit': (git('rev-parse', 'HEAD') or '').strip() or None,
-          'git_modified_files': sorted(line[3:] for line in status.splitlines() if line)}
-
-
-def build_engines(loaded: weights.LoadedModel, pinned: PinnedConfig,
+def build_engines(loaded: weights.LoadedModel, engine_config: EngineConfig,
                   methods) -> dict[str, Engine]:
-  engines = {'standard': Engine(loaded, pinned)}
+  engines = {'standard': Engine(loaded, engine_config)}
   if 'pre_rope' in methods or 'recompute' in methods:
-    engines['pre_rope'] = Engine(shift.pre_rope_model(loaded), pinned)
+    engines['pre_rope'] = Engine(shift.pre_rope_model(loaded), engine_config)
   return engines
 
 
 def main(argv):
   del argv
   t_start = time.perf_counter()
-  source = source_state()
   methods = [m.strip() for m in FLAGS.methods]
   unknown = sorted(set(methods) - set(shift.METHODS))
   if unknown or not methods:
@@ -366,7 +322,7 @@ def main(argv):
   overrides = parse_overrides(FLAGS.overrides)
   label = model_label(FLAGS.model, overrides, FLAGS.model_label)
   config = get_config(FLAGS.model).replace(rope_mode=FLAGS.rope, **overrides)
-  output = FLAGS.output or f'results/position_sweep_{label}_{FLAGS.dtype}_{FLAGS.rope}.json'
+  output = FLAGS.output or common.default_output('position_sweep', label, FLAGS.dtype, FLAGS.rope)
   library_len, query_len = FLAGS.library_tokens, FLAGS.query_tokens
   if library_len < 1 or query_len < 1:
     raise app.UsageError('--library_tokens and --query_tokens must be >= 1')
@@ -380,8 +336,8 @@ def main(argv):
                FLAGS.dtype, FLAGS.rope)
   loaded = weights.load(config, FLAGS.weights, FLAGS.dtype)
   cache_len = FLAGS.cache_len or auto_cache_len(library_len, query_len, FLAGS.block_size)
-  pinned = common.pinned_config(cache_len=cache_len)
-  engines = build_engines(loaded, pinned, methods)
+  engine_config = common.engine_config(cache_len=cache_len)
+  engines = build_engines(loaded, engine_config, methods)
   library, query = text_tokens(loaded.tokenizer, library_len, query_len, FLAGS.seed)
   logging.info('library %d tokens, query %d tokens; %d offsets x %d methods; skipped %s',
                len(library), len(query), len(offsets), len(methods),
@@ -397,21 +353,19 @@ def main(argv):
       'skipped': skipped, 'negative_base': FLAGS.negative_base,
       'library_tokens': len(library), 'query_tokens': len(query), 'seed': FLAGS.seed,
       'text': 'pydoc_data.topics (experiments/samples.py corpus_text)',
-      'library_sha256': metrics.sha256_bytes(np.asarray(library, np.int32)),
-      'query_sha256': metrics.sha256_bytes(np.asarray(query, np.int32)),
+      'library_sha256': compare.sha256_bytes(np.asarray(library, np.int32)),
+      'query_sha256': compare.sha256_bytes(np.asarray(query, np.int32)),
       'engine': FLAGS.engine, 'attention': FLAGS.attention, 'block_size': FLAGS.block_size,
-      'cache_len': cache_len, 'pinned': dataclasses.asdict(pinned),
+      'cache_len': cache_len, 'engine_config': dataclasses.asdict(engine_config),
       'max_context': config.max_context,
       'transformer_config': json.loads(fingerprint.canonical_json(config)),
       'model_fingerprint': standard.model_fingerprint['sha256'],
       'pre_rope_model_fingerprint': (engines['pre_rope'].model_fingerprint['sha256']
                                      if 'pre_rope' in engines else None),
       'engine_fingerprint': standard.fingerprint,
-      'command': ' '.join(['python -m experiments.position_sweep'] + sys.argv[1:]),
-      **source,
       'wall_seconds': round(time.perf_counter() - t_start, 1),
   }
-  common.write_json(output, {'config': run_config, 'rows': rows})
+  common.write_result(output, 'position_sweep', {'config': run_config, 'rows': rows})
   for method in methods:
     method_rows = [r for r in rows if r['method'] == method]
     exact = [r['offset'] for r in method_rows if r['equal']]
@@ -425,4 +379,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

@@ -1,6 +1,7 @@
 """Replays a committed manifest on this machine and checks every output hash.
 
   python -m experiments.replay --manifest=manifests/NAME.json
+  python -m experiments.replay --manifest='manifests/ci_gemma3_270m_float32_*.json'
 
 The manifest (written by experiments.graft_exactness --manifest) holds the token ids of every
 sample, the model and engine fingerprints, and the SHA-256 of the fresh and grafted query logits
@@ -8,10 +9,16 @@ and of the greedy continuation. Replay rebuilds the model and the pinned engine 
 manifest's config, checks the model fingerprint, recomputes every sample and exits with status 1,
 listing the differing samples, if any hash differs. A different engine environment (another CPU,
 jax version, ...) is reported; the hashes then say whether it mattered.
+
+Bits depend on the CPU model (XLA:CPU tunes its code for the host: the same float32 engine gives
+other logits on an AMD and an Intel AVX-512 machine), so a manifest replays hash for hash on a
+machine of the kind it was made on (its recorded environment). A glob for --manifest picks the
+committed manifest whose environment matches this machine (`select`).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import sys
 import tempfile
@@ -19,9 +26,9 @@ import tempfile
 from absl import app, flags, logging
 
 from gemma_jax import weights
-from graft import exactness
+from graft import exactness, fingerprint
 from graft.artifact import differences
-from graft.engine import Engine, PinnedConfig
+from graft.engine import Engine, EngineConfig
 
 FLAGS = flags.FLAGS
 
@@ -33,20 +40,50 @@ def define_flags() -> None:
 
 
 HASHES = ('fresh_sha256', 'graft_sha256', 'continuation_sha256')
+# What of the environment decides the bits of a CPU run besides the engine config.
+_MACHINE_FIELDS = ('backend', 'machine', 'cpu_features', 'cpu_model', 'jax', 'jaxlib')
+
+
+def made_on_this_kind_of_machine(manifest: dict) -> bool:
+  """Whether the manifest's recorded environment is this machine's (fields a manifest predates,
+  such as cpu_model, are not compared)."""
+  recorded = manifest['engine_fingerprint'].get('environment', {})
+  here = fingerprint.environment()
+  return all(recorded[k] == here[k] for k in _MACHINE_FIELDS if k in recorded)
+
+
+def select(pattern: str) -> str:
+  """The manifest matching `pattern` (a path or a glob) that was made on this kind of machine;
+  raises FileNotFoundError, listing the candidates' environments, when there is none."""
+  paths = sorted(glob.glob(pattern))
+  if not paths:
+    raise FileNotFoundError(f'no manifest matches {pattern}')
+  if len(paths) == 1 and not glob.has_magic(pattern):
+    return paths[0]
+  for path in paths:
+    with open(path) as f:
+      if made_on_this_kind_of_machine(json.load(f)):
+        return path
+  here = {k: fingerprint.environment()[k] for k in ('cpu_model', 'cpu_features')}
+  raise FileNotFoundError(
+      f'none of {paths} was made on a machine like this one ({here}); make one here with '
+      'python -m experiments.graft_exactness --samples=4 --continuation_tokens=8 '
+      '--manifest=manifests/<name>.json')
 
 
 def replay(manifest: dict, limit: int = 0) -> list[str]:
   """Recomputes the manifest's samples; returns a line per differing sample (empty: all equal)."""
   config = manifest['config']
   loaded = weights.load(config['model'], config['weights'], config['dtype'])
-  pinned = PinnedConfig(**config['pinned'])
-  engine, writer = Engine(loaded, pinned), Engine(loaded, pinned)
+  # Manifests made before the config was named EngineConfig hold it under 'pinned'.
+  engine_config = EngineConfig.from_dict(config.get('engine_config') or config['pinned'])
+  engine, writer = Engine(loaded, engine_config), Engine(loaded, engine_config)
   if engine.model_fingerprint['sha256'] != manifest['model_fingerprint']['sha256']:
     raise ValueError('this machine loads a different model than the manifest was made with: '
                      + '; '.join(differences(manifest['model_fingerprint'],
                                               engine.model_fingerprint)))
-  environment = differences(manifest['engine_fingerprint'], engine.fingerprint)
-  environment = [d for d in environment if not d.startswith('sha256')]
+  environment = differences(manifest['engine_fingerprint'].get('environment'),
+                            engine.fingerprint['environment'])
   if environment:
     logging.warning('engine environment differs from the manifest: %s', '; '.join(environment))
   records = manifest['samples'][:limit or None]
@@ -69,15 +106,16 @@ def replay(manifest: dict, limit: int = 0) -> list[str]:
 
 def main(argv):
   del argv
-  with open(FLAGS.manifest) as f:
+  path = select(FLAGS.manifest)
+  with open(path) as f:
     manifest = json.load(f)
   failures = replay(manifest, FLAGS.limit)
   count = len(manifest['samples'][:FLAGS.limit or None])
   if failures:
-    print(f'{len(failures)} of {count} samples differ from {FLAGS.manifest}:')
+    print(f'{len(failures)} of {count} samples differ from {path}:')
     print('\n'.join(failures))
     sys.exit(1)
-  print(f'all {count} samples reproduce {FLAGS.manifest} hash for hash')
+  print(f'all {count} samples reproduce {path} hash for hash')
 
 
 if __name__ == '__main__':

@@ -5,14 +5,17 @@ cache buffer (every slot, in slot order) with a mask built from slot positions. 
 means a key occupies the same slot whether it arrived in this call or an earlier one, so the
 reduction a query row sees does not depend on how the sequence was cut into calls.
 
-`attend` is the reference (XLA) implementation; `gemma_jax.kernels` provides a Pallas one with the
-same signature, selected through the model's `attention_fn` argument.
+`attend` is the reference (XLA) implementation. `IMPLEMENTATIONS` names every implementation an
+engine can run ('xla': `attend`; 'pallas': the kernels in gemma_jax/kernels) with what of it
+decides bits (its block shapes, recorded in the engine fingerprint); a new kernel is one entry
+there plus its module. The model passes each layer's score function (`scores`, from its RoPE
+mode in gemma_jax.rope.MODES; None for the plain q . k) to whichever implementation runs.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Protocol
+import dataclasses
+from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +42,19 @@ def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> ja
 
 
 class AttendFn(Protocol):
+  """An attention implementation: the signature of `attend`, and what decides its bits."""
 
   def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-               k_pos: jax.Array, *, window: int | None, softcap: float | None) -> jax.Array:
+               k_pos: jax.Array, *, window: int | None, softcap: float | None,
+               scores: Callable | None = None) -> jax.Array:
+    ...
+
+  def blocks(self, head_dims: tuple[int, ...], dtype) -> dict:
+    """Block shapes per head dim that change its bits ({} when none): fingerprinted."""
+    ...
+
+  def slot_multiple(self, head_dims: tuple[int, ...], dtype) -> int:
+    """Caches sized as a multiple of this run without padding copies."""
     ...
 
 
@@ -51,31 +64,11 @@ def dot_logits(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -
   return jnp.einsum('btkgh,bskh->btkgs', q, k)
 
 
-def quarter_turn_logits(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
-                        rotary_fraction: float = 1.0) -> jax.Array:
-  """dot_logits for the quarter-turn control (rope.py), computed from relative rotations.
-
-  Quarter turns compose exactly, yet a plain q . k is not translation-invariant under them: a
-  shift by an odd δ turns pairs by a quarter, which moves the products q_i k_i and
-  q_{i+H/2} k_{i+H/2} into each other's dimension, and the dot adds the same terms in another
-  order (XLA:CPU also contracts a product and an add into a multiply-add, so no elementwise
-  rewrite of the sum is safe). Instead q is turned back to position 0 and every key by the
-  query's position (both exact: signed permutations), so the dot sees R(p_k - p_q) k and the
-  unrotated q, which a shift does not change. Costs a [B, T, S, K, H] key tensor: controls only.
-  """
-  del k_pos  # each key already carries its own rotation
-  sin, cos = rope.quarter_turn_sin_cos(-q_pos, q.shape[-1], rotary_fraction)  # [B, T, H/2]
-  sin, cos = sin[:, :, None, None], cos[:, :, None, None]
-  q = rope.rotate(q, sin, cos)
-  relative = rope.rotate(k[:, None], sin, cos)  # [B, T, S, K, H]
-  return jnp.einsum('btkgh,btskh->btkgs', q, relative)
-
-
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
-           window: int | None, softcap: float | None, logits_fn=dot_logits) -> jax.Array:
+           window: int | None, softcap: float | None, scores: Callable | None = None) -> jax.Array:
   """Reference attention. q [B, T, N, H] (already scaled), k, v [B, S, K, H], q_pos [B, T],
-  k_pos [B, S] -> [B, T, N, H] in v's dtype. `logits_fn` computes the scores (dot_logits, or
-  quarter_turn_logits for that control).
+  k_pos [B, S] -> [B, T, N, H] in v's dtype. `scores` computes the logits from (q, k, q_pos,
+  k_pos) in place of `dot_logits` (a RoPE mode's score function, e.g. the quarter-turn control's).
 
   Everything runs in float32 (bfloat16 inputs are widened exactly first): XLA:CPU's bfloat16
   dot with a float32 result is an order of magnitude slower than widening, and float32 softmax
@@ -84,13 +77,50 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
   num_kv_heads = k.shape[2]
   q = q.reshape(batch, num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
   q, k = q.astype(jnp.float32), k.astype(jnp.float32)
-  logits = logits_fn(q, k, q_pos, k_pos)
+  logits = (scores or dot_logits)(q, k, q_pos, k_pos)
   if softcap is not None:
     logits = jnp.tanh(logits / softcap) * softcap
   mask = attention_mask(q_pos, k_pos, window)[:, :, None, None, :]
   probs = jax.nn.softmax(jnp.where(mask, logits, MASKED), axis=-1)
   out = jnp.einsum('btkgs,bskh->btkgh', probs, v.astype(jnp.float32))
   return out.reshape(batch, num_tokens, num_heads, head_dim).astype(v.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaAttention:
+  """`attend` as an AttendFn: XLA's own reductions, no blocks of its own."""
+
+  def __call__(self, q, k, v, q_pos, k_pos, *, window, softcap, scores=None):
+    return attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, scores=scores)
+
+  def blocks(self, head_dims, dtype) -> dict:
+    del head_dims, dtype
+    return {}
+
+  def slot_multiple(self, head_dims, dtype) -> int:
+    del head_dims, dtype
+    return 1
+
+
+def _xla(tile_size: int | None) -> AttendFn:
+  if tile_size is not None:
+    raise ValueError('attention_tile applies to the Pallas kernel; XLA attention has no tiles')
+  return XlaAttention()
+
+
+def _pallas(tile_size: int | None) -> AttendFn:
+  from gemma_jax import kernels  # the Pallas kernels load only when asked for
+  return kernels.make_pallas_attention(tile_size=tile_size)
+
+
+# name -> a builder taking the KV tile size (None: the implementation's default).
+IMPLEMENTATIONS: dict[str, Callable[[int | None], AttendFn]] = {'xla': _xla, 'pallas': _pallas}
+
+
+def build(name: str, tile_size: int | None = None) -> AttendFn:
+  if name not in IMPLEMENTATIONS:
+    raise ValueError(f'unknown attention {name!r}; expected one of {tuple(IMPLEMENTATIONS)}')
+  return IMPLEMENTATIONS[name](tile_size)
 
 
 class Attention(nnx.Module):
@@ -153,12 +183,10 @@ class Attention(nnx.Module):
     keys = cache.k
     if self.config.kv_cache_pre_rope:  # every slot rotated by its own position (empty: masked)
       keys = self._rope(keys, cache.positions)
-    if self.config.rope_mode == 'quarter_turn':
-      # The control needs scores a shift leaves bit-identical: only the reference attention
-      # computes those (the engine refuses other attention functions with it).
-      attention_fn = functools.partial(attend, logits_fn=functools.partial(
-          quarter_turn_logits, rotary_fraction=self.spec.rotary_fraction))
+    mode = rope.get_mode(self.config.rope_mode)
+    scores = mode.scores(self.spec.rotary_fraction) if mode.scores else None
     encoded = attention_fn(q, keys, cache.v, positions, cache.positions,
-                           window=self.spec.window, softcap=self.config.attn_logits_softcap)
+                           window=self.spec.window, softcap=self.config.attn_logits_softcap,
+                           scores=scores)
     return self.o_proj(encoded), cache
 

@@ -2,8 +2,8 @@
 
 One frozen `TransformerConfig` describes a model; `layer_spec(i)` resolves everything a single
 layer needs (attention type, head shapes, RoPE, window, KV source), so the model code never
-branches on the family name. Sizes follow the public reference implementations (see
-shared/reference/gemma.md); tiny configs of each family exist for tests.
+branches on the family name. Sizes follow the public reference implementations (docs/gemma.md
+names them); tiny configs of each family exist for tests.
 """
 
 from __future__ import annotations

@@ -19,8 +19,12 @@ runs.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from gemma_jax.config import AttentionType, TransformerConfig
@@ -123,3 +127,158 @@ def _write_select(layer: LayerKV, new: LayerKV, padding: jax.Array, start: jax.A
     return jnp.where(_rows_mask(written, rows), gathered, old)
 
   return jax.tree.map(merge, layer, new)
+
+
+# ----------------------------------------------------------------------------------------------
+# Operations on whole states (host side, batch row 0): named leaves, rows, positions
+# ----------------------------------------------------------------------------------------------
+
+
+def leaf_names(layer_index: int) -> tuple[str, str, str]:
+  """The leaf names of a cache-owning layer's K, V and slot positions."""
+  return tuple(f'layer_{layer_index}/{part}' for part in ('k', 'v', 'positions'))
+
+
+def to_leaves(kv: KVState, cache_layers: tuple[int, ...]) -> dict[str, np.ndarray]:
+  """The canonical leaves of batch row 0: per cache-owning layer, slots [0, min(n, S)) of K, V
+  [slots, K, H] and positions [slots] (n = kv.fill, the tokens written; a local ring that
+  wrapped is stored whole), with the K/V of empty slots zeroed so the bytes depend on the
+  tokens alone."""
+  n = int(kv.fill[0])
+  out = {}
+  for layer_index, layer in zip(cache_layers, kv.layers):
+    stored = min(n, layer.num_slots)
+    positions = np.asarray(layer.positions[0, :stored])
+    filled = (positions != EMPTY)[:, None, None]
+    k_name, v_name, p_name = leaf_names(layer_index)
+    out[k_name] = np.where(filled, np.asarray(layer.k[0, :stored]), 0)
+    out[v_name] = np.where(filled, np.asarray(layer.v[0, :stored]), 0)
+    out[p_name] = positions
+  return out
+
+
+def expected_positions(start: int, num_tokens: int, slots: int) -> np.ndarray:
+  """The positions a layer of `slots` slots holds after `num_tokens` tokens from position
+  `start` (slots [0, min(n, slots)); slot s holds the last token whose sequence index is
+  s mod slots): what to_leaves stores and what assemble must rebuild."""
+  stored = min(num_tokens, slots)
+  s = np.arange(stored)
+  index = s + slots * ((num_tokens - 1 - s) // slots)
+  return (start + index).astype(np.int32)
+
+
+def from_leaves(leaves: dict[str, np.ndarray], empty: KVState, cache_layers: tuple[int, ...],
+                num_tokens: int) -> KVState:
+  """The KV state holding `leaves` (as to_leaves writes them) in the slots of `empty`, whose
+  buffers give the shapes and dtype; raises ValueError when a leaf does not fit them."""
+  layers = []
+  for layer_index, layer in zip(cache_layers, empty.layers):
+    k_name, v_name, p_name = leaf_names(layer_index)
+    k, v, positions = leaves[k_name], leaves[v_name], leaves[p_name]
+    stored = k.shape[0]
+    want = (min(num_tokens, layer.num_slots),) + tuple(layer.k.shape[2:])
+    if k.shape != want or v.shape != want or positions.shape != want[:1]:
+      raise ValueError(f'layer {layer_index}: stored K {k.shape}, V {v.shape}, positions '
+                       f'{positions.shape} do not fit {num_tokens} tokens in the engine\'s cache '
+                       f'{tuple(layer.k.shape[1:])}')
+    layers.append(LayerKV(
+        k=layer.k.at[0, :stored].set(jnp.asarray(k, layer.k.dtype)),
+        v=layer.v.at[0, :stored].set(jnp.asarray(v, layer.v.dtype)),
+        positions=layer.positions.at[0, :stored].set(jnp.asarray(positions, jnp.int32))))
+  return KVState(layers=tuple(layers), fill=jnp.full(empty.fill.shape, num_tokens, jnp.int32))
+
+
+def shift_positions(kv: KVState, delta: int) -> KVState:
+  """The same K/V with every filled slot's position moved by `delta` (empty slots stay EMPTY;
+  slots never move, since a token's slot is its sequence index)."""
+  def move(layer: LayerKV) -> LayerKV:
+    filled = layer.positions != EMPTY
+    return layer.replace(positions=jnp.where(filled, layer.positions + jnp.int32(delta),
+                                             layer.positions))
+  return kv.replace(layers=tuple(move(layer) for layer in kv.layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class KVRows:
+  """The K/V of consecutive tokens, sequence indices [start, start + T), on the host: the unit
+  a store keeps. Per cache-owning layer (config.cache_layers order): k, v [T, K, H] (None for a
+  layer that was not read) and positions [T]."""
+
+  start: int
+  k: tuple[np.ndarray | None, ...]
+  v: tuple[np.ndarray | None, ...]
+  positions: tuple[np.ndarray, ...]
+
+  @property
+  def num_tokens(self) -> int:
+    return int(self.positions[0].shape[0]) if self.positions else 0
+
+  def prefix(self, n: int) -> 'KVRows':
+    """The first n rows. Under the pinned engine a row's bits never depend on the rows after
+    it, so a prefix of a block's rows is the KV of that prefix (tests/test_store.py)."""
+    if not 0 <= n <= self.num_tokens:
+      raise ValueError(f'a prefix of {n} rows out of {self.num_tokens}')
+    cut = lambda arrays: tuple(None if a is None else a[:n] for a in arrays)
+    return KVRows(self.start, cut(self.k), cut(self.v), cut(self.positions))
+
+
+@functools.partial(jax.jit, static_argnames=('count',))
+def _gather_rows(kv: KVState, start: jax.Array, count: int):
+  """Per layer, K, V [count, K, H] and positions [count] of sequence indices start.. (row 0)."""
+  out = []
+  for layer in kv.layers:
+    slots = (start + jnp.arange(count)) % layer.num_slots
+    out.append((layer.k[0, slots], layer.v[0, slots], layer.positions[0, slots]))
+  return out
+
+
+def take_rows(kv: KVState, start: int, stop: int) -> KVRows:
+  """Rows of sequence indices [start, stop) of batch row 0, copied to the host (only those rows
+  move). Every layer must still hold them: a local ring of S slots holds only the last S tokens
+  written."""
+  n = int(kv.fill[0])
+  if not 0 <= start <= stop <= n:
+    raise ValueError(f'rows [{start}, {stop}) of a state holding {n} tokens')
+  smallest = min(layer.num_slots for layer in kv.layers)
+  if n - start > smallest:
+    raise ValueError(f'rows from {start} were overwritten in a ring of {smallest} slots (the '
+                     f'state holds {n} tokens)')
+  gathered = jax.device_get(_gather_rows(kv, jnp.int32(start), stop - start))
+  return KVRows(start, tuple(np.asarray(k) for k, _, _ in gathered),
+                tuple(np.asarray(v) for _, v, _ in gathered),
+                tuple(np.asarray(p) for _, _, p in gathered))
+
+
+def assemble(empty: KVState, rows: list[KVRows], num_tokens: int) -> KVState:
+  """A KV state holding sequence indices [0, num_tokens), built on the host from rows (batch
+  row 0, the shapes and dtype of `empty`). Each layer keeps the rows its slots hold after all
+  `num_tokens` tokens, as a fresh computation leaves them (the last S on a ring of S slots);
+  a layer a KVRows has no K/V for (None) takes nothing from it, so a caller reads for each
+  layer only the rows that layer keeps."""
+  buffers = [(np.zeros(layer.k.shape[1:], layer.k.dtype), np.zeros(layer.v.shape[1:], layer.v.dtype),
+              np.full(layer.positions.shape[1:], EMPTY, np.int32)) for layer in empty.layers]
+  for block in rows:
+    index = np.arange(block.start, block.start + block.num_tokens)
+    for (k_buf, v_buf, p_buf), k, v, positions in zip(buffers, block.k, block.v,
+                                                       block.positions):
+      slots = k_buf.shape[0]
+      keep = (index < num_tokens) & (index >= num_tokens - slots)
+      if not keep.any():
+        continue
+      if k is None:
+        raise ValueError(f'rows {block.start}.. are needed on a layer of {slots} slots but were '
+                         'not read')
+      k_buf[index[keep] % slots] = k[keep]
+      v_buf[index[keep] % slots] = v[keep]
+      p_buf[index[keep] % slots] = positions[keep]
+  start = int(rows[0].positions[0][0]) - rows[0].start if rows else 0
+  for (_, _, p_buf) in buffers:  # every slot a fresh computation fills, and no other
+    stored = min(num_tokens, p_buf.shape[0])
+    if not (np.array_equal(p_buf[:stored], expected_positions(start, num_tokens, p_buf.shape[0]))
+            and (p_buf[stored:] == EMPTY).all()):
+      raise ValueError(f'the rows do not cover sequence indices [0, {num_tokens}) of every '
+                       'layer')
+  layers = tuple(LayerKV(k=jnp.asarray(k[None]), v=jnp.asarray(v[None]),
+                         positions=jnp.asarray(p[None]))
+                 for k, v, p in buffers)
+  return KVState(layers=layers, fill=jnp.full(empty.fill.shape, num_tokens, jnp.int32))

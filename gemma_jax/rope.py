@@ -1,4 +1,5 @@
-"""Rotary position encoding (RoPE), computed as the reference implementation computes it.
+"""Rotary position encoding (RoPE), computed as the reference implementation computes it, and
+the registry of RoPE modes.
 
 Pair i of a head rotates dimension i with dimension i + H/2 by the angle
 `position / base^(2i/H) / scale`, everything in float32, with sin and cos recomputed from integer
@@ -6,21 +7,25 @@ positions on every call (no table) and the result rounded once to the activation
 global layers rotate only the first `rotary_fraction` of the pairs (the exponent still uses the
 full H); the other pairs pass through unchanged.
 
-Two control modes exist for the position experiments (see analysis/ and
-experiments/position_sweep.py):
+`MODES` names every RoPE mode: its rotation (sin/cos from positions), the attention score
+function it needs, and the attention implementations that support it. The model, the engine,
+the position sweep and the figures read this table, so a new mode is one entry here plus its
+functions. Besides the model as trained ('float') there are two controls for the position
+experiments:
   'none'          no rotation at all (a NoPE variant of the model);
   'quarter_turn'  angles that are integer multiples of pi/2, so rotations compose exactly in
-                  floating point: R(a) R(b) == R(a + b) bit for bit (attention then
-                  scores from relative rotations: see attention.quarter_turn_logits).
+                  floating point: R(a) R(b) == R(a + b) bit for bit; attention then scores from
+                  relative rotations (`quarter_turn_logits`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-ROPE_MODES = ('float', 'none', 'quarter_turn')
 
 
 def timescales(head_dim: int, base: float) -> jax.Array:
@@ -45,9 +50,12 @@ def rotation_angles(positions: jax.Array, head_dim: int, *, base: float, scale: 
   return angles
 
 
-def quarter_turn_sin_cos(positions: jax.Array, head_dim: int, rotary_fraction: float = 1.0):
+def quarter_turn_sin_cos(positions: jax.Array, head_dim: int, *, rotary_fraction: float = 1.0,
+                         **unused):
   """Exact sin/cos for angles (position * m_i) * pi/2 with m_i = 1 + i mod 3 (a linear function
-  of the position, so shifts compose exactly). Values are exactly 0, 1 or -1."""
+  of the position, so shifts compose exactly). Values are exactly 0, 1 or -1. (The base and
+  scale of a layer do not enter: `unused`.)"""
+  del unused
   half = head_dim // 2
   multiplier = 1 + jnp.arange(half, dtype=jnp.int32) % 3
   quarter = (positions.astype(jnp.int32)[..., None] * multiplier) % 4  # [..., H/2] in 0..3
@@ -58,20 +66,23 @@ def quarter_turn_sin_cos(positions: jax.Array, head_dim: int, rotary_fraction: f
   return sin, cos
 
 
+def float_sin_cos(positions: jax.Array, head_dim: int, *, base: float, scale: float = 1.0,
+                  rotary_fraction: float = 1.0):
+  """sin and cos [..., H/2] of the reference's float32 angles."""
+  angles = rotation_angles(positions, head_dim, base=base, scale=scale,
+                           rotary_fraction=rotary_fraction)
+  return jnp.sin(angles), jnp.cos(angles)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, *, base: float, scale: float = 1.0,
                rotary_fraction: float = 1.0, mode: str = 'float') -> jax.Array:
-  """Rotates x [B, T, N, H] by integer positions [B, T]; returns x's dtype."""
-  if mode == 'none':
+  """Rotates x [B, T, N, H] by integer positions [B, T] as RoPE mode `mode` does; returns x's
+  dtype."""
+  sin_cos = get_mode(mode).sin_cos
+  if sin_cos is None:
     return x
-  head_dim = x.shape[-1]
-  if mode == 'float':
-    angles = rotation_angles(positions, head_dim, base=base, scale=scale,
-                             rotary_fraction=rotary_fraction)
-    sin, cos = jnp.sin(angles), jnp.cos(angles)
-  elif mode == 'quarter_turn':
-    sin, cos = quarter_turn_sin_cos(positions, head_dim, rotary_fraction)
-  else:
-    raise ValueError(f'unknown RoPE mode {mode!r}; expected one of {ROPE_MODES}')
+  sin, cos = sin_cos(positions, x.shape[-1], base=base, scale=scale,
+                     rotary_fraction=rotary_fraction)
   # [B, T, 1, H/2]: broadcast over heads
   return rotate(x, sin[..., None, :], cos[..., None, :]).astype(x.dtype)
 
@@ -81,3 +92,72 @@ def rotate(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
   [..., H/2] broadcast against it; float32."""
   first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def quarter_turn_logits(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
+                        rotary_fraction: float = 1.0) -> jax.Array:
+  """Attention scores for the quarter-turn control, computed from relative rotations:
+  q [B, T, K, G, H], k [B, S, K, H] (float32) -> [B, T, K, G, S].
+
+  Quarter turns compose exactly, yet a plain q . k is not translation-invariant under them: a
+  shift by an odd δ turns pairs by a quarter, which moves the products q_i k_i and
+  q_{i+H/2} k_{i+H/2} into each other's dimension, and the dot adds the same terms in another
+  order (XLA:CPU also contracts a product and an add into a multiply-add, so no elementwise
+  rewrite of the sum is safe). Instead q is turned back to position 0 and every key by the
+  query's position (both exact: signed permutations), so the dot sees R(p_k - p_q) k and the
+  unrotated q, which a shift does not change. Costs a [B, T, S, K, H] key tensor: controls only.
+  """
+  del k_pos  # each key already carries its own rotation
+  sin, cos = quarter_turn_sin_cos(-q_pos, q.shape[-1], rotary_fraction=rotary_fraction)
+  sin, cos = sin[:, :, None, None], cos[:, :, None, None]  # [B, T, 1, 1, H/2]
+  q = rotate(q, sin, cos)
+  relative = rotate(k[:, None], sin, cos)  # [B, T, S, K, H]
+  return jnp.einsum('btkgh,btskh->btkgs', q, relative)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeMode:
+  """A RoPE mode: how positions rotate q and k, and what attention must do with them.
+
+  sin_cos: (positions, head_dim, *, base, scale, rotary_fraction) -> (sin, cos) [..., H/2], or
+    None for no rotation.
+  scores: rotary_fraction -> a score function (q, k, q_pos, k_pos) -> logits replacing the
+    plain q . k, or None for the plain dot.
+  attention: the attention implementations (gemma_jax.attention.IMPLEMENTATIONS) that support
+    the mode; `why` says why the others do not.
+  """
+
+  name: str
+  sin_cos: Callable | None
+  scores: Callable[[float], Callable] | None = None
+  attention: tuple[str, ...] = ('xla', 'pallas')
+  why: str = ''
+
+
+def _quarter_turn_scores(rotary_fraction: float) -> Callable:
+  return lambda q, k, q_pos, k_pos: quarter_turn_logits(q, k, q_pos, k_pos,
+                                                        rotary_fraction=rotary_fraction)
+
+
+MODES: dict[str, RopeMode] = {m.name: m for m in (
+    RopeMode('float', float_sin_cos),
+    RopeMode('none', None),
+    RopeMode('quarter_turn', quarter_turn_sin_cos, scores=_quarter_turn_scores,
+             attention=('xla',),
+             why='its scores come from relative rotations (quarter_turn_logits), which only the '
+                 'reference attention computes'),
+)}
+
+
+def get_mode(name: str) -> RopeMode:
+  if name not in MODES:
+    raise ValueError(f'unknown RoPE mode {name!r}; expected one of {tuple(MODES)}')
+  return MODES[name]
+
+
+def check_attention(mode: str, attention: str) -> None:
+  """Raises ValueError, with the reason, when `attention` cannot run RoPE mode `mode`."""
+  entry = get_mode(mode)
+  if attention not in entry.attention:
+    raise ValueError(f'the {mode!r} RoPE mode needs attention in {entry.attention}, not '
+                     f'{attention!r}: {entry.why}')

@@ -2,19 +2,21 @@
 
 On disk an artifact is a directory:
 
-    manifest.json   format, token count and hash, positions, the model and engine fingerprints,
-                    {dtype, shape, sha256} of every leaf's raw bytes, and {size, sha256} of
-                    every file under state/
+    manifest.json   format, token count and hash, start and next position, the model and engine
+                    fingerprints, {dtype, shape, sha256} of every leaf's raw bytes, {size,
+                    sha256} of every file under state/, and `manifest_sha256`, the SHA-256 of
+                    the canonical JSON of every other field (so no field can change unnoticed)
     state/          an Orbax checkpoint of the leaves: `tokens` int32 [n] and, for each
                     cache-owning layer i, `layer_{i}/k`, `layer_{i}/v` [slots, K, H] and
-                    `layer_{i}/positions` int32 [slots]; compression off, raw dtype
+                    `layer_{i}/positions` int32 [slots] (gemma_jax.kv_state.to_leaves);
+                    compression off, raw dtype
 
-Only the slots that hold tokens are stored (slots [0, min(n, S)) of each layer; a local ring that
-wrapped is stored whole), with the K/V of empty slots zeroed so the bytes depend on the tokens
-alone. Writes go to a temporary directory beside the target and are renamed into place when
-complete. `load` re-hashes every leaf and refuses, with the reason, an artifact from another
-model or engine configuration, of another dtype, with a missing, extra or altered leaf, or with
-files missing or damaged. `graft` puts a verified artifact at its own positions.
+Writes build the directory under a staging name and rename it into place when complete
+(gemma_jax.files.atomic_directory). `load` trusts nothing it reads: it re-hashes the manifest,
+every file and every leaf, checks that the positions a graft will use follow from the recorded
+start position and token count, and refuses, with the reason, an artifact from another model,
+engine configuration or layout version, of another dtype, with a missing, extra or altered leaf
+or file. `graft` puts a verified artifact at its own positions.
 """
 
 from __future__ import annotations
@@ -24,18 +26,18 @@ import datetime
 import hashlib
 import json
 import os
-import shutil
-import uuid
+import time
 
-import jax.numpy as jnp
 import numpy as np
 
-from analysis.metrics import sha256_bytes
 from gemma_jax import kv_state as kvs
 from gemma_jax.checkpoints import orbax_util
-from graft.engine import Engine, Sequence
+from gemma_jax.compare import sha256_bytes
+from gemma_jax.files import atomic_directory
+from graft import fingerprint
+from graft.engine import Context, Engine
 
-FORMAT = 'kv-graft-artifact/1'
+FORMAT = 'kv-graft-artifact/2'
 MANIFEST = 'manifest.json'
 STATE = 'state'
 
@@ -46,29 +48,12 @@ class ArtifactError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Artifact:
+  """A verified KV state (or one captured in memory) with its tokens and manifest."""
+
   tokens: tuple[int, ...]
-  leaves: dict[str, np.ndarray]  # verified, as stored
+  next_position: int
+  leaves: dict[str, np.ndarray]  # kv_state.to_leaves plus 'tokens', as stored
   manifest: dict
-
-  @property
-  def start_position(self) -> int:
-    return self.manifest['start_position']
-
-
-def leaves_of(engine: Engine, seq: Sequence) -> dict[str, np.ndarray]:
-  """The canonical leaves of a context's KV state (see the module docstring)."""
-  if not seq.tokens:
-    raise ArtifactError('an empty context has no KV state to save')
-  n = len(seq.tokens)
-  out = {'tokens': np.asarray(seq.tokens, np.int32)}
-  for layer_index, layer in zip(engine.config.cache_layers, seq.kv.layers):
-    stored = min(n, layer.num_slots)
-    positions = np.asarray(layer.positions[0, :stored])
-    filled = (positions != kvs.EMPTY)[:, None, None]
-    out[f'layer_{layer_index}/k'] = np.where(filled, np.asarray(layer.k[0, :stored]), 0)
-    out[f'layer_{layer_index}/v'] = np.where(filled, np.asarray(layer.v[0, :stored]), 0)
-    out[f'layer_{layer_index}/positions'] = positions
-  return out
 
 
 def describe(leaves: dict[str, np.ndarray]) -> dict[str, dict]:
@@ -76,37 +61,45 @@ def describe(leaves: dict[str, np.ndarray]) -> dict[str, dict]:
                  'sha256': sha256_bytes(a)} for name, a in sorted(leaves.items())}
 
 
-def save(path: str, engine: Engine, seq: Sequence) -> dict:
-  """Writes the context as an artifact at `path` (which must not exist); returns the manifest."""
-  if os.path.exists(path):
-    raise FileExistsError(f'{path} already exists; artifacts are immutable')
-  leaves = leaves_of(engine, seq)
+def manifest_digest(manifest: dict) -> str:
+  """SHA-256 of the canonical JSON of every manifest field but `manifest_sha256` itself."""
+  return fingerprint.digest({k: v for k, v in manifest.items() if k != 'manifest_sha256'})
+
+
+def capture(engine: Engine, ctx: Context) -> Artifact:
+  """The context as an (unsaved) artifact: its canonical leaves and full manifest."""
+  if not ctx.tokens:
+    raise ArtifactError('an empty context has no KV state to save')
+  leaves = {'tokens': np.asarray(ctx.tokens, np.int32),
+            **kvs.to_leaves(ctx.kv, engine.config.cache_layers)}
   manifest = {
       'format': FORMAT,
-      'created': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-      'num_tokens': len(seq.tokens),
+      'num_tokens': len(ctx.tokens),
       'tokens_sha256': sha256_bytes(leaves['tokens']),
-      'start_position': seq.next_position - len(seq.tokens),
-      'next_position': seq.next_position,
+      'start_position': ctx.next_position - len(ctx.tokens),
+      'next_position': ctx.next_position,
       'model': engine.model_fingerprint,
       'engine': engine.fingerprint,
       'leaves': describe(leaves),
   }
-  parent = os.path.dirname(os.path.abspath(path))
-  os.makedirs(parent, exist_ok=True)
-  # A fresh hidden name, created with the umask's permissions (mkdtemp's are owner-only).
-  staging = os.path.join(parent, f'.{os.path.basename(path)}.{uuid.uuid4().hex}')
-  os.mkdir(staging)
-  try:
+  return Artifact(tokens=ctx.tokens, next_position=ctx.next_position, leaves=leaves,
+                  manifest=manifest)
+
+
+def save(path: str, engine: Engine, ctx: Context) -> dict:
+  """Writes the context as an artifact at `path` (which must not exist); returns the manifest."""
+  if os.path.exists(path):
+    raise FileExistsError(f'{path} already exists; artifacts are immutable')
+  art = capture(engine, ctx)
+  manifest = dict(art.manifest)
+  manifest['created'] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
+  with atomic_directory(path) as staging:
     orbax_util.save(os.path.join(staging, STATE),
-                    {name.replace('/', '.'): leaf for name, leaf in leaves.items()})
+                    {name.replace('/', '.'): leaf for name, leaf in art.leaves.items()})
     manifest['files'] = state_files(staging)
+    manifest['manifest_sha256'] = manifest_digest(manifest)
     with open(os.path.join(staging, MANIFEST), 'w') as f:
       json.dump(manifest, f, indent=1, sort_keys=True)
-    os.rename(staging, path)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
   return manifest
 
 
@@ -142,7 +135,7 @@ def _check_files(path: str, expected: dict[str, dict]) -> None:
 
 def differences(expected, actual, prefix='') -> list[str]:
   """Readable differences between two JSON-like values, e.g.
-  ['pinned.block_size: the artifact has 8, expected 16']."""
+  ['engine_config.block_size: the artifact has 8, expected 16']."""
   if isinstance(expected, dict) and isinstance(actual, dict):
     out = []
     for key in sorted(set(expected) | set(actual)):
@@ -153,20 +146,28 @@ def differences(expected, actual, prefix='') -> list[str]:
   return [f'{prefix.rstrip(".")}: the artifact has {actual!r}, expected {expected!r}']
 
 
-def load(path: str, engine: Engine) -> Artifact:
-  """Reads and verifies an artifact for `engine`; raises ArtifactError naming what is wrong."""
-  manifest_path = os.path.join(path, MANIFEST)
+def _read_manifest(path: str) -> dict:
   if not os.path.isdir(path):
     raise ArtifactError(f'no artifact at {path}')
+  manifest_path = os.path.join(path, MANIFEST)
   try:
     with open(manifest_path) as f:
       manifest = json.load(f)
   except FileNotFoundError:
     raise ArtifactError(f'{path} is not a complete artifact: {MANIFEST} is missing') from None
-  except json.JSONDecodeError as e:
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ArtifactError(f'{manifest_path} is damaged: {e}') from None
+  if not isinstance(manifest, dict):
+    raise ArtifactError(f'{manifest_path} is not a JSON object')
   if manifest.get('format') != FORMAT:
-    raise ArtifactError(f'{path}: unknown artifact format {manifest.get("format")!r}')
+    raise ArtifactError(f'{path}: unknown artifact format {manifest.get("format")!r} (this '
+                        f'code reads {FORMAT})')
+  if manifest.get('manifest_sha256') != manifest_digest(manifest):
+    raise ArtifactError(f'{path}: the manifest was altered (its SHA-256 does not match)')
+  return manifest
+
+
+def _check_fingerprints(path: str, manifest: dict, engine: Engine) -> None:
   if manifest['model']['sha256'] != engine.model_fingerprint['sha256']:
     diffs = differences(engine.model_fingerprint, manifest['model'])
     raise ArtifactError(f'{path} was made by another model: ' + '; '.join(diffs))
@@ -175,12 +176,10 @@ def load(path: str, engine: Engine) -> Artifact:
              if not d.startswith('sha256')]
     raise ArtifactError(f'{path} was made under another engine configuration: '
                         + '; '.join(diffs))
-  _check_files(path, manifest.get('files', {}))
-  try:
-    restored = orbax_util.restore(os.path.join(path, STATE))
-  except Exception as e:  # orbax/tensorstore raise many kinds on damaged or missing files
-    raise ArtifactError(f'{path}: the state cannot be read ({type(e).__name__}: {e})') from None
-  leaves = {name.replace('.', '/'): np.asarray(leaf) for name, leaf in restored.items()}
+
+
+def _check_leaves(path: str, manifest: dict, leaves: dict[str, np.ndarray]) -> None:
+  """Every leaf as the manifest describes it, and every field a graft uses bound to them."""
   expected = manifest['leaves']
   missing = sorted(set(expected) - set(leaves))
   extra = sorted(set(leaves) - set(expected))
@@ -191,29 +190,52 @@ def load(path: str, engine: Engine) -> Artifact:
     if actual[name] != expected[name]:
       diffs = differences(expected[name], actual[name])
       raise ArtifactError(f'{path}: leaf {name} does not match its manifest: ' + '; '.join(diffs))
-  tokens = tuple(int(t) for t in leaves['tokens'])
-  if len(tokens) != manifest['num_tokens']:
-    raise ArtifactError(f'{path}: {len(tokens)} tokens stored, manifest says '
-                        f'{manifest["num_tokens"]}')
-  return Artifact(tokens=tokens, leaves=leaves, manifest=manifest)
+  n = len(leaves['tokens'])
+  if n != manifest['num_tokens'] or n < 1:
+    raise ArtifactError(f'{path}: {n} tokens stored, manifest says {manifest["num_tokens"]}')
+  if sha256_bytes(leaves['tokens']) != manifest['tokens_sha256']:
+    raise ArtifactError(f'{path}: the tokens do not match tokens_sha256')
+  start = manifest['start_position']
+  if manifest['next_position'] != start + n or start < 0:
+    raise ArtifactError(f'{path}: next_position {manifest["next_position"]} is not start '
+                        f'{start} + {n} tokens')
+  for name, positions in leaves.items():
+    if name.endswith('/positions') and not np.array_equal(
+        positions, kvs.expected_positions(start, n, len(positions))):
+      raise ArtifactError(f'{path}: {name} does not hold positions {start}..{start + n - 1} '
+                          'in sequence order')
 
 
-def graft(engine: Engine, artifact: Artifact) -> Sequence:
+def load(path: str, engine: Engine, *, timings: dict | None = None) -> Artifact:
+  """Reads and verifies an artifact for `engine`; raises ArtifactError naming what is wrong.
+  `timings`, when given, receives the seconds spent reading ('read_s') and hashing and
+  checking ('verify_s')."""
+  start = time.perf_counter()
+  verify = 0.0
+  manifest = _read_manifest(path)
+  _check_fingerprints(path, manifest, engine)
+  t = time.perf_counter()
+  _check_files(path, manifest.get('files', {}))
+  verify += time.perf_counter() - t
+  try:
+    restored = orbax_util.restore(os.path.join(path, STATE))
+  except Exception as e:  # orbax/tensorstore raise many kinds on damaged or missing files
+    raise ArtifactError(f'{path}: the state cannot be read ({type(e).__name__}: {e})') from None
+  leaves = {name.replace('.', '/'): np.asarray(leaf) for name, leaf in restored.items()}
+  t = time.perf_counter()
+  _check_leaves(path, manifest, leaves)
+  verify += time.perf_counter() - t
+  if timings is not None:
+    timings.update(read_s=time.perf_counter() - start - verify, verify_s=verify)
+  return Artifact(tokens=tuple(int(t) for t in leaves['tokens']),
+                  next_position=int(manifest['next_position']), leaves=leaves, manifest=manifest)
+
+
+def graft(engine: Engine, artifact: Artifact) -> Context:
   """A fresh context holding the artifact's KV state at its own positions."""
-  empty = engine.empty()
-  layers = []
-  for layer_index, layer in zip(engine.config.cache_layers, empty.kv.layers):
-    k = artifact.leaves[f'layer_{layer_index}/k']
-    stored = k.shape[0]
-    if stored > layer.num_slots or k.shape[1:] != layer.k.shape[2:]:
-      raise ArtifactError(f'layer {layer_index}: stored K {k.shape} does not fit the engine\'s '
-                          f'cache {layer.k.shape[1:]}')
-    layers.append(kvs.LayerKV(
-        k=layer.k.at[0, :stored].set(jnp.asarray(k, layer.k.dtype)),
-        v=layer.v.at[0, :stored].set(jnp.asarray(artifact.leaves[f'layer_{layer_index}/v'],
-                                                 layer.v.dtype)),
-        positions=layer.positions.at[0, :stored].set(
-            jnp.asarray(artifact.leaves[f'layer_{layer_index}/positions']))))
-  kv = kvs.KVState(layers=tuple(layers),
-                   fill=jnp.full((1,), len(artifact.tokens), jnp.int32))
-  return Sequence(kv=kv, tokens=artifact.tokens, next_position=artifact.manifest['next_position'])
+  try:
+    kv = kvs.from_leaves(artifact.leaves, engine.empty().kv, engine.config.cache_layers,
+                         len(artifact.tokens))
+  except (KeyError, ValueError) as e:
+    raise ArtifactError(f'the artifact does not fit this engine: {e}') from None
+  return Context(kv=kv, tokens=artifact.tokens, next_position=artifact.next_position)

@@ -28,10 +28,11 @@ the 270M in float32 (2 cores, tokens/s, pinned / default): B = 8: prefill 0.66x,
 B = 16: prefill ~1.0x, decode 0.65-0.77x; B = 32: prefill 1.3x, decode 0.5x. B = 16 is the
 default (results/bench_graft_*.json has the current numbers).
 
-Everything that decides bits is in PinnedConfig and the engine fingerprint (graft/fingerprint.py):
+Everything that decides bits is in EngineConfig and the engine fingerprint (graft/fingerprint.py):
 block size, logits rows, cache length (attention reduces over the whole buffer), attention
-implementation and its kernel blocks, matmul precision, XLA flags, dtype, jax/jaxlib versions,
-backend, device kind and CPU vector extensions. The thread count is not: tests/test_threads.py
+implementation and its kernel blocks, matmul precision, XLA flags, dtype, the layout version
+(LAYOUT_VERSION: how tokens map to rows and slots), jax/jaxlib versions, backend, device kind and
+CPU vector extensions. The thread count is not: tests/test_threads.py
 shows the bits are the same on one core, two cores, and with Eigen single-threaded.
 
 The default engine is the plain fast path: one call per extend, padded only to the next power of
@@ -44,48 +45,64 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Sequence as Seq
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma_jax import attention as attention_lib
 from gemma_jax import kv_state as kvs
 from gemma_jax import model
-from gemma_jax.attention import attend
+from gemma_jax import rope
 from gemma_jax.config import EOS_ID
 from gemma_jax.weights import LoadedModel
 from graft import fingerprint
 
-ENGINES = ('pinned', 'default')
-ATTENTIONS = ('xla', 'pallas')
+MODES = ('pinned', 'default')
+
+# The version of everything outside the config that decides a pinned engine's bits: how tokens
+# are laid out in calls and slots (2: blocks aligned to the sequence, token j in row j mod B).
+# Artifacts and store objects record it; a change here must bump it, so that KV computed under
+# the old layout is refused instead of grafted.
+LAYOUT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
-class PinnedConfig:
-  """Everything about an engine that can change the bits of its results."""
+class EngineConfig:
+  """Everything about an engine that can change the bits of its results. `mode` 'pinned' is
+  the pinned configuration (byte-exact grafts); 'default' is the plain fast path."""
 
-  engine: str = 'pinned'  # 'pinned' or 'default'
+  mode: str = 'pinned'
   block_size: int = 16  # B: token rows per transformer call (pinned); see the module docstring
   logits_rows: int = 1  # rows per logits call (pinned)
   cache_len: int = 4096  # KV slots on global layers: the most tokens a context holds
-  attention: str = 'xla'  # 'xla' (gemma_jax.attention.attend) or 'pallas' (gemma_jax.kernels)
+  attention: str = 'xla'  # a name in gemma_jax.attention.IMPLEMENTATIONS
   attention_tile: int | None = None  # KV tile of the Pallas kernel (None: the backend's)
   matmul_precision: str = 'highest'  # jax.default_matmul_precision inside every call
   xla_flags: str = ''  # must equal $XLA_FLAGS when the engine is built
 
   def __post_init__(self):
-    if self.engine not in ENGINES:
-      raise ValueError(f'unknown engine {self.engine!r}; expected one of {ENGINES}')
-    if self.attention not in ATTENTIONS:
-      raise ValueError(f'unknown attention {self.attention!r}; expected one of {ATTENTIONS}')
+    if self.mode not in MODES:
+      raise ValueError(f'unknown engine mode {self.mode!r}; expected one of {MODES}')
+    if self.attention not in attention_lib.IMPLEMENTATIONS:
+      raise ValueError(f'unknown attention {self.attention!r}; expected one of '
+                       f'{tuple(attention_lib.IMPLEMENTATIONS)}')
     if self.block_size < 1 or self.logits_rows < 1 or self.cache_len < self.block_size:
-      raise ValueError(f'invalid pinned config {self}: need 1 <= block_size <= cache_len and '
+      raise ValueError(f'invalid engine config {self}: need 1 <= block_size <= cache_len and '
                        'logits_rows >= 1')
+
+  @classmethod
+  def from_dict(cls, values: dict) -> 'EngineConfig':
+    """From its JSON form; also reads the form older manifests recorded (`engine` for mode)."""
+    values = dict(values)
+    if 'engine' in values and 'mode' not in values:
+      values['mode'] = values.pop('engine')
+    return cls(**values)
 
 
 @dataclasses.dataclass(frozen=True)
-class Sequence:
+class Context:
   """A context: its KV state, the tokens in it, and where the next token goes."""
 
   kv: kvs.KVState
@@ -99,35 +116,38 @@ def _next_power_of_two(n: int) -> int:
 
 
 class Engine:
-  """Runs a loaded model under a PinnedConfig. Sequences are immutable values; every method
+  """Runs a loaded model under an EngineConfig. Contexts are immutable values; every method
   returns a new one, so a context can be branched freely."""
 
-  def __init__(self, loaded: LoadedModel, pinned: PinnedConfig = PinnedConfig()):
-    if os.environ.get('XLA_FLAGS', '') != pinned.xla_flags:
-      raise ValueError(f'the pinned config needs XLA_FLAGS={pinned.xla_flags!r} but the process '
+  def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig()):
+    if os.environ.get('XLA_FLAGS', '') != config.xla_flags:
+      raise ValueError(f'the engine config needs XLA_FLAGS={config.xla_flags!r} but the process '
                        f'has {os.environ.get("XLA_FLAGS", "")!r}; set it before starting Python')
+    rope.check_attention(loaded.config.rope_mode, config.attention)
     self.loaded = loaded
     self.config = loaded.config
-    self.pinned = pinned
-    self._pinned_shapes = pinned.engine == 'pinned'
-    self._attention_fn = self._make_attention()
+    self.engine_config = config
+    self._pinned_shapes = config.mode == 'pinned'
+    self._attention_fn = attention_lib.build(config.attention, config.attention_tile)
+    head_dims = tuple(sorted({self.config.layer_spec(i).head_dim
+                              for i in range(self.config.num_layers)}))
+    self._kernel_blocks = self._attention_fn.blocks(head_dims, self.dtype)
     if self._pinned_shapes:
-      # Local layers: a ring just big enough for one block (rounded up to whole Pallas tiles,
+      # Local layers: a ring just big enough for one block (rounded up to whole kernel tiles,
       # so the kernel never pads the cache).
-      self._local_slots = kvs.local_slots_needed(self.config, pinned.block_size)
-      tile = self._kernel_tile()
-      if tile:
-        self._local_slots = -(-self._local_slots // tile) * tile
+      multiple = self._attention_fn.slot_multiple(head_dims, self.dtype)
+      self._local_slots = -(-kvs.local_slots_needed(self.config, config.block_size)
+                            // multiple) * multiple
     else:
       self._local_slots = None  # one-shot calls of any length need the full cache
 
     def step(params, tokens, positions, kv):
-      with jax.default_matmul_precision(pinned.matmul_precision):
+      with jax.default_matmul_precision(config.matmul_precision):
         return model.forward(params, self.config, tokens, positions, kv, self._attention_fn)
 
     def head(params, hidden, rows):
       # hidden [1, T, D], rows [R] -> logits [1, R, V] of those rows (gathered inside the jit).
-      with jax.default_matmul_precision(pinned.matmul_precision):
+      with jax.default_matmul_precision(config.matmul_precision):
         return model.compute_logits(params, self.config, jnp.take(hidden, rows, axis=1))
 
     # The KV state is donated: XLA updates the cache in place. Callers' contexts stay valid
@@ -135,47 +155,27 @@ class Engine:
     self._step = jax.jit(step, donate_argnums=(3,))
     self._head = jax.jit(head)
 
-  def _make_attention(self):
-    if self.pinned.attention == 'xla':
-      return attend
-    if self.config.rope_mode == 'quarter_turn':
-      raise ValueError("the quarter-turn RoPE control sums attention scores pair by pair, which "
-                       "only attention='xla' does")
-    from gemma_jax import kernels  # the Pallas kernels load only when asked for
-    return kernels.make_pallas_attention(tile_size=self.pinned.attention_tile)
-
-  def _kernel_blocks(self) -> dict:
-    """The Pallas kernel's resolved block shapes per head dim (they change bits too)."""
-    if self.pinned.attention != 'pallas':
-      return {}
-    head_dims = sorted({self.config.layer_spec(i).head_dim for i in range(self.config.num_layers)})
-    return {str(h): dataclasses.asdict(self._attention_fn.block_config(h, self.dtype))
-            for h in head_dims}
-
-  def _kernel_tile(self) -> int | None:
-    blocks = self._kernel_blocks()
-    return max((b['tile_size'] for b in blocks.values()), default=None)
-
   @functools.cached_property
   def model_fingerprint(self) -> dict:
     return fingerprint.model_fingerprint(self.loaded)
 
   @functools.cached_property
   def fingerprint(self) -> dict:
-    return fingerprint.engine_fingerprint(self.pinned, self.loaded.dtype,
-                                          kernel_blocks=self._kernel_blocks())
+    return fingerprint.engine_fingerprint(self.engine_config, self.loaded.dtype,
+                                          layout_version=LAYOUT_VERSION,
+                                          kernel_blocks=self._kernel_blocks)
 
   @property
   def dtype(self):
     return jax.tree.leaves(self.loaded.params)[0].dtype
 
-  def empty(self, start_position: int = 0) -> Sequence:
+  def empty(self, start_position: int = 0) -> Context:
     """An empty context whose first token will sit at `start_position`."""
-    kv = kvs.init_kv_state(self.config, batch_size=1, cache_len=self.pinned.cache_len,
+    kv = kvs.init_kv_state(self.config, batch_size=1, cache_len=self.engine_config.cache_len,
                            dtype=self.dtype, local_cache_len=self._local_slots)
-    return Sequence(kv=kv, tokens=(), next_position=start_position)
+    return Context(kv=kv, tokens=(), next_position=start_position)
 
-  def _check_tokens(self, seq: Sequence, tokens: Seq[int]) -> list[int]:
+  def _check_tokens(self, ctx: Context, tokens: Sequence[int]) -> list[int]:
     tokens = [int(t) for t in tokens]
     if not tokens:
       raise ValueError('nothing to process: the token list is empty')
@@ -183,12 +183,12 @@ class Engine:
     for i, t in enumerate(tokens):
       if not 0 <= t < vocab:
         raise ValueError(f'token id {t} at index {i} is outside the vocabulary [0, {vocab})')
-    if len(seq.tokens) + len(tokens) > self.pinned.cache_len:
+    if len(ctx.tokens) + len(tokens) > self.engine_config.cache_len:
       raise ValueError(
-          f'a context of {len(seq.tokens)} + {len(tokens)} tokens does not fit the cache of '
-          f'{self.pinned.cache_len} slots; raise cache_len')
-    if seq.next_position + len(tokens) > self.config.max_context:
-      raise ValueError(f'positions up to {seq.next_position + len(tokens) - 1} exceed '
+          f'a context of {len(ctx.tokens)} + {len(tokens)} tokens does not fit the cache of '
+          f'{self.engine_config.cache_len} slots; raise cache_len')
+    if ctx.next_position + len(tokens) > self.config.max_context:
+      raise ValueError(f'positions up to {ctx.next_position + len(tokens) - 1} exceed '
                        f'{self.config.name}\'s context of {self.config.max_context}')
     return tokens
 
@@ -196,8 +196,8 @@ class Engine:
     """Pinned: the block size. Default: the next power of two, but no more rows than the cache
     has slots."""
     if self._pinned_shapes:
-      return self.pinned.block_size
-    return max(num_tokens, min(_next_power_of_two(num_tokens), self.pinned.cache_len))
+      return self.engine_config.block_size
+    return max(num_tokens, min(_next_power_of_two(num_tokens), self.engine_config.cache_len))
 
   def _call(self, kv, tokens: list[int], first_position: int, rows: int, lead: int):
     """One transformer call of `rows` rows: `lead` padding rows, the tokens, padding."""
@@ -211,7 +211,7 @@ class Engine:
     """float32 logits [V] of the given rows of one call's hidden states [1, T, D]."""
     if not self._pinned_shapes:
       return list(np.asarray(self._head(self.loaded.params, hidden, np.asarray(rows, np.int32))[0]))
-    r, out = self.pinned.logits_rows, []
+    r, out = self.engine_config.logits_rows, []
     for i in range(0, len(rows), r):
       chunk = rows[i:i + r]
       padded = np.zeros(r, np.int32)  # every logits call has exactly r rows
@@ -219,13 +219,13 @@ class Engine:
       out.extend(np.asarray(self._head(self.loaded.params, hidden, padded)[0, :len(chunk)]))
     return out
 
-  def extend(self, seq: Sequence, tokens: Seq[int], *, logits: str | int = 'none',
-             consume: bool = False) -> tuple[Sequence, np.ndarray | None]:
+  def extend(self, ctx: Context, tokens: Sequence[int], *, logits: str | int = 'none',
+             consume: bool = False) -> tuple[Context, np.ndarray | None]:
     """Appends tokens to the context and returns float32 logits for the last rows asked for:
     `logits` is 'none', 'last' ([1, V]), 'all' ([n, V]) or a count k of trailing rows ([k, V]).
-    `consume=True` promises that `seq` will not be used again, so its KV buffers are updated in
+    `consume=True` promises that `ctx` will not be used again, so its KV buffers are updated in
     place instead of copied."""
-    tokens = self._check_tokens(seq, tokens)
+    tokens = self._check_tokens(ctx, tokens)
     wanted = {'none': 0, 'last': 1, 'all': len(tokens)}.get(logits, logits)
     if not isinstance(wanted, int) or not 0 <= wanted <= len(tokens):
       raise ValueError(f"logits must be 'none', 'last', 'all' or a row count in "
@@ -234,42 +234,42 @@ class Engine:
     rows = self._rows_per_call(len(tokens))
     # Pinned: blocks are aligned to the sequence, so the token with sequence index j always sits
     # in row j mod B, whatever the calls before (the first block may start with padding rows).
-    lead = len(seq.tokens) % rows if self._pinned_shapes else 0
-    kv = seq.kv if consume else jax.tree.map(jnp.copy, seq.kv)
+    lead = len(ctx.tokens) % rows if self._pinned_shapes else 0
+    kv = ctx.kv if consume else jax.tree.map(jnp.copy, ctx.kv)
     logit_rows = []
     for block_start in range(-lead, len(tokens), rows):  # token index of the block's row 0
       first = max(block_start, 0)
       chunk = tokens[first:block_start + rows]
-      hidden, kv = self._call(kv, chunk, seq.next_position + first, rows, first - block_start)
+      hidden, kv = self._call(kv, chunk, ctx.next_position + first, rows, first - block_start)
       wanted_rows = [j - block_start for j in range(max(first, first_wanted), first + len(chunk))]
       if wanted_rows:
         logit_rows.extend(self._logits(hidden, wanted_rows))
     result = np.stack(logit_rows) if wanted else None
-    new = Sequence(kv=kv, tokens=seq.tokens + tuple(tokens),
-                   next_position=seq.next_position + len(tokens),
-                   last_logits=None if result is None else result[-1])
+    new = Context(kv=kv, tokens=ctx.tokens + tuple(tokens),
+                  next_position=ctx.next_position + len(tokens),
+                  last_logits=None if result is None else result[-1])
     return new, result
 
-  def generate(self, seq: Sequence, max_new_tokens: int, *, temperature: float = 0.0,
-               seed: int = 0, stop_at_eos: bool = True) -> tuple[Sequence, list[int]]:
+  def generate(self, ctx: Context, max_new_tokens: int, *, temperature: float = 0.0,
+               seed: int = 0, stop_at_eos: bool = True) -> tuple[Context, list[int]]:
     """Greedy (temperature 0) or seeded sampling from the context's last logits. The returned
     context holds every generated token but the last (computing its KV would cost one more
     call that nothing needs unless the context is extended; extend it then)."""
-    if seq.last_logits is None:
+    if ctx.last_logits is None:
       raise ValueError('the context has no logits at its last token; extend it with '
                        "logits='last' first")
     rng = np.random.default_rng(seed)
     new_tokens = []
     while len(new_tokens) < max_new_tokens:
       if new_tokens:  # after the first step the context is this loop's own: update in place
-        seq, _ = self.extend(seq, new_tokens[-1:], logits='last', consume=len(new_tokens) > 1)
-      new_tokens.append(sample(seq.last_logits, temperature, rng))
+        ctx, _ = self.extend(ctx, new_tokens[-1:], logits='last', consume=len(new_tokens) > 1)
+      new_tokens.append(sample(ctx.last_logits, temperature, rng))
       if stop_at_eos and new_tokens[-1] == EOS_ID:
         break
-    return seq, new_tokens
+    return ctx, new_tokens
 
-  def prefill(self, tokens: Seq[int], *, logits: str = 'last',
-              start_position: int = 0) -> tuple[Sequence, np.ndarray | None]:
+  def prefill(self, tokens: Sequence[int], *, logits: str = 'last',
+              start_position: int = 0) -> tuple[Context, np.ndarray | None]:
     """A fresh context holding `tokens`."""
     return self.extend(self.empty(start_position), tokens, logits=logits, consume=True)
 

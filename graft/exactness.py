@@ -11,30 +11,27 @@ Equal means the SHA-256 of the two float32 query-logit arrays is the same.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 
-import numpy as np
-
-from analysis import metrics
+from gemma_jax import compare
 from graft import artifact
 from graft.engine import Engine
 
 
 def fresh_run(engine: Engine, library, query, continuation_tokens: int):
-  seq, logits = engine.extend(engine.empty(), list(library) + list(query), logits=len(query))
-  _, continuation = engine.generate(seq, continuation_tokens, stop_at_eos=False)
+  ctx, logits = engine.extend(engine.empty(), list(library) + list(query), logits=len(query))
+  _, continuation = engine.generate(ctx, continuation_tokens, stop_at_eos=False)
   return logits, continuation
 
 
 def graft_run(engine: Engine, writer: Engine, library, query, continuation_tokens: int,
               artifact_path: str):
-  library_seq, _ = writer.prefill(list(library), logits='none')
-  artifact.save(artifact_path, writer, library_seq)
+  library_ctx, _ = writer.prefill(list(library), logits='none')
+  artifact.save(artifact_path, writer, library_ctx)
   restored = artifact.graft(engine, artifact.load(artifact_path, engine))
-  seq, logits = engine.extend(restored, list(query), logits='all')
-  _, continuation = engine.generate(seq, continuation_tokens, stop_at_eos=False)
+  ctx, logits = engine.extend(restored, list(query), logits='all')
+  _, continuation = engine.generate(ctx, continuation_tokens, stop_at_eos=False)
   return logits, continuation
 
 
@@ -47,12 +44,12 @@ def check_sample(engine: Engine, writer: Engine, library, query, *, artifact_pat
   graft_logits, graft_continuation = graft_run(engine, writer, library, query,
                                                continuation_tokens, artifact_path)
   t2 = time.perf_counter()
-  comparison = metrics.compare_logits(fresh_logits, graft_logits)
+  comparison = compare.compare_logits(fresh_logits, graft_logits)
   return {
       'library_tokens': len(library),
       'query_tokens': len(query),
-      'fresh_sha256': metrics.sha256_bytes(fresh_logits),
-      'graft_sha256': metrics.sha256_bytes(graft_logits),
+      'fresh_sha256': compare.sha256_bytes(fresh_logits),
+      'graft_sha256': compare.sha256_bytes(graft_logits),
       'equal': comparison['equal'],
       'kl': comparison['kl'],
       'argmax_agreement': comparison['argmax_agreement'],
@@ -61,8 +58,7 @@ def check_sample(engine: Engine, writer: Engine, library, query, *, artifact_pat
       'max_ulp': comparison['max_ulp'],
       'top5_overlap': comparison['top5_overlap'],
       'continuation_tokens': len(fresh_continuation),
-      'continuation_sha256': hashlib.sha256(
-          np.asarray(fresh_continuation, np.int32).tobytes()).hexdigest(),
+      'continuation_sha256': compare.token_ids_sha256(fresh_continuation),
       'fresh_seconds': round(t1 - t0, 3),
       'graft_seconds': round(t2 - t1, 3),
       'artifact': os.path.basename(artifact_path),

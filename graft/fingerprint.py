@@ -3,7 +3,7 @@
 An artifact records both; a restore that finds either different refuses to graft. The model
 fingerprint covers every parameter's bytes (with name, dtype and shape), the config and the
 tokenizer. The engine fingerprint covers everything else that can change bits: the pinned
-configuration, the jax/jaxlib versions, the backend and device kind, the CPU's vector extensions
+configuration, the layout version, the jax/jaxlib versions, the backend and device kind, the CPU's vector extensions
 and the XLA flags in effect. The thread count is deliberately not in it: the pinned engine is
 invariant to it (tests/test_threads.py shows this), so artifacts move between machines with
 different core counts.
@@ -64,16 +64,34 @@ def model_fingerprint(loaded) -> dict:
           **{k: v for k, v in parts.items() if k != 'config'}}
 
 
-def cpu_features() -> list[str]:
+def _cpuinfo() -> dict[str, str]:
+  """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+  fields = {}
   try:
     with open('/proc/cpuinfo') as f:
       for line in f:
-        if line.startswith(('flags', 'Features')):
-          return sorted({flag for flag in line.split(':', 1)[1].split()
-                         if flag.startswith(_ISA_PREFIXES)})
+        if not line.strip():
+          break
+        name, _, value = line.partition(':')
+        fields[name.strip()] = value.strip()
   except OSError:
     pass
-  return [platform.machine()]
+  return fields
+
+
+def cpu_features() -> list[str]:
+  flags = _cpuinfo().get('flags') or _cpuinfo().get('Features')
+  if not flags:
+    return [platform.machine()]
+  return sorted({flag for flag in flags.split() if flag.startswith(_ISA_PREFIXES)})
+
+
+def cpu_model() -> str:
+  """Vendor, family and model: XLA:CPU tunes its code for the host CPU model (through LLVM), so
+  the same vector extensions on another model can still give other bits (measured: the same
+  float32 engine on an AMD and an Intel AVX-512 machine gives different logits)."""
+  info = _cpuinfo()
+  return '/'.join(info.get(k, '?') for k in ('vendor_id', 'cpu family', 'model'))
 
 
 def environment() -> dict:
@@ -87,12 +105,17 @@ def environment() -> dict:
       'device_count': jax.device_count(),
       'machine': platform.machine(),
       'cpu_features': cpu_features() if jax.default_backend() == 'cpu' else [],
+      'cpu_model': cpu_model() if jax.default_backend() == 'cpu' else '',
       'xla_flags': os.environ.get('XLA_FLAGS', ''),
   }
 
 
-def engine_fingerprint(pinned, dtype: str, kernel_blocks: dict | None = None) -> dict:
-  parts = {'pinned': pinned, 'dtype': dtype, 'environment': environment()}
+def engine_fingerprint(engine_config, dtype: str, *, layout_version: int,
+                       kernel_blocks: dict | None = None) -> dict:
+  """Fingerprint of an engine: its config, dtype, layout version, kernel blocks and the
+  environment: {'sha256', and what went into it}."""
+  parts = {'engine_config': engine_config, 'dtype': dtype, 'layout_version': layout_version,
+           'environment': environment()}
   if kernel_blocks:
     parts['kernel_blocks'] = kernel_blocks
   return {'sha256': digest(parts), **json.loads(canonical_json(parts))}

@@ -17,9 +17,10 @@ Neither makes a shifted graft equal to a fresh computation at the new positions 
 model is translation-invariant in floating point: the K/V of every layer past the first depend
 on attention outputs, which depend on the rotated keys' absolute angles through rounding. The
 third method of experiments/position_sweep.py, `recompute`, measures exactly that (fresh at δ
-against fresh at 0; no graft), and `layer_divergence` here measures where the bits part.
+against fresh at 0; no graft), and `layer_divergence` here measures where the bits part
+(gemma_jax.compare.first_differing_layer names the first layer that differs).
 
-Slots never move: a token's slot is its sequence index (gemma_jax/kv_state.py), so a shifted
+Slots never move: a token's slot is its ctxuence index (gemma_jax/kv_state.py), so a shifted
 graft changes keys and positions in place and the query that follows lands in the same slots
 as in a fresh computation at the new positions.
 """
@@ -33,13 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from analysis import metrics
+from gemma_jax import compare
 from gemma_jax import kv_state as kvs
 from gemma_jax import rope
 from gemma_jax.config import TransformerConfig
 from gemma_jax.weights import LoadedModel
 from graft import artifact as artifact_lib
-from graft.engine import Engine, Sequence
+from graft.engine import Context, Engine
 
 METHODS = ('rerotate', 'pre_rope', 'recompute')
 GRAFT_METHODS = ('rerotate', 'pre_rope')  # the two that move a computed KV state
@@ -89,11 +90,11 @@ def rotate_layer(config: TransformerConfig, layer_index: int, k: jax.Array,
                  rotary_fraction=spec.rotary_fraction, mode=config.rope_mode)
 
 
-def attention_keys(config: TransformerConfig, seq: Sequence) -> list[jax.Array]:
+def attention_keys(config: TransformerConfig, ctx: Context) -> list[jax.Array]:
   """Per cache-owning layer, the keys as attention reads them: the cache itself, or the cache
   rotated by its slot positions when the config caches keys before RoPE."""
   keys = []
-  for layer_index, layer in zip(config.cache_layers, seq.kv.layers):
+  for layer_index, layer in zip(config.cache_layers, ctx.kv.layers):
     keys.append(rotate_layer(config, layer_index, layer.k, layer.positions,
                              layer.positions != kvs.EMPTY)
                 if config.kv_cache_pre_rope else layer.k)
@@ -105,75 +106,59 @@ def attention_keys(config: TransformerConfig, seq: Sequence) -> list[jax.Array]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_range(config: TransformerConfig, seq: Sequence, delta: int) -> None:
-  if not seq.tokens:
+def _check_range(config: TransformerConfig, ctx: Context, delta: int) -> None:
+  if not ctx.tokens:
     raise ShiftError('an empty context has nothing to shift')
-  start = seq.next_position - len(seq.tokens)
+  start = ctx.next_position - len(ctx.tokens)
   if start + delta < 0:
     raise ShiftError(f'a shift by {delta} moves the first token (position {start}) to '
                      f'{start + delta} < 0')
-  if seq.next_position + delta > config.max_context:
+  if ctx.next_position + delta > config.max_context:
     raise ShiftError(f'a shift by {delta} moves the last token to position '
-                     f'{seq.next_position + delta - 1}, past {config.name}\'s context of '
+                     f'{ctx.next_position + delta - 1}, past {config.name}\'s context of '
                      f'{config.max_context}')
 
 
-def _moved_positions(positions: jax.Array, delta: int) -> jax.Array:
-  return jnp.where(positions != kvs.EMPTY, positions + jnp.int32(delta), positions)
-
-
-def rerotate(config: TransformerConfig, seq: Sequence, delta: int) -> Sequence:
+def rerotate(config: TransformerConfig, ctx: Context, delta: int) -> Context:
   """The context moved by `delta` positions, its rotated keys rotated once more by `delta`
   (K-shift). Needs a config that caches rotated keys."""
   if config.kv_cache_pre_rope:
     raise ShiftError('rerotate shifts rotated keys; this config caches keys before RoPE '
                      '(use pre_rope)')
-  _check_range(config, seq, delta)
+  _check_range(config, ctx, delta)
   layers = []
-  for layer_index, layer in zip(config.cache_layers, seq.kv.layers):
+  for layer_index, layer in zip(config.cache_layers, ctx.kv.layers):
     # A negative delta may equal EMPTY (-1), so the filled slots travel as a separate mask.
     filled = layer.positions != kvs.EMPTY
     by_delta = jnp.full_like(layer.positions, delta)
-    layers.append(kvs.LayerKV(k=rotate_layer(config, layer_index, layer.k, by_delta, filled),
-                              v=layer.v, positions=_moved_positions(layer.positions, delta)))
-  return Sequence(kv=kvs.KVState(layers=tuple(layers), fill=seq.kv.fill), tokens=seq.tokens,
-                  next_position=seq.next_position + delta, last_logits=None)
+    layers.append(layer.replace(k=rotate_layer(config, layer_index, layer.k, by_delta, filled)))
+  kv = kvs.shift_positions(ctx.kv.replace(layers=tuple(layers)), delta)
+  return Context(kv=kv, tokens=ctx.tokens, next_position=ctx.next_position + delta)
 
 
-def move_positions(config: TransformerConfig, seq: Sequence, delta: int) -> Sequence:
+def move_positions(config: TransformerConfig, ctx: Context, delta: int) -> Context:
   """The context moved by `delta` positions with its keys untouched: correct for a config that
   caches keys before RoPE (attention rotates them by the moved positions)."""
   if not config.kv_cache_pre_rope:
     raise ShiftError('moving positions alone leaves rotated keys at their old angles; '
                      'pre_rope needs a config with kv_cache_pre_rope=True')
-  _check_range(config, seq, delta)
-  layers = tuple(kvs.LayerKV(k=layer.k, v=layer.v,
-                             positions=_moved_positions(layer.positions, delta))
-                 for layer in seq.kv.layers)
-  return Sequence(kv=kvs.KVState(layers=layers, fill=seq.kv.fill), tokens=seq.tokens,
-                  next_position=seq.next_position + delta, last_logits=None)
+  _check_range(config, ctx, delta)
+  return Context(kv=kvs.shift_positions(ctx.kv, delta), tokens=ctx.tokens,
+                 next_position=ctx.next_position + delta)
 
 
-def shift(engine: Engine, seq: Sequence, delta: int, method: str) -> Sequence:
-  """`seq` (computed by `engine`) moved by `delta` positions by `method` ('rerotate' or
+def shift(engine: Engine, ctx: Context, delta: int, method: str) -> Context:
+  """`ctx` (computed by `engine`) moved by `delta` positions by `method` ('rerotate' or
   'pre_rope'; the engine's model must cache keys accordingly)."""
   if method == 'rerotate':
-    return rerotate(engine.config, seq, delta)
+    return rerotate(engine.config, ctx, delta)
   if method == 'pre_rope':
-    return move_positions(engine.config, seq, delta)
+    return move_positions(engine.config, ctx, delta)
   raise ShiftError(f'unknown shift method {method!r}; expected one of {GRAFT_METHODS}')
 
 
-def in_memory_artifact(engine: Engine, seq: Sequence) -> artifact_lib.Artifact:
-  """The context's canonical leaves as an (unsaved) artifact, for grafting without disk."""
-  return artifact_lib.Artifact(
-      tokens=seq.tokens, leaves=artifact_lib.leaves_of(engine, seq),
-      manifest={'start_position': seq.next_position - len(seq.tokens),
-                'next_position': seq.next_position})
-
-
 def graft_shifted(engine: Engine, art: artifact_lib.Artifact, delta: int,
-                  method: str) -> Sequence:
+                  method: str) -> Context:
   """A fresh context holding the artifact grafted at its own positions plus `delta`."""
   return shift(engine, artifact_lib.graft(engine, art), delta, method)
 
@@ -183,58 +168,53 @@ def graft_shifted(engine: Engine, art: artifact_lib.Artifact, delta: int,
 # ----------------------------------------------------------------------------------------------
 
 
-def layer_divergence(config: TransformerConfig, seq: Sequence, reference: Sequence, *,
+def layer_divergence(config: TransformerConfig, ctx: Context, reference: Context, *,
                      slot_positions: tuple[int, int], keys: str = 'cache',
                      reference_config: TransformerConfig | None = None,
                      position_offset: int = 0) -> list[dict]:
-  """Per cache-owning layer, how far `seq`'s K/V are from `reference`'s on the slots whose
+  """Per cache-owning layer, how far `ctx`'s K/V are from `reference`'s on the slots whose
   reference position lies in [lo, hi) = `slot_positions` (the library's slots that the query
   has not overwritten).
 
   keys='cache' compares the cached keys as stored; 'attention' compares them as attention reads
   them (rotated by slot position where a config caches keys before RoPE). `reference_config`
   (default `config`) is the reference's own config, whose rotation applies to its keys.
-  On the compared slots `seq`'s positions must be the reference's plus `position_offset` (0 for
+  On the compared slots `ctx`'s positions must be the reference's plus `position_offset` (0 for
   a graft against its reference; δ for `recompute`, which compares the same tokens computed at
   two offsets)."""
   reference_config = reference_config or config
   lo, hi = slot_positions
   if keys == 'attention':
-    ours, theirs = attention_keys(config, seq), attention_keys(reference_config, reference)
+    ours, theirs = attention_keys(config, ctx), attention_keys(reference_config, reference)
   elif keys == 'cache':
-    ours = [layer.k for layer in seq.kv.layers]
+    ours = [layer.k for layer in ctx.kv.layers]
     theirs = [layer.k for layer in reference.kv.layers]
   else:
     raise ValueError(f"keys must be 'cache' or 'attention', not {keys!r}")
   rows = []
   for i, layer_index in enumerate(config.cache_layers):
     ref_positions = np.asarray(reference.kv.layers[i].positions[0])
-    our_positions = np.asarray(seq.kv.layers[i].positions[0])
+    our_positions = np.asarray(ctx.kv.layers[i].positions[0])
     slots = np.nonzero((ref_positions >= lo) & (ref_positions < hi))[0]
     if not np.array_equal(our_positions[slots], ref_positions[slots] + position_offset):
       raise ShiftError(f'layer {layer_index}: the slot positions of the two states do not '
                        f'differ by {position_offset}')
     k, k_ref = np.asarray(ours[i][0, slots]), np.asarray(theirs[i][0, slots])
-    v = np.asarray(seq.kv.layers[i].v[0, slots])
+    v = np.asarray(ctx.kv.layers[i].v[0, slots])
     v_ref = np.asarray(reference.kv.layers[i].v[0, slots])
     rows.append({
         'layer': int(layer_index),
         'attention_type': config.layer_spec(layer_index).attention_type.value,
         'slots': int(len(slots)),
-        'k_equal': metrics.sha256_bytes(k) == metrics.sha256_bytes(k_ref),
-        'v_equal': metrics.sha256_bytes(v) == metrics.sha256_bytes(v_ref),
+        'k_equal': compare.sha256_bytes(k) == compare.sha256_bytes(k_ref),
+        'v_equal': compare.sha256_bytes(v) == compare.sha256_bytes(v_ref),
         # Equal as numbers (-0.0 == +0.0): True with k_equal False means the bytes differ only
         # in the sign of zeros.
         'k_values_equal': bool(np.array_equal(k.astype(np.float32), k_ref.astype(np.float32))),
         'v_values_equal': bool(np.array_equal(v.astype(np.float32), v_ref.astype(np.float32))),
-        'k_max_abs': metrics.max_abs(k, k_ref),
-        'v_max_abs': metrics.max_abs(v, v_ref),
-        'k_max_ulp': metrics.max_ulp(k, k_ref),
-        'v_max_ulp': metrics.max_ulp(v, v_ref),
+        'k_max_abs': compare.max_abs(k, k_ref),
+        'v_max_abs': compare.max_abs(v, v_ref),
+        'k_max_ulp': compare.max_ulp(k, k_ref),
+        'v_max_ulp': compare.max_ulp(v, v_ref),
     })
   return rows
-
-
-def first_differing_layer(layers: list[dict]) -> int | None:
-  differing = [l['layer'] for l in layers if not (l['k_equal'] and l['v_equal'])]
-  return differing[0] if differing else None

@@ -11,14 +11,14 @@ import sys
 import numpy as np
 import pytest
 
-from analysis.metrics import sha256_bytes
+from gemma_jax.compare import sha256_bytes
 from gemma_jax import weights
 from graft import artifact
 from graft.artifact import ArtifactError
-from graft.engine import Engine, PinnedConfig
+from graft.engine import Engine, EngineConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PINNED = PinnedConfig(block_size=8, cache_len=256)
+PINNED = EngineConfig(block_size=8, cache_len=256)
 LIBRARY = [int(t) for t in np.random.default_rng(0).integers(3, 512, 41)]
 QUERY = [int(t) for t in np.random.default_rng(1).integers(3, 512, 9)]
 
@@ -36,6 +36,13 @@ def saved(eng, tmp_path):
   return path
 
 
+def reseal(path, manifest):
+  """Writes a tampered manifest with its own hash recomputed, as a tamperer who knows the
+  format would: the checks behind the manifest hash must catch what it no longer does."""
+  manifest['manifest_sha256'] = artifact.manifest_digest(manifest)
+  (path / 'manifest.json').write_text(json.dumps(manifest))
+
+
 def data_files(path):
   """The Orbax data files holding array bytes, largest first."""
   files = [p for p in (path / 'state').rglob('*') if p.is_file() and p.parent.name == 'd']
@@ -47,7 +54,7 @@ def test_manifest_records_hashes_and_fingerprints(eng, saved):
   assert manifest['num_tokens'] == len(LIBRARY)
   assert manifest['model']['sha256'] == eng.model_fingerprint['sha256']
   assert manifest['engine']['sha256'] == eng.fingerprint['sha256']
-  assert manifest['engine']['pinned']['block_size'] == 8
+  assert manifest['engine']['engine_config']['block_size'] == 8
   assert manifest['leaves']['tokens']['sha256'] == sha256_bytes(np.asarray(LIBRARY, np.int32))
   # Layer 5 is global (every token stored); layer 0 is local, a ring of W + B - 1 = 15 slots.
   assert manifest['leaves']['layer_5/k']['shape'] == [len(LIBRARY), 2, 16]
@@ -70,11 +77,11 @@ def test_restore_verifies_and_grafts_exactly(eng, saved):
 def test_restore_in_a_fresh_process_is_byte_exact(eng, saved):
   _, fresh = eng.extend(eng.empty(), LIBRARY + QUERY, logits=len(QUERY))
   script = f'''
-from analysis.metrics import sha256_bytes
+from gemma_jax.compare import sha256_bytes
 from gemma_jax import weights
 from graft import artifact
-from graft.engine import Engine, PinnedConfig
-eng = Engine(weights.load('tiny_gemma3', 'random:0'), PinnedConfig(block_size=8, cache_len=256))
+from graft.engine import Engine, EngineConfig
+eng = Engine(weights.load('tiny_gemma3', 'random:0'), EngineConfig(block_size=8, cache_len=256))
 seq = artifact.graft(eng, artifact.load({str(saved)!r}, eng))
 print(sha256_bytes(eng.extend(seq, {QUERY!r}, logits='all')[1]))
 '''
@@ -97,7 +104,7 @@ def test_refuses_another_dtype(saved):
 
 
 def test_refuses_another_engine_configuration(eng, saved):
-  other = Engine(eng.loaded, PinnedConfig(block_size=16, cache_len=256))
+  other = Engine(eng.loaded, EngineConfig(block_size=16, cache_len=256))
   with pytest.raises(ArtifactError, match='block_size: the artifact has 8, expected 16'):
     artifact.load(str(saved), other)
 
@@ -126,7 +133,7 @@ def test_leaf_hashes_catch_what_the_file_list_would_miss(eng, saved):
   target.write_bytes(bytes(data))
   manifest = json.loads((saved / 'manifest.json').read_text())
   manifest['files'] = artifact.state_files(str(saved))
-  (saved / 'manifest.json').write_text(json.dumps(manifest))
+  reseal(saved, manifest)
   with pytest.raises(ArtifactError, match='does not match its manifest|cannot be read'):
     artifact.load(str(saved), eng)
 
@@ -146,16 +153,59 @@ def test_refuses_missing_files(eng, saved, tmp_path):
 
 def test_refuses_a_missing_leaf_and_a_tampered_manifest(eng, saved):
   manifest_path = saved / 'manifest.json'
+  original = json.loads(manifest_path.read_text())
   manifest = json.loads(manifest_path.read_text())
   manifest['leaves']['layer_99/k'] = manifest['leaves']['layer_0/k']  # as if its data vanished
   manifest_path.write_text(json.dumps(manifest))
+  with pytest.raises(ArtifactError, match='the manifest was altered'):
+    artifact.load(str(saved), eng)
+  reseal(saved, manifest)
   with pytest.raises(ArtifactError, match=r"leaves missing \['layer_99/k'\]"):
     artifact.load(str(saved), eng)
   del manifest['leaves']['layer_99/k']
   manifest['leaves']['layer_0/v']['sha256'] = '0' * 64
-  manifest_path.write_text(json.dumps(manifest))
+  reseal(saved, manifest)
   with pytest.raises(ArtifactError, match='leaf layer_0/v does not match'):
     artifact.load(str(saved), eng)
+  reseal(saved, original)
+  artifact.load(str(saved), eng)  # the untouched fields verify again
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('next_position', 1000, 'next_position 1000 is not start 0'),
+    ('start_position', 5, 'next_position 41 is not start 5'),
+    ('num_tokens', 40, '41 tokens stored, manifest says 40'),
+    ('tokens_sha256', '0' * 64, 'the tokens do not match tokens_sha256'),
+])
+def test_every_field_a_graft_uses_is_cross_checked(eng, saved, field, value, message):
+  # Even a manifest whose own hash was recomputed cannot move the graft's positions or swap
+  # its tokens: each field is checked against the leaves it describes.
+  manifest = json.loads((saved / 'manifest.json').read_text())
+  manifest[field] = value
+  reseal(saved, manifest)
+  with pytest.raises(ArtifactError, match=message):
+    artifact.load(str(saved), eng)
+
+
+def test_positions_must_follow_from_the_start_and_token_count(eng, tmp_path):
+  # An artifact computed from position 7 records it; claiming position 0 with consistent
+  # counts is refused because the positions leaf says otherwise.
+  ctx, _ = eng.extend(eng.empty(start_position=7), LIBRARY, logits='none')
+  path = tmp_path / 'at7'
+  artifact.save(str(path), eng, ctx)
+  manifest = json.loads((path / 'manifest.json').read_text())
+  assert (manifest['start_position'], manifest['next_position']) == (7, 7 + len(LIBRARY))
+  manifest['start_position'], manifest['next_position'] = 0, len(LIBRARY)
+  reseal(path, manifest)
+  with pytest.raises(ArtifactError, match='does not hold positions 0..40 in sequence order'):
+    artifact.load(str(path), eng)
+
+
+def test_refuses_an_artifact_of_another_layout_version(eng, saved, monkeypatch):
+  monkeypatch.setattr('graft.engine.LAYOUT_VERSION', 1)
+  old = Engine(eng.loaded, PINNED)
+  with pytest.raises(ArtifactError, match='layout_version: the artifact has 2, expected 1'):
+    artifact.load(str(saved), old)
 
 
 def test_a_refused_artifact_harms_nothing_else(eng, saved, tmp_path):

@@ -23,9 +23,9 @@ def run(module, *args, check=True):
 
 
 def test_write_json_is_atomic_and_readable_by_others(tmp_path):
-  from experiments import common
+  from gemma_jax import files
   path = tmp_path / 'out' / 'result.json'
-  common.write_json(str(path), {'a': [1, 2]})
+  files.write_json(str(path), {'a': [1, 2]})
   assert json.loads(path.read_text()) == {'a': [1, 2]}
   umask = os.umask(0)
   os.umask(umask)

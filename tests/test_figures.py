@@ -7,13 +7,19 @@ not measurements.
 """
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
-from absl import flags
 import pytest
 
 from analysis import figures
+from analysis import results as results_lib
 from analysis import rope_float
+from gemma_jax import files
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 OFFSETS = [0, 1, 7, 64, 1024]
 METHODS = ['rerotate', 'pre_rope', 'recompute']
@@ -38,7 +44,10 @@ def _fixture_sweep_rows(model, dtype, rope_mode, num_layers=3):
   return rows
 
 
-def _write(path: pathlib.Path, data) -> None:
+def _write(path: pathlib.Path, data, kind=None) -> None:
+  """A results file; with `kind`, tagged with its schema as experiments write them."""
+  if kind:
+    data = {'schema': results_lib.tag(kind), **data}
   path.write_text(json.dumps(data))
 
 
@@ -49,7 +58,8 @@ def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True
       config = {'model': 'tiny_gemma3', 'weights': 'random', 'dtype': 'float32',
                 'rope': rope_mode, 'methods': METHODS, 'offsets': OFFSETS, 'fixture': True}
       _write(results / f'position_sweep_tiny_gemma3_float32_{rope_mode}.json',
-             {'config': config, 'rows': _fixture_sweep_rows('tiny_gemma3', 'float32', rope_mode)})
+             {'config': config, 'rows': _fixture_sweep_rows('tiny_gemma3', 'float32', rope_mode)},
+             'position_sweep')
   if graft:
     for engine, equal in (('pinned', 4), ('unpinned', 1)):
       samples = [{'library_tokens': 8, 'query_tokens': 4, 'fresh_sha256': 'a' * 64,
@@ -61,31 +71,37 @@ def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True
                          'engine': engine, 'attention': 'xla', 'fixture': True},
               'samples': samples,
               'summary': {'samples': 4, 'equal': equal, 'max_kl': 1e-6,
-                          'argmax_agreement': 1.0, 'continuations_equal': 4}})
+                          'argmax_agreement': 1.0, 'continuations_equal': 4}},
+             'graft_exactness')
   if rope:  # a real (tiny) rope_float analysis, computed here, not made up
     result = rope_float.analyze(max_position=256, dtypes=['float32'], offsets=[0, 1, 64],
                                 grid_points=8, vectors=1)
-    (results / figures.ROPE_FLOAT_FILE).write_text(rope_float.to_json(result))
+    files.write_json(str(results / 'rope_float.json'),
+                     {'schema': results_lib.tag('rope_float'), **result})
 
 
-def _run_main(results: pathlib.Path, output: pathlib.Path) -> None:
-  """Runs the entry point's main as `python -m analysis.figures` would, flags included."""
-  figures.define_flags()
-  flags.FLAGS(['figures', f'--results={results}', f'--output={output}'])
-  try:
-    figures.main(['figures'])
-  finally:
-    flags.FLAGS.unparse_flags()
+def _run_main(results: pathlib.Path, output: pathlib.Path) -> str:
+  """Runs `python -m analysis.figures` as a researcher does; returns its log (stderr)."""
+  out = subprocess.run([sys.executable, '-m', 'analysis.figures', f'--results={results}',
+                        f'--output={output}'], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, 'PYTHONPATH': str(REPO)}, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stderr
 
 
 def test_main_writes_every_figure_as_a_nonempty_png(tmp_path):
   _write_fixtures(tmp_path / 'results')
-  _run_main(tmp_path / 'results', tmp_path / 'figures')
-  for name in figures.FIGURES:
-    png = tmp_path / 'figures' / f'{name}.png'
-    assert png.exists(), name
-    assert png.stat().st_size > 1000, name
-    assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n', name
+  log = _run_main(tmp_path / 'results', tmp_path / 'figures')
+  for figure in figures.FIGURES:
+    png = tmp_path / 'figures' / f'{figure.name}.png'
+    assert png.exists(), figure.name
+    assert png.stat().st_size > 1000, figure.name
+    assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n', figure.name
+  # One line per figure, not one per result row.
+  drawn_lines = [line for line in log.splitlines() if ': drawn from ' in line]
+  assert len(drawn_lines) == len(figures.FIGURES)
+  assert len(log.splitlines()) < 3 * len(figures.FIGURES)
+  assert not [p for p in (tmp_path / 'figures').iterdir() if p.name.startswith('.')]
 
 
 def test_missing_inputs_skip_their_figures_without_crashing(tmp_path, caplog):
@@ -96,12 +112,12 @@ def test_missing_inputs_skip_their_figures_without_crashing(tmp_path, caplog):
     assert drawn[name] is None
     assert not (tmp_path / 'figures' / f'{name}.png').exists()
   assert drawn['position_exactness'].stat().st_size > 0
-  assert 'graft_exactness: no results/graft_exactness_*.json; skipped' in caplog.text
+  assert 'graft_exactness: no graft-exactness results; skipped' in caplog.text
 
 
 def test_empty_results_directory_draws_nothing(tmp_path):
   drawn = figures.draw_figures(tmp_path / 'absent', tmp_path / 'figures')
-  assert set(drawn) == set(figures.FIGURES)
+  assert set(drawn) == {figure.name for figure in figures.FIGURES}
   assert all(path is None for path in drawn.values())
 
 
@@ -130,9 +146,23 @@ def test_sweep_rows_take_missing_fields_from_the_file_config(tmp_path):
   rows = [{'method': 'rerotate', 'offset': 1, 'equal': False, 'kl': 0.5}]
   _write(results / 'position_sweep_m_float32_float.json',
          {'config': {'model': 'm', 'weights': 'w', 'dtype': 'float32', 'rope': 'float'},
-          'rows': rows})
-  (row,) = figures.load_position_sweeps(results)
+          'rows': rows}, 'position_sweep')
+  (row,) = figures.position_sweep_rows(results_lib.load(results))
   assert (row['model'], row['dtype'], row['rope'], row['kl']) == ('m', 'float32', 'float', 0.5)
+
+
+def test_results_are_recognised_by_their_schema_not_their_file_name(tmp_path):
+  results = tmp_path / 'results'
+  results.mkdir()
+  sweep = {'config': {'model': 'm', 'weights': 'w', 'dtype': 'float32', 'rope': 'float'},
+           'rows': [{'method': 'rerotate', 'offset': 1, 'equal': False, 'kl': 0.5}]}
+  _write(results / 'float.json', sweep, 'position_sweep')  # any name
+  _write(results / 'position_sweep_untagged_float32_float.json', sweep)  # no schema: skipped
+  _write(results / 'future.json', {**sweep, 'schema': 'position_sweep/99'})  # unknown version
+  found = results_lib.load(results)
+  assert [path.name for path, _ in found['position_sweep']] == ['float.json']
+  drawn = figures.draw_figures(results, tmp_path / 'figures')
+  assert drawn['position_exactness'] is not None
 
 
 if __name__ == '__main__':

@@ -6,7 +6,7 @@ quarter-turn controls are exact at every δ, for every method; float RoPE is not
 tolerance.
 
 Why the quarter-turn control computes its scores from relative rotations
-(gemma_jax.attention.quarter_turn_logits): its rotations compose exactly, but an odd shift turns
+(gemma_jax.rope.quarter_turn_logits): its rotations compose exactly, but an odd shift turns
 the pairs with multiplier 1 or 3 by a quarter, which moves the products q_i k_i and
 q_{i+H/2} k_{i+H/2} into each other's dimension. A dot over H adds the same terms in another
 order (other bits, measured below); a dot of the unrotated q with R(p_k - p_q) k does not move.
@@ -23,12 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from analysis import metrics
+from analysis import figures, results
 from experiments import position_sweep as ps
-from gemma_jax import kv_state as kvs
-from gemma_jax import attention, rope, weights
+from gemma_jax import compare, rope, weights
 from graft import shift
-from graft.engine import Engine, PinnedConfig, Sequence
+from graft.engine import Context, Engine, EngineConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY, QUERY, BLOCK = 24, 6, 8  # the library crosses tiny_gemma3's 8-token window three times
@@ -38,7 +37,7 @@ LIBRARY, QUERY, BLOCK = 24, 6, 8  # the library crosses tiny_gemma3's 8-token wi
 def engines(rope_mode='float'):
   loaded = shift.with_config(weights.load('tiny_gemma3', 'random:0', 'float32'),
                              rope_mode=rope_mode)
-  pinned = PinnedConfig(block_size=BLOCK, cache_len=ps.auto_cache_len(LIBRARY, QUERY, BLOCK))
+  pinned = EngineConfig(block_size=BLOCK, cache_len=ps.auto_cache_len(LIBRARY, QUERY, BLOCK))
   return ps.build_engines(loaded, pinned, shift.METHODS)
 
 
@@ -88,16 +87,16 @@ def test_quarter_turn_scores_need_relative_rotations():
     q, k = (rope.apply_rope(jnp.asarray(v), positions, base=1e4, mode='quarter_turn') for v in x)
     products = np.asarray(q * k)[0, :, 0]  # [64, H]
     dot = np.asarray(jnp.einsum('bth,bth->bt', q[:, :, 0], k[:, :, 0]))[0]
-    relative = attention.quarter_turn_logits(q[:, :, :, None], k, positions, positions)
+    relative = rope.quarter_turn_logits(q[:, :, :, None], k, positions, positions)
     return dot, np.diagonal(np.asarray(relative)[0, :, 0, 0]), products
   (d0, s0, p0), (d1, s1, p1), (d2, s2, _) = scores(0), scores(1), scores(2)
   np.testing.assert_array_equal(np.sort(p0, axis=-1), np.sort(p1, axis=-1))  # same terms
   assert not np.array_equal(d0, d1)  # a dot: another order, other bits
-  assert metrics.sha256_bytes(s0) == metrics.sha256_bytes(s1) == metrics.sha256_bytes(s2)
+  assert compare.sha256_bytes(s0) == compare.sha256_bytes(s1) == compare.sha256_bytes(s2)
   assert np.array_equal(d0, d2)
   np.testing.assert_allclose(s0, d0, rtol=1e-5, atol=1e-4)  # the same scores, rounded otherwise
-  with pytest.raises(ValueError, match='quarter-turn'):
-    Engine(engines('quarter_turn')['standard'].loaded, PinnedConfig(attention='pallas'))
+  with pytest.raises(ValueError, match="'quarter_turn' RoPE mode needs attention in"):
+    Engine(engines('quarter_turn')['standard'].loaded, EngineConfig(attention='pallas'))
 
 
 def test_float_rope_is_inexact_at_some_nonzero_offset():
@@ -117,7 +116,11 @@ def test_float_rerotate_diverges_at_layer0_keys_and_pre_rope_after_layer0():
   assert not r['layers'][0]['k_equal'] and r['layers'][0]['v_equal']
   p = row('float', 'pre_rope', 5)
   assert p['layers'][0]['k_equal'] and p['layers'][0]['v_equal']
-  assert p['first_differing_layer'] == 1 and p['reference_equals_standard_fresh'] in (True, False)
+  assert p['first_differing_layer'] == 1
+  # Rotating cached pre-RoPE keys at every read is the same function of the same numbers as
+  # rotating new keys before the write: the pre-RoPE engine's fresh computation is the standard
+  # engine's, bit for bit (so pre_rope's reference is the model's own fresh result).
+  assert p['reference_equals_standard_fresh'] is True
 
 
 def test_negative_offsets_graft_a_library_computed_past_zero():
@@ -144,16 +147,15 @@ def test_rerotate_by_zero_changes_at_most_the_sign_of_zeros():
   seq, _ = std.prefill(tokens(LIBRARY), logits='none')
   layer = seq.kv.layers[0]
   k = layer.k.at[0, 0, 0, :2].set(-0.0).at[0, 0, 0, 8].set(-1.0)  # pair 0: (-0, -1)
-  seq = Sequence(kv=kvs.KVState(layers=(layer.replace(k=k),) + seq.kv.layers[1:],
-                                fill=seq.kv.fill),
-                 tokens=seq.tokens, next_position=seq.next_position)
+  seq = Context(kv=seq.kv.replace(layers=(layer.replace(k=k),) + seq.kv.layers[1:]),
+                tokens=seq.tokens, next_position=seq.next_position)
   moved = shift.rerotate(std.config, seq, 0)
   before, after = np.asarray(seq.kv.layers[0].k), np.asarray(moved.kv.layers[0].k)
   assert np.array_equal(before, after)  # as numbers
   flipped = np.signbit(before) != np.signbit(after)
   assert flipped[0, 0, 0, 0] and np.all(before[flipped] == 0)
   for a, b in zip(seq.kv.layers[1:], moved.kv.layers[1:]):
-    assert np.array_equal(a.k, b.k) and metrics.sha256_bytes(a.v) == metrics.sha256_bytes(b.v)
+    assert np.array_equal(a.k, b.k) and compare.sha256_bytes(a.v) == compare.sha256_bytes(b.v)
 
 
 def test_shifts_refuse_the_wrong_engine_and_out_of_range_positions():
@@ -182,9 +184,12 @@ def test_entry_point_writes_the_documented_schema(tmp_path):
   data = json.loads(output.read_text())
   config = data['config']
   for key in ('model', 'weights', 'dtype', 'rope', 'methods', 'offsets', 'skipped',
-              'library_tokens', 'query_tokens', 'seed', 'block_size', 'cache_len', 'pinned',
-              'transformer_config', 'model_fingerprint', 'engine_fingerprint', 'command'):
+              'library_tokens', 'query_tokens', 'seed', 'block_size', 'cache_len',
+              'engine_config', 'transformer_config', 'model_fingerprint', 'engine_fingerprint',
+              'command', 'git_commit', 'git_base_commit', 'git_modified_files'):
     assert key in config, key
+  assert data['schema'] == 'position_sweep/1'
+  assert config['command'].startswith('python -m experiments.position_sweep --model=tiny_gemma3')
   assert config['offsets'] == [-1, 0, 1, 4096 - 15] and config['skipped'][0]['offset'] == 4082
   assert config['transformer_config']['rope_mode'] == 'float'
   rows = data['rows']
@@ -199,9 +204,7 @@ def test_entry_point_writes_the_documented_schema(tmp_path):
                             'k_equal', 'v_equal'}
   own = [r for r in rows if r['offset'] == 0]
   assert all(r['equal'] for r in own)
-  # The figures read it.
-  from analysis import figures
+  # The figures read it by its content, whatever the file is called.
   (tmp_path / 'results').mkdir()
-  (tmp_path / 'results' / 'position_sweep_tiny_gemma3_float32_float.json').write_text(
-      output.read_text())
-  assert len(figures.load_position_sweeps(tmp_path / 'results')) == len(rows)
+  (tmp_path / 'results' / 'float.json').write_text(output.read_text())
+  assert len(figures.position_sweep_rows(results.load(tmp_path / 'results'))) == len(rows)

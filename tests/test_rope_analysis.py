@@ -5,8 +5,11 @@ bytes. Everything runs apply_rope the way the model does (jitted) unless a test 
 """
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
-from absl import flags
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -16,7 +19,10 @@ import numpy as np
 import pytest
 
 from analysis import rope_float as rf
+from gemma_jax import compare
 from gemma_jax import rope
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 LAYERS = {layer.name: layer for layer in rf.layer_types()}
 LOCAL, GLOBAL = LAYERS['local'], LAYERS['global']
@@ -44,18 +50,18 @@ def test_ulp_of_is_the_dtype_spacing():
 
 
 def test_float32_angle_spacing_facts_of_the_reference():
-  # shared/reference/gemma.md: about 0.0039 rad at 32,768 and 0.0156 rad at 131,072.
+  # docs/gemma.md: about 0.0039 rad at 32,768 and 0.0156 rad at 131,072.
   assert rf.ulp_of(32_768, np.float32) == 2.0**-8 == 0.00390625
   assert rf.ulp_of(131_072, np.float32) == 2.0**-6 == 0.015625
 
 
 def test_ulp_distance_counts_floats_between():
   one = np.float32(1.0)
-  assert rf.ulp_distance(one, np.nextafter(one, np.float32(2))) == 1
+  assert compare.ulp_distance(one, np.nextafter(one, np.float32(2))) == 1
   tiny = np.float32(np.finfo(np.float32).smallest_subnormal)
-  assert rf.ulp_distance(tiny, -tiny) == 2
-  assert rf.ulp_distance(np.float32(0.0), np.float32(-0.0)) == 0
-  assert not rf.bits_equal(np.float32(0.0), np.float32(-0.0))
+  assert compare.ulp_distance(tiny, -tiny) == 2
+  assert compare.ulp_distance(np.float32(0.0), np.float32(-0.0)) == 0
+  assert not compare.bits_equal(np.float32(0.0), np.float32(-0.0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,14 +292,15 @@ def test_summarize_layer_propagation_finds_first_layer_and_growth():
 
 def test_entry_point_writes_json_with_its_config(tmp_path):
   output = tmp_path / 'rope_float.json'
-  rf.define_flags()
-  flags.FLAGS(['rope_float', f'--output={output}', '--positions=512', '--dtypes=float32',
-               '--offsets=0,1,7', '--grid_points=6', '--vectors=1'])
-  try:
-    rf.main(['rope_float'])
-  finally:
-    flags.FLAGS.unparse_flags()
+  out = subprocess.run(
+      [sys.executable, '-m', 'experiments.rope_float', f'--output={output}', '--positions=512',
+       '--dtypes=float32', '--offsets=0,1,7', '--grid_points=6', '--vectors=1'],
+      cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True,
+      timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(output.read_text())
+  assert result['schema'] == 'rope_float/1'
+  assert result['config']['command'].startswith('python -m experiments.rope_float')
   assert result['config']['max_position'] == 512 and result['config']['offsets'] == [0, 1, 7]
   assert set(result['layer_types']) == set(LAYERS)
   for entry in result['layer_types'].values():

@@ -1,25 +1,37 @@
 """A cache of dequantized float32 parameters, as Orbax checkpoints keyed by the source's SHA-256.
 
 Dequantizing the embedded GGUF takes tens of seconds; reading the cached float32 checkpoint takes a
-few. Entries are written to a temporary directory beside their final place and renamed into it
-once complete, so a reader sees a whole entry or none, and a failed or interrupted write leaves
-nothing behind under the entry's name.
+few. An entry holds the parameters, the tokenizer model and `hashes.json`: the SHA-256 of every
+parameter's raw bytes and of the tokenizer. Entries are written under a staging name and renamed
+into place once complete (gemma_jax.files.atomic_directory), so a reader sees a whole entry or
+none. Every read re-hashes the entry against `hashes.json`; an entry that does not match (a flipped
+bit, a truncated file, an entry from an older layout without hashes) is reported, moved aside and
+rebuilt from the source, never used.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import tempfile
+import uuid
 from typing import Callable
 
+from absl import logging
 import numpy as np
 
+from gemma_jax import files
 from gemma_jax.checkpoints import orbax_util, tree
+from gemma_jax.compare import sha256_bytes
 from gemma_jax.tokenizer import Tokenizer
 
 _TOKENIZER_FILE = 'tokenizer.model'
 _PARAMS_DIR = 'params'
+_HASHES_FILE = 'hashes.json'
+
+
+class CacheEntryError(ValueError):
+  """A cache entry that does not match the hashes written with it."""
 
 
 def cache_root() -> str:
@@ -28,37 +40,65 @@ def cache_root() -> str:
       os.path.expanduser('~'), '.cache', 'gemma_jax')
 
 
+def _hashes(flat: dict[str, np.ndarray], tokenizer_proto: bytes) -> dict:
+  return {'params': {name: {'dtype': leaf.dtype.name, 'shape': list(leaf.shape),
+                            'sha256': sha256_bytes(leaf)} for name, leaf in sorted(flat.items())},
+          'tokenizer_sha256': sha256_bytes(np.frombuffer(tokenizer_proto, np.uint8))}
+
+
 def save_entry(directory: str, params, tokenizer: Tokenizer) -> None:
-  """Writes params (flat, float32) and the tokenizer into `directory`, which must not exist."""
+  """Writes params (flat, float32), the tokenizer and their hashes into `directory` (which must
+  not exist), atomically."""
   flat = {name: np.asarray(leaf, np.float32) for name, leaf in tree.flatten(params).items()}
-  orbax_util.save(os.path.join(directory, _PARAMS_DIR), flat)
-  with open(os.path.join(directory, _TOKENIZER_FILE), 'wb') as f:
-    f.write(tokenizer.model_proto)
+  with files.atomic_directory(directory) as staging:
+    orbax_util.save(os.path.join(staging, _PARAMS_DIR), flat)
+    with open(os.path.join(staging, _TOKENIZER_FILE), 'wb') as f:
+      f.write(tokenizer.model_proto)
+    with open(os.path.join(staging, _HASHES_FILE), 'w') as f:
+      json.dump(_hashes(flat, tokenizer.model_proto), f, indent=1)
 
 
 def load_entry(directory: str):
-  """(params as a float32 numpy tree, tokenizer) from an entry written by `save_entry`."""
-  flat = orbax_util.restore(os.path.join(directory, _PARAMS_DIR))
-  return tree.unflatten(flat), Tokenizer.from_file(os.path.join(directory, _TOKENIZER_FILE))
+  """(params as a float32 numpy tree, tokenizer) from an entry written by `save_entry`, verified
+  against its hashes; raises CacheEntryError naming what does not match."""
+  try:
+    with open(os.path.join(directory, _HASHES_FILE)) as f:
+      expected = json.load(f)
+    with open(os.path.join(directory, _TOKENIZER_FILE), 'rb') as f:
+      proto = f.read()
+    flat = {name: np.asarray(leaf)
+            for name, leaf in orbax_util.restore(os.path.join(directory, _PARAMS_DIR)).items()}
+  except Exception as e:  # missing files, damaged JSON or Orbax data
+    raise CacheEntryError(f'{directory} cannot be read ({type(e).__name__}: {e})') from None
+  actual = _hashes(flat, proto)
+  if actual != expected:
+    names = sorted(n for n in set(actual['params']) | set(expected.get('params', {}))
+                   if actual['params'].get(n) != expected.get('params', {}).get(n))
+    what = names[:3] or ['the tokenizer']
+    raise CacheEntryError(f'{directory} does not match its hashes ({", ".join(what)}'
+                          f'{" and more" if len(names) > 3 else ""})')
+  return tree.unflatten(flat), Tokenizer.from_model_proto(proto)
 
 
 def cached(key: str, build: Callable[[], tuple], root: str | None = None):
-  """Returns (params, tokenizer) for `key`, building and caching them on a miss."""
+  """Returns (params, tokenizer) for `key`, building and caching them on a miss or when the
+  cached entry fails verification."""
   root = root or cache_root()
   final = os.path.join(root, key)
   if os.path.isdir(final):
-    return load_entry(final)
-  params, tokenizer = build()
-  os.makedirs(root, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=f'.{key}.', dir=root)
-  try:
-    entry = os.path.join(staging, 'entry')
-    save_entry(entry, params, tokenizer)
     try:
-      os.rename(entry, final)
-    except OSError:
-      if not os.path.isdir(final):  # another process may have won the race; that is fine
-        raise
-  finally:
-    shutil.rmtree(staging, ignore_errors=True)
+      return load_entry(final)
+    except CacheEntryError as e:
+      logging.warning('parameter cache entry rejected, rebuilding it: %s', e)
+      aside = os.path.join(root, f'.rejected.{key}.{uuid.uuid4().hex}')
+      try:
+        os.rename(final, aside)
+      except FileNotFoundError:  # another process moved it first
+        pass
+      shutil.rmtree(aside, ignore_errors=True)
+  params, tokenizer = build()
+  try:
+    save_entry(final, params, tokenizer)
+  except FileExistsError:  # another process won the race; its entry is verified next time
+    pass
   return params, tokenizer

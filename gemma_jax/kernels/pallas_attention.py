@@ -27,7 +27,7 @@ Why a row's bits depend only on the cache contents and the row's position
    `tile_size` are fixed per (backend, head dim, dtype) by `BlockConfig`, never chosen from T or S.
    At a fixed shape each output row of a dot or a row-wise reduction is computed by the same
    instruction sequence for every row and never mixes rows (measured for XLA:CPU, see
-   shared/reference/anchors.md; how MMA tiles work on GPU), so the other rows (real, padding, or
+   docs/determinism.md; how MMA tiles work on GPU), so the other rows (real, padding, or
    another call's tokens) and the row's place in the block cannot change its bits.
 2. Fixed order. Tiles are aligned to absolute slot indices and folded in ascending order, so the
    floating-point reduction over the cache is the same sequence of operations for every call that
@@ -316,8 +316,20 @@ class PallasAttention:
     return default_block_config(self.platform, head_dim, dtype, tile_size=self.tile_size,
                                 block_q=self.block_q)
 
+  def blocks(self, head_dims, dtype) -> dict:
+    """{head dim: resolved BlockConfig as a dict} (an engine fingerprints these)."""
+    return {str(h): dataclasses.asdict(self.block_config(h, dtype)) for h in sorted(head_dims)}
+
+  def slot_multiple(self, head_dims, dtype) -> int:
+    """The largest KV tile: caches that are a multiple of it are never padded by a copy."""
+    return max(self.block_config(h, dtype).tile_size for h in head_dims)
+
   def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-               k_pos: jax.Array, *, window: int | None, softcap: float | None) -> jax.Array:
+               k_pos: jax.Array, *, window: int | None, softcap: float | None,
+               scores=None) -> jax.Array:
+    if scores is not None:
+      raise ValueError('the Pallas kernel computes plain q . k scores; a RoPE mode with its own '
+                       'score function needs attention=xla')
     config = self.block_config(q.shape[-1], jnp.promote_types(q.dtype, k.dtype))
     return pallas_attend(q, k, v, q_pos, k_pos, window=window,
                          softcap=None if softcap is None else float(softcap),

@@ -1,0 +1,97 @@
+"""The results schema: what each experiment's JSON holds, and how a reader recognises it.
+
+Every result file carries `"schema": "<kind>/<version>"` at its top level, written by the
+experiment (experiments/common.py `write_result`), and is recognised by that field alone, never
+by its file name: a sweep written with `--output=float.json` is still a position sweep.
+
+`KINDS` lists each kind with its version and the top-level fields its readers rely on (the
+field lists below say what is inside). A new experiment adds its kind here; a new figure reads
+`load(results_dir)[kind]` (analysis/figures.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+from absl import logging
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  version: int
+  fields: tuple[str, ...]  # top-level fields besides "schema"
+  description: str
+
+
+KINDS: dict[str, Kind] = {
+    # {"config": {"model", "weights", "dtype", "engine", "attention", "engine_config", ...},
+    #  "samples": [{"library_tokens", "query_tokens", "fresh_sha256", "graft_sha256", "equal",
+    #               "kl", "argmax_agreement", "continuation_equal", ...}],
+    #  "summary": {"samples", "equal", "max_kl", "argmax_agreement", "continuations_equal"}}
+    'graft_exactness': Kind(1, ('config', 'samples', 'summary'),
+                            'own-position graft against fresh computation, per sample'),
+    # {"config": {"model", "weights", "dtype", "rope", "methods", "offsets", ...},
+    #  "rows": [{"model", "weights", "dtype", "rope", "method", "offset", "equal", "max_abs",
+    #            "max_ulp", "kl", "argmax_agreement", "top5_overlap",
+    #            "layers": [{"layer", "k_max_abs", "v_max_abs", "k_max_ulp", "v_max_ulp",
+    #                        "k_equal", "v_equal"}]}]}
+    'position_sweep': Kind(1, ('config', 'rows'), 'shifted grafts against fresh, per offset'),
+    # {"config", "facts", "layer_types": {name: {"spec", "angles", "rotation", "composition",
+    #  "rotary"}}, "summary"} (analysis/rope_float.py `analyze`)
+    'rope_float': Kind(1, ('config', 'layer_types', 'summary'),
+                       'floating-point account of RoPE angles and re-rotation'),
+    # {"config", "ceilings": {"matmul_gflops", "read_gbps"},
+    #  "systems": [{"name", "prefill_tok_s", "decode_tok_s", "ttft_graft_s",
+    #               "ttft_recompute_s", "skipped"}]}
+    'bench': Kind(1, ('config', 'ceilings', 'systems'),
+                  'speed of this project\'s engines and of peers, side by side'),
+    # {"config", "prompts": [{"name", "tokens", "argmax_agreement", "max_abs_over_max_logit",
+    #  "continuation_equal"}], "summary"}
+    'hf_parity': Kind(1, ('config', 'prompts', 'summary'),
+                      'this project\'s Gemma against HF transformers on the same weights'),
+}
+
+
+def tag(kind: str) -> str:
+  """The value of the "schema" field for a result of `kind`."""
+  if kind not in KINDS:
+    raise ValueError(f'unknown result kind {kind!r}; known: {sorted(KINDS)}')
+  return f'{kind}/{KINDS[kind].version}'
+
+
+def kind_of(data: Any) -> str | None:
+  """The kind of a parsed result (None when it is not one this code reads)."""
+  if not isinstance(data, dict) or not isinstance(data.get('schema'), str):
+    return None
+  kind, _, version = data['schema'].partition('/')
+  if kind not in KINDS or version != str(KINDS[kind].version):
+    return None
+  if any(field not in data for field in KINDS[kind].fields):
+    return None
+  return kind
+
+
+def load(results_dir: str | pathlib.Path) -> dict[str, list[tuple[pathlib.Path, dict]]]:
+  """Every result in the directory (recursively), grouped by kind, in file-name order. Files
+  that are not results (unreadable, no known schema) are logged once and left out."""
+  found: dict[str, list[tuple[pathlib.Path, dict]]] = {kind: [] for kind in KINDS}
+  root = pathlib.Path(results_dir)
+  if not root.is_dir():
+    logging.warning('results directory %s does not exist', root)
+    return found
+  for path in sorted(root.rglob('*.json')):
+    try:
+      data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+      logging.warning('skipping %s: %s', path, e)
+      continue
+    kind = kind_of(data)
+    if kind is None:
+      logging.warning('skipping %s: no known "schema" field (known: %s)', path,
+                      ', '.join(tag(k) for k in KINDS))
+      continue
+    found[kind].append((path, data))
+  return found

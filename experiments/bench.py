@@ -1,0 +1,171 @@
+"""One benchmark, side by side in one run on the same weights: this project's engines and peers.
+
+  python -m experiments.bench --output=results/bench_gemma3_270m_float32.json
+  python -m experiments.bench --systems=ours_pinned,ours_default --repeats=5
+
+For every system: prefill tokens/s on a --prompt_tokens prompt (logits of the last position
+only), decode tokens/s over --decode_tokens greedy steps after a 32-token prompt (one token per
+call, KV cache on), and time to first token for a --library_tokens library plus a
+--query_tokens query, recomputed from scratch and (where the system can) restored from a saved
+KV state. Ours splits the graft's time into restore (read), verify (hash), graft (into the
+engine's cache) and query compute. Each number is the median of --repeats timed runs after an
+untimed warm-up. The machine's ceilings are measured in the same run: a large float32 matmul's
+GFLOP/s and a streaming read's GB/s (experiments/ceilings.py), so every figure is also a
+fraction of the limit.
+
+Systems (`--systems`, default all): ours_pinned, ours_default, hf_transformers (torch, the same
+dequantized GGUF in float32), llama_cpp_q4_k_m, llama_cpp_f32 and deepmind_gemma
+(experiments/peers.py). A peer that is not installed is skipped with the reason printed and
+recorded in its row (`skipped`), never silently. Output: schema `bench` (analysis/results.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+
+from absl import app, flags, logging
+
+from experiments import ceilings, common, peers, samples
+from gemma_jax import cost
+from graft import artifact, fingerprint
+
+FLAGS = flags.FLAGS
+
+OURS = ('ours_pinned', 'ours_default')
+SYSTEMS = OURS + peers.NAMES
+
+
+def define_flags() -> None:
+  """Flags of this entry point (defined only when it runs, so importing it is free)."""
+  flags.DEFINE_list('systems', list(SYSTEMS), f'Systems to measure: any of {", ".join(SYSTEMS)}.')
+  flags.DEFINE_integer('prompt_tokens', 2000, 'Prompt length for prefill throughput.')
+  flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps for decode throughput.')
+  flags.DEFINE_integer('library_tokens', 2048, 'Library length for time to first token.')
+  flags.DEFINE_integer('query_tokens', 64, 'Query length for time to first token.')
+  flags.DEFINE_integer('repeats', 3, 'Timed repetitions (after one warm-up); medians reported.')
+  flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
+  common.define_model_flags()
+  common.define_engine_flags(cache_len=common.GRAFT_CACHE_LEN)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  prompt: list[int]  # prefill
+  decode_prompt: list[int]  # the 32 tokens decode continues from
+  library: list[int]  # time to first token: library + query
+  query: list[int]
+  decode_tokens: int
+  repeats: int
+
+
+def workload(tokenizer) -> Workload:
+  """Token ids from real text (experiments/samples.py), the same for every system."""
+  text = tokenizer.encode(samples.corpus_text())
+  return Workload(prompt=text[:FLAGS.prompt_tokens], decode_prompt=text[:32],
+                  library=text[:FLAGS.library_tokens],
+                  query=text[FLAGS.library_tokens:FLAGS.library_tokens + FLAGS.query_tokens],
+                  decode_tokens=FLAGS.decode_tokens, repeats=FLAGS.repeats)
+
+
+def _time_graft(engine, path: str, query: list[int]) -> dict:
+  """One graft from disk, split into its phases (seconds)."""
+  phases = {}
+  t0 = time.perf_counter()
+  loaded = artifact.load(path, engine, timings=phases)
+  t1 = time.perf_counter()
+  ctx = artifact.graft(engine, loaded)
+  t2 = time.perf_counter()
+  engine.extend(ctx, query, logits='last', consume=True)
+  t3 = time.perf_counter()
+  return {'restore_s': phases['read_s'], 'verify_s': phases['verify_s'],
+          'load_s': t1 - t0, 'graft_s': t2 - t1, 'query_s': t3 - t2, 'total_s': t3 - t0}
+
+
+def measure_ours(engine, work: Workload) -> dict:
+  prefill = common.median_seconds(lambda: engine.prefill(work.prompt, logits='last'),
+                                  work.repeats)
+  ctx, _ = engine.prefill(work.decode_prompt, logits='last')
+  decode = common.median_seconds(
+      lambda: engine.generate(ctx, work.decode_tokens + 1, stop_at_eos=False), work.repeats)
+  recompute = common.median_seconds(
+      lambda: engine.prefill(work.library + work.query, logits='last'), work.repeats)
+  with tempfile.TemporaryDirectory() as scratch:
+    path = os.path.join(scratch, 'library')
+    library, _ = engine.prefill(work.library, logits='none')
+    artifact.save(path, engine, library)
+    artifact_bytes = sum(f['size'] for f in artifact.load(path, engine).manifest['files'].values())
+    _time_graft(engine, path, work.query)  # warm-up
+    runs = [_time_graft(engine, path, work.query) for _ in range(work.repeats)]
+  median = lambda key: sorted(r[key] for r in runs)[len(runs) // 2]
+  split = {key: median(key) for key in runs[0]}
+  return {'prefill_tok_s': len(work.prompt) / prefill,
+          # generate(n + 1) makes n extend calls after the first token.
+          'decode_tok_s': work.decode_tokens / decode,
+          'ttft_recompute_s': recompute, 'ttft_graft_s': split['total_s'],
+          'ttft_graft_split_s': split, 'artifact_bytes': artifact_bytes,
+          'restore_gbps': artifact_bytes / (split['restore_s'] + split['verify_s']) / 1e9,
+          'engine_config': dataclasses.asdict(engine.engine_config)}
+
+
+def main(argv):
+  del argv
+  unknown = sorted(set(FLAGS.systems) - set(SYSTEMS))
+  if unknown:
+    raise app.UsageError(f'--systems: unknown {unknown}; expected some of {SYSTEMS}')
+  loaded = common.load_model()
+  work = workload(loaded.tokenizer)
+  logging.info('measuring the ceilings')
+  limits = ceilings.measure(repeats=FLAGS.repeats)
+  rows = []
+  for name in FLAGS.systems:
+    logging.info('measuring %s', name)
+    if name in OURS:
+      row = measure_ours(common.make_engine(loaded, mode=name.removeprefix('ours_')), work)
+    else:
+      row = peers.measure(name, loaded, work)
+    row = {'name': name, 'skipped': None, **row}
+    if row['skipped']:
+      print(f'{name}: skipped ({row["skipped"]})')
+    rows.append(row)
+  by_name = {r['name']: r for r in rows if not r['skipped']}
+  ratios = {}
+  if 'ours_pinned' in by_name and 'ours_default' in by_name:
+    for what in ('prefill_tok_s', 'decode_tok_s'):
+      ratios[f'pinned_vs_default_{what}'] = (by_name['ours_pinned'][what]
+                                             / by_name['ours_default'][what])
+  # Prefill FLOPs per token of the --prompt_tokens prompt with last-position logits; decode
+  # reads every weight once per token (gemma_jax/cost.py).
+  flops_per_token = cost.prefill_flops(loaded.config, len(work.prompt)) / len(work.prompt)
+  bytes_per_token = cost.weight_bytes(loaded.config, 4)
+  for name, row in by_name.items():
+    row['prefill_fraction_of_matmul_ceiling'] = (
+        row['prefill_tok_s'] * flops_per_token / 1e9 / limits['matmul_gflops'])
+    row['decode_fraction_of_read_ceiling'] = (
+        row['decode_tok_s'] * bytes_per_token / 1e9 / limits['read_gbps'])
+    if 'hf_transformers' in by_name and name != 'hf_transformers':
+      ratios[f'{name}_vs_hf_prefill'] = row['prefill_tok_s'] / by_name['hf_transformers'][
+          'prefill_tok_s']
+  config = {**common.model_config_json(), 'systems': list(FLAGS.systems),
+            'prompt_tokens': len(work.prompt), 'decode_tokens': work.decode_tokens,
+            'library_tokens': len(work.library), 'query_tokens': len(work.query),
+            'repeats': work.repeats, 'prefill_flops_per_token': flops_per_token,
+            'decode_bytes_per_token': bytes_per_token, 'environment': fingerprint.environment()}
+  output = FLAGS.output or common.default_output('bench', FLAGS.model, FLAGS.dtype)
+  common.write_result(output, 'bench', {'config': config, 'ceilings': limits, 'systems': rows,
+                                        'ratios': ratios})
+  print(f"ceilings: matmul {limits['matmul_gflops']:.0f} GFLOP/s, read {limits['read_gbps']:.1f} "
+        'GB/s')
+  for row in by_name.values():
+    graft = 'n/a' if row['ttft_graft_s'] is None else f"{row['ttft_graft_s']:.3f}s"
+    print(f"{row['name']:18s} prefill {row['prefill_tok_s']:7.1f} tok/s  decode "
+          f"{row['decode_tok_s']:6.2f} tok/s  ttft recompute {row['ttft_recompute_s']:.3f}s  "
+          f'graft {graft}')
+  print('ratios:', {k: round(v, 3) for k, v in ratios.items()})
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

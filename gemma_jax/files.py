@@ -1,0 +1,122 @@
+"""Atomic, durable local writes: the one writer behind every JSON, NPZ, figure and cache entry.
+
+A reader must see the old file or the whole new one, never half of one, even after a crash or
+when two runs write the same name at once. So every write goes to a fresh hidden staging name
+in the target's directory (a uuid: two writers never share one), is flushed and fsynced, and is
+renamed over the target; the directory is fsynced after the rename so the new name survives a
+power loss. Staging files get the umask's permissions (unlike mkstemp's owner-only ones), so
+results and caches stay readable by others. A failed write removes its staging file and leaves
+the target as it was.
+
+`atomic_directory` does the same for a directory built in place (Orbax checkpoints, artifacts):
+built under a staging name, every file fsynced, then renamed to a target that must not exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from typing import Callable, Iterator, BinaryIO
+
+import numpy as np
+
+
+def staging_path(path: str, suffix: str = '') -> str:
+  """A fresh hidden name beside `path` (`suffix` keeps tools that append extensions happy)."""
+  directory, name = os.path.split(os.path.abspath(path))
+  return os.path.join(directory, f'.{name}.{uuid.uuid4().hex}{suffix}')
+
+
+def fsync_directory(directory: str) -> None:
+  fd = os.open(directory, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def write_atomic(path: str, write: Callable[[BinaryIO], None], *, suffix: str = '') -> None:
+  """Calls write(f) on a staging file, fsyncs it and renames it over `path`."""
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  staging = staging_path(path, suffix)
+  try:
+    with open(staging, 'xb') as f:
+      write(f)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(staging, path)
+  except BaseException:
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(staging)
+    raise
+  fsync_directory(directory)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+  write_atomic(path, lambda f: f.write(data))
+
+
+def write_text(path: str, text: str) -> None:
+  write_bytes(path, text.encode())
+
+
+def to_json(value, indent: int = 0) -> str:
+  """JSON with one key per line but every list of scalars on a single line (readable diffs,
+  small files)."""
+  pad, inner = ' ' * indent, ' ' * (indent + 1)
+  if isinstance(value, dict) and value:
+    items = [f'{inner}{json.dumps(str(k))}: {to_json(v, indent + 1)}' for k, v in value.items()]
+    return '{\n' + ',\n'.join(items) + '\n' + pad + '}'
+  if isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in value):
+    return '[\n' + ',\n'.join(inner + to_json(v, indent + 1) for v in value) + '\n' + pad + ']'
+  return json.dumps(value)
+
+
+def write_json(path: str, value) -> None:
+  """JSON (UTF-8, `to_json`'s layout, a trailing newline), atomically."""
+  write_text(path, to_json(value) + '\n')
+
+
+def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+  """An uncompressed .npz of the named arrays, atomically."""
+  write_atomic(path, lambda f: np.savez(f, **arrays), suffix='.npz')
+
+
+def _fsync_tree(root: str) -> None:
+  for directory, _, names in os.walk(root):
+    for name in names:
+      fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+      try:
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+    fsync_directory(directory)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str) -> Iterator[str]:
+  """Yields a staging directory to fill; on success it is fsynced and renamed to `path`.
+
+  `path` must not exist (directories are published once: FileExistsError otherwise, also when
+  another writer published it first). On any error the staging directory is removed."""
+  parent = os.path.dirname(os.path.abspath(path))
+  os.makedirs(parent, exist_ok=True)
+  if os.path.exists(path):
+    raise FileExistsError(f'{path} already exists')
+  staging = staging_path(path)
+  os.mkdir(staging)
+  try:
+    yield staging
+    _fsync_tree(staging)
+    try:
+      os.rename(staging, path)
+    except OSError as e:  # a non-empty directory appeared at `path` meanwhile
+      raise FileExistsError(f'{path} already exists') from e
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  fsync_directory(parent)
