@@ -1,0 +1,117 @@
+"""The knowledge store from the command line (graft/store.py).
+
+  python -m experiments.store put    --store=URL --input=FILE.jsonl
+  python -m experiments.store get    --store=URL --text="..."
+  python -m experiments.store ls     --store=URL
+  python -m experiments.store verify --store=URL      # exit status 1 on any bad object, named
+  python -m experiments.store gc     --store=URL
+  python -m experiments.store stats  --store=URL
+
+URL is any kvstore URL TensorStore opens: file:///abs/path/, memory:// (this process only),
+gs://bucket/path/, s3://bucket/path/. `put` reads one JSON object a line, {"text": ...}
+(tokenized with BOS) or {"tokens": [ids...]}, and deposits each. `get` prints the length, in
+tokens, of the longest stored prefix of the text (tokenized with BOS). The model and engine
+flags must be the ones the store was made with (its namespace): another model, dtype or engine
+configuration is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags, logging
+
+from experiments import common
+from graft.store import Store
+
+FLAGS = flags.FLAGS
+COMMANDS = ('put', 'get', 'ls', 'verify', 'gc', 'stats')
+
+
+def define_flags() -> None:
+  """Flags of this entry point (defined only when it runs, so importing it is free)."""
+  flags.DEFINE_string('store', None, 'Store URL (file:///abs/path/, memory://, gs://...).',
+                      required=True)
+  flags.DEFINE_string('input', None, 'put: JSONL of {"text": ...} or {"tokens": [...]}.')
+  flags.DEFINE_string('text', None, 'get: the text whose longest stored prefix to find.')
+  flags.DEFINE_integer('host_cache_bytes', 1 << 30, 'Bound of the host LRU of verified blocks.')
+  common.define_model_flags()
+  common.define_engine_flags()
+
+
+def read_contexts(path: str, tokenizer) -> list[list[int]]:
+  """Token ids of each line: {"text": ...} with BOS, or {"tokens": [...]} as given."""
+  contexts = []
+  with open(path) as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{path}:{number}: not valid JSON ({e})') from None
+      if isinstance(record, dict) and isinstance(record.get('text'), str) and record['text']:
+        contexts.append(tokenizer.encode(record['text']))
+      elif (isinstance(record, dict) and isinstance(record.get('tokens'), list)
+            and record['tokens'] and all(type(t) is int for t in record['tokens'])):
+        contexts.append(record['tokens'])
+      else:
+        raise ValueError(f'{path}:{number}: expected {{"text": "..."}} or {{"tokens": [ids]}}')
+  if not contexts:
+    raise ValueError(f'{path} holds no records')
+  return contexts
+
+
+def open_store() -> Store:
+  engine = common.make_engine(common.load_model())
+  return Store(FLAGS.store, engine, host_cache_bytes=FLAGS.host_cache_bytes)
+
+
+def main(argv):
+  if len(argv) != 2 or argv[1] not in COMMANDS:
+    raise app.UsageError(f'expected one command: {" | ".join(COMMANDS)}')
+  command = argv[1]
+  if command == 'put':
+    if not FLAGS.input:
+      raise app.UsageError('put needs --input=FILE.jsonl')
+    store = open_store()
+    contexts = read_contexts(FLAGS.input, store.engine.loaded.tokenizer)
+    totals = {'tokens': 0, 'reused_tokens': 0, 'blocks_written': 0, 'bytes_written': 0}
+    for i, tokens in enumerate(contexts):
+      report = store.put(tokens)
+      for key in totals:
+        totals[key] += report[key]
+      logging.info('put %d/%d: %d tokens, %d reused, %d blocks written (%d bytes), %.2fs',
+                   i + 1, len(contexts), report['tokens'], report['reused_tokens'],
+                   report['blocks_written'], report['bytes_written'], report['seconds'])
+    print(json.dumps({'contexts': len(contexts), **totals}))
+  elif command == 'get':
+    if not FLAGS.text:
+      raise app.UsageError('get needs --text=...')
+    store = open_store()
+    tokens = store.engine.loaded.tokenizer.encode(FLAGS.text)
+    match = store.lookup(tokens)
+    print(match.tokens)
+    logging.info('%d of %d tokens stored (%d blocks, %d rows of the last)', match.tokens,
+                 len(tokens), len(match.entries), match.rows)
+  elif command == 'ls':
+    for entry in open_store().entries():
+      print(f"{entry['start']:8d}  {entry['key'][:16]}  parent {entry['parent'][:16]}  "
+            f"{len(entry['tokens']):3d} tokens  {entry['object_bytes']} bytes")
+  elif command == 'verify':
+    problems = open_store().verify()
+    for problem in problems:
+      print(f'BAD {problem.name}: {problem.reason}')
+    print(f'{len(problems)} problems')
+    if problems:
+      sys.exit(1)
+  elif command == 'gc':
+    print(json.dumps(open_store().gc()))
+  elif command == 'stats':
+    print(json.dumps(open_store().stats(), indent=1))
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

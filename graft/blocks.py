@@ -1,0 +1,262 @@
+"""Content addressing for the store: namespaces, block keys, block objects and index entries.
+
+Pure functions over bytes; graft/store.py does the I/O. Nothing read is trusted: every decoder
+checks its input against what the engine expects and raises BlockError naming the problem.
+
+Namespace. SHA-256 of the canonical JSON of {format, model fingerprint, engine fingerprint}: the
+model's parameters, config and tokenizer, and everything that decides the engine's bits (its
+config, dtype, layout version, the machine). KV from another model, dtype, engine configuration,
+layout version or kind of machine lands in another namespace, so it can never be found.
+
+Block key. Block k of a context holds its tokens at sequence indices kB .. kB + B - 1 (B the
+engine's block size; the engine aligns its calls to exactly these blocks). Its key is
+
+    SHA-256( b'kv-graft-block/1' | namespace (32 bytes) | parent key (32 bytes; zeros for block 0)
+             | token count (uint32 little-endian) | token ids (int32 little-endian) )
+
+a fixed, prefix-free byte encoding (never Python hash(), never pickle): a block's key names its
+whole prefix, so contexts that share a prefix share its blocks, and a block is found only after
+the same tokens in the same order. A context's last block may hold fewer than B tokens.
+Contexts in a store start at position 0, so a token's position is its sequence index.
+
+Block object (immutable):
+
+    b'KVGRAFT1' | header length (uint32 LE) | header (canonical JSON) | leaf bytes
+
+The header holds the format, namespace, key, parent, start index, token ids and, per leaf, its
+name, dtype, shape, byte offset and SHA-256. Leaves are `layer_{i}/k`, `layer_{i}/v` [T, K, H]
+for every cache-owning layer, global layers first: the rows a graft reads from a block far
+behind its end (global layers only) are one byte range.
+
+Index entry: the small immutable record that publishes an object under its parent
+(`index/<parent>/<key>`): format, key, parent, start, tokens, the object's name and size and the
+SHA-256 of its header. The index is a prefix tree keyed by parent, rebuildable from the objects'
+headers alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+
+import numpy as np
+
+from gemma_jax.config import AttentionType
+from graft import fingerprint
+
+STORE_FORMAT = 'kv-graft-store/1'
+BLOCK_FORMAT = 'kv-graft-block/1'
+ENTRY_FORMAT = 'kv-graft-index/1'
+MAGIC = b'KVGRAFT1'
+ROOT = '0' * 64  # the parent of block 0
+_PREAMBLE = len(MAGIC) + 4
+MAX_HEADER_BYTES = 1 << 20  # a header larger than this is refused before it is parsed
+
+
+class BlockError(ValueError):
+  """An object or entry that must not be used; the message says why."""
+
+
+def namespace(model_fp: dict, engine_fp: dict) -> str:
+  return fingerprint.digest({'format': STORE_FORMAT, 'model': model_fp['sha256'],
+                             'engine': engine_fp['sha256']})
+
+
+def block_key(ns: str, parent: str, tokens) -> str:
+  tokens = np.asarray(tokens, '<i4')
+  payload = (BLOCK_FORMAT.encode() + bytes.fromhex(ns) + bytes.fromhex(parent)
+             + struct.pack('<I', len(tokens)) + tokens.tobytes())
+  return hashlib.sha256(payload).hexdigest()
+
+
+def chain_keys(ns: str, tokens, block_size: int) -> list[str]:
+  """The keys of every block of a context (the last one partial when len(tokens) % B)."""
+  keys, parent = [], ROOT
+  for start in range(0, len(tokens), block_size):
+    parent = block_key(ns, parent, tokens[start:start + block_size])
+    keys.append(parent)
+  return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """What a block object of this engine must hold: per cache-owning layer, K and V rows of
+  shape [T, K, H] in `dtype`; global layers first."""
+
+  dtype: str
+  block_size: int
+  layers: tuple[tuple[int, bool, int, int], ...]  # (layer index, is global, K, H), stored order
+
+  @classmethod
+  def of(cls, engine) -> 'Layout':
+    layers = []
+    for i in engine.config.cache_layers:
+      spec = engine.config.layer_spec(i)
+      layers.append((i, spec.attention_type is AttentionType.GLOBAL, spec.num_kv_heads,
+                     spec.head_dim))
+    layers.sort(key=lambda layer: (not layer[1], layer[0]))
+    return cls(dtype=engine.loaded.dtype, block_size=engine.engine_config.block_size,
+               layers=tuple(layers))
+
+  def leaves(self, num_tokens: int) -> list[dict]:
+    """[{name, dtype, shape, offset}] in stored order (without hashes)."""
+    itemsize = np.dtype(_numpy_dtype(self.dtype)).itemsize
+    out, offset = [], 0
+    for index, _, k, h in self.layers:
+      for part in ('k', 'v'):
+        out.append({'name': f'layer_{index}/{part}', 'dtype': self.dtype,
+                    'shape': [num_tokens, k, h], 'offset': offset})
+        offset += num_tokens * k * h * itemsize
+    return out
+
+  def global_bytes(self, num_tokens: int) -> int:
+    itemsize = np.dtype(_numpy_dtype(self.dtype)).itemsize
+    return sum(2 * num_tokens * k * h * itemsize for _, is_global, k, h in self.layers
+               if is_global)
+
+  def data_bytes(self, num_tokens: int) -> int:
+    itemsize = np.dtype(_numpy_dtype(self.dtype)).itemsize
+    return sum(2 * num_tokens * k * h * itemsize for _, _, k, h in self.layers)
+
+
+def _numpy_dtype(name: str):
+  import ml_dtypes  # bfloat16 for numpy
+  return ml_dtypes.bfloat16 if name == 'bfloat16' else np.dtype(name)
+
+
+def canonical(value) -> bytes:
+  return json.dumps(value, sort_keys=True, separators=(',', ':')).encode()
+
+
+def encode_block(ns: str, parent: str, start: int, tokens, leaves: dict[str, np.ndarray],
+                 layout: Layout) -> tuple[str, bytes, dict]:
+  """(key, object bytes, header) of a block whose K/V rows are `leaves` ({name: [T, K, H]})."""
+  tokens = [int(t) for t in tokens]
+  key = block_key(ns, parent, tokens)
+  described, chunks = [], []
+  for leaf in layout.leaves(len(tokens)):
+    array = np.ascontiguousarray(leaves[leaf['name']])
+    if list(array.shape) != leaf['shape'] or array.dtype.name != leaf['dtype']:
+      raise BlockError(f'{leaf["name"]}: got {array.dtype.name}{list(array.shape)}, the layout '
+                       f'needs {leaf["dtype"]}{leaf["shape"]}')
+    data = array.tobytes()
+    described.append({**leaf, 'sha256': hashlib.sha256(data).hexdigest()})
+    chunks.append(data)
+  header = {'format': BLOCK_FORMAT, 'namespace': ns, 'key': key, 'parent': parent,
+            'start': int(start), 'tokens': tokens, 'leaves': described,
+            'global_bytes': layout.global_bytes(len(tokens)),
+            'data_bytes': layout.data_bytes(len(tokens))}
+  header_bytes = canonical(header)
+  return key, MAGIC + struct.pack('<I', len(header_bytes)) + header_bytes + b''.join(chunks), header
+
+
+def header_span(prefix: bytes) -> tuple[int, int]:
+  """(offset, length) of the header, from the object's first bytes."""
+  if len(prefix) < _PREAMBLE or prefix[:len(MAGIC)] != MAGIC:
+    raise BlockError('not a block object (bad magic)')
+  (length,) = struct.unpack('<I', prefix[len(MAGIC):_PREAMBLE])
+  if not 0 < length <= MAX_HEADER_BYTES:
+    raise BlockError(f'header length {length} is out of range')
+  return _PREAMBLE, length
+
+
+def _load_json(data: bytes, what: str):
+  try:
+    return json.loads(data.decode('utf-8'))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise BlockError(f'{what} is not valid JSON ({e})') from None
+
+
+def _check_tokens(tokens, block_size: int, vocab_size: int) -> list[int]:
+  if (not isinstance(tokens, list) or not 1 <= len(tokens) <= block_size
+      or not all(type(t) is int and 0 <= t < vocab_size for t in tokens)):
+    raise BlockError(f'tokens must be 1..{block_size} ids in [0, {vocab_size})')
+  return tokens
+
+
+def decode_header(header_bytes: bytes, *, ns: str, expected_key: str, layout: Layout,
+                  vocab_size: int) -> dict:
+  """The verified header of the object published as `expected_key`."""
+  header = _load_json(header_bytes, 'the header')
+  if not isinstance(header, dict) or header.get('format') != BLOCK_FORMAT:
+    raise BlockError(f'the header is not a {BLOCK_FORMAT} header')
+  if header.get('namespace') != ns:
+    raise BlockError('the object belongs to another namespace (another model, engine, dtype '
+                     'or machine)')
+  tokens = _check_tokens(header.get('tokens'), layout.block_size, vocab_size)
+  parent = header.get('parent')
+  if not isinstance(parent, str) or len(parent) != 64:
+    raise BlockError('the header has no valid parent key')
+  if block_key(ns, parent, tokens) != header.get('key') or header['key'] != expected_key:
+    raise BlockError('the header\'s key does not match its parent and tokens, or the key it '
+                     'is stored under')
+  want = layout.leaves(len(tokens))
+  leaves = header.get('leaves')
+  if (not isinstance(leaves, list) or len(leaves) != len(want)
+      or any(not isinstance(g, dict) or {k: g.get(k) for k in w} != w
+             or not isinstance(g.get('sha256'), str) for g, w in zip(leaves, want))):
+    raise BlockError('the header\'s leaves do not match this engine\'s layout (names, dtypes, '
+                     'shapes, offsets)')
+  if (header.get('global_bytes') != layout.global_bytes(len(tokens))
+      or header.get('data_bytes') != layout.data_bytes(len(tokens))):
+    raise BlockError('the header\'s byte counts do not match the layout')
+  if (type(header.get('start')) is not int or header['start'] < 0
+      or header['start'] % layout.block_size):
+    raise BlockError('the header\'s start index is not a block boundary')
+  return header
+
+
+def decode_leaves(header: dict, data: bytes, data_offset: int, *, global_only: bool,
+                  layout: Layout) -> dict[str, np.ndarray]:
+  """The leaves in `data` (the object's bytes from `data_offset`), each re-hashed."""
+  dtype = _numpy_dtype(layout.dtype)
+  stop = header['global_bytes'] if global_only else header['data_bytes']
+  if len(data) != stop:
+    raise BlockError(f'{len(data)} data bytes read, the header says {stop} (truncated?)')
+  out = {}
+  for leaf in header['leaves']:
+    begin = leaf['offset']
+    if begin >= stop:
+      break
+    size = int(np.prod(leaf['shape'])) * np.dtype(dtype).itemsize
+    chunk = data[begin:begin + size]
+    if hashlib.sha256(chunk).hexdigest() != leaf['sha256']:
+      raise BlockError(f'leaf {leaf["name"]} was altered (SHA-256 mismatch)')
+    out[leaf['name']] = np.frombuffer(chunk, dtype).reshape(leaf['shape'])
+  return out
+
+
+def encode_entry(header: dict, object_name: str, object_bytes: int, header_bytes: bytes) -> bytes:
+  return canonical({'format': ENTRY_FORMAT, 'key': header['key'], 'parent': header['parent'],
+                    'start': header['start'], 'tokens': header['tokens'],
+                    'object': object_name, 'object_bytes': object_bytes,
+                    'header_sha256': hashlib.sha256(header_bytes).hexdigest()})
+
+
+def decode_entry(data: bytes, *, ns: str, parent: str, key: str, expected_start: int,
+                 layout: Layout, vocab_size: int) -> dict:
+  """The verified index entry stored at index/<parent>/<key>, whose block starts at sequence
+  index `expected_start` (its depth in the chain times B)."""
+  entry = _load_json(data, 'the index entry')
+  if not isinstance(entry, dict) or entry.get('format') != ENTRY_FORMAT:
+    raise BlockError('unknown index entry format')
+  tokens = _check_tokens(entry.get('tokens'), layout.block_size, vocab_size)
+  if entry.get('parent') != parent or entry.get('key') != key:
+    raise BlockError('the entry does not name the parent and key it is stored under')
+  if block_key(ns, parent, tokens) != key:
+    raise BlockError('the entry\'s tokens do not hash to its key')
+  name = entry.get('object')
+  if not isinstance(name, str) or not name.startswith(key + '.') or len(name) != 64 + 1 + 32:
+    raise BlockError('the entry names no object of its key')
+  if (type(entry.get('start')) is not int or entry['start'] < 0
+      or entry['start'] % layout.block_size or entry['start'] != expected_start):
+    raise BlockError(f'the entry\'s start index {entry.get("start")!r} is not its place in the '
+                     f'chain ({expected_start})')
+  if (type(entry.get('object_bytes')) is not int
+      or entry['object_bytes'] > _PREAMBLE + MAX_HEADER_BYTES + layout.data_bytes(len(tokens))):
+    raise BlockError('the entry\'s object size is out of range')
+  if not isinstance(entry.get('header_sha256'), str):
+    raise BlockError('the entry has no header hash')
+  return entry

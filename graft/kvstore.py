@@ -1,0 +1,89 @@
+"""The store's storage layer: TensorStore's kvstore (the layer under Orbax), behind five calls.
+
+One URL names where a store lives, and the same code runs on every driver TensorStore reaches:
+`file:///abs/path/` (local disk), `memory://` (this process only), `gs://bucket/path/`,
+`s3://bucket/path/`, or any other kvstore URL TensorStore parses. Nothing here assumes a local
+path: keys are TensorStore keys, never filesystem paths. Keys are built only by the store from
+fixed words and hex digests (`check_key`), never from object content.
+
+Writes of whole values are atomic on every driver (the file driver writes a temporary file and
+renames it; object stores publish whole objects), so a reader never sees half a value.
+`write_if_absent` is the conditional write that makes "first writer wins" hold between
+processes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import tensorstore as ts
+
+# TensorStore's storage generation of a missing key: a write conditioned on it succeeds only if
+# the key does not exist yet.
+_NO_VALUE = b'\x02'
+# Every key the store makes (graft/store.py): its description, block objects under a writer's
+# unique name, index entries under their parent, quarantined objects and their reasons.
+_KEY = re.compile(r'^(store\.json|objects/[0-9a-f]{64}\.[0-9a-f]{32}|index/[0-9a-f]{64}/[0-9a-f]{64}'
+                  r'|quarantine/[0-9a-f]{32}\.(object|json))$')
+
+
+class StoreUrlError(ValueError):
+  """A store URL that TensorStore cannot open, or that is unreachable."""
+
+
+class ShortValueError(ValueError):
+  """A byte range past the end of the value: the value is shorter than the caller expected."""
+
+
+def check_key(key: str) -> str:
+  """Keys are lowercase words and hex digests joined by '/': no '..', no absolute paths, no
+  characters an object could smuggle in."""
+  if len(key) > 300 or not _KEY.match(key):
+    raise ValueError(f'refusing store key {key[:80]!r}: not a key this store makes')
+  return key
+
+
+class KvStore:
+  """A TensorStore kvstore opened from a URL, with the operations the store needs."""
+
+  def __init__(self, url: str):
+    if not isinstance(url, str) or '://' not in url:
+      raise StoreUrlError(f'store URL {url!r}: expected a kvstore URL such as '
+                          'file:///abs/path/, memory://, gs://bucket/path/')
+    self.url = url if url.endswith('/') or url.endswith('://') else url + '/'
+    try:
+      self._kv = ts.KvStore.open(self.url).result()
+    except Exception as e:  # TensorStore raises ValueError for unparsable or unsupported URLs
+      raise StoreUrlError(f'cannot open store {url!r}: {e}') from None
+
+  def read(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes | None:
+    """The value (or bytes [start, stop) of it), or None when the key is missing."""
+    kwargs = {} if byte_range is None else {'byte_range': slice(*byte_range)}
+    check_key(key)
+    try:
+      result = self._kv.read(key, **kwargs).result()
+    except Exception as e:  # an unreachable store, a permission error, a driver failure
+      if 'OUT_OF_RANGE' in str(e):
+        raise ShortValueError(f'{key} is shorter than bytes {byte_range}') from None
+      raise StoreUrlError(f'{self.url}: reading {key} failed: {e}') from None
+    return result.value if result.state == 'value' else None
+
+  def write(self, key: str, value: bytes) -> None:
+    self._kv.write(check_key(key), value).result()
+
+  def write_if_absent(self, key: str, value: bytes) -> bool:
+    """Writes `value` only if `key` does not exist; True when this call wrote it."""
+    stamp = self._kv.write(check_key(key), value, if_equal=_NO_VALUE).result()
+    return stamp.generation != b''
+
+  def delete(self, key: str) -> None:
+    self._kv.write(check_key(key), None).result()
+
+  def list(self, prefix: str = '') -> list[str]:
+    """Every key starting with `prefix`, sorted."""
+    if prefix:
+      end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+      keys = self._kv.list(ts.KvStore.KeyRange(prefix.encode(), end.encode())).result()
+    else:
+      keys = self._kv.list().result()
+    return sorted(k.decode() for k in keys)

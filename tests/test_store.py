@@ -1,0 +1,406 @@
+"""The knowledge store (graft/store.py): content addressing, byte-exact grafts from it, and no
+bad object ever grafted. Tiny models with random weights; exactness is SHA-256 equality.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gemma_jax import weights
+from gemma_jax.compare import sha256_bytes
+from graft import blocks
+from graft.engine import Engine, EngineConfig
+from graft.kvstore import StoreUrlError
+from graft.store import Store, StoreError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+B = 8
+CONFIG = EngineConfig(block_size=B, cache_len=512)
+TINY_FLAGS = ['--model=tiny_gemma3', '--weights=random:0', f'--block_size={B}',
+              '--cache_len=512']
+
+
+def engine(name='tiny_gemma3', dtype='float32', config=CONFIG, seed=0):
+  return _engine(name, dtype, config, seed)
+
+
+_ENGINES = {}
+
+
+def _engine(name, dtype, config, seed):
+  key = (name, dtype, config, seed)
+  if key not in _ENGINES:
+    _ENGINES[key] = Engine(weights.load(name, f'random:{seed}', dtype), config)
+  return _ENGINES[key]
+
+
+def tokens(n, seed, vocab=512):
+  return [2] + [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n - 1)]
+
+
+def fresh_logits(eng, context, query):
+  return eng.extend(eng.empty(), list(context) + list(query), logits=len(query))[1]
+
+
+def grafted_logits(store, context, query):
+  ctx, match = store.graft(context)
+  _, logits = store.engine.extend(ctx, list(context[match.tokens:]) + list(query),
+                                  logits=len(query))
+  return logits, match
+
+
+def object_names(store):
+  return store.kv.list('objects/')
+
+
+# ----------------------------------------------------------------------------------------------
+# Content addressing
+
+
+def test_block_keys_are_a_sha256_chain_over_a_canonical_encoding():
+  ns = '11' * 32
+  first = blocks.block_key(ns, blocks.ROOT, [2, 5, 7])
+  assert first == blocks.block_key(ns, blocks.ROOT, np.array([2, 5, 7], np.int64))  # any int type
+  assert first != blocks.block_key(ns, blocks.ROOT, [2, 5, 8])
+  assert first != blocks.block_key('22' * 32, blocks.ROOT, [2, 5, 7])  # another namespace
+  second = blocks.block_key(ns, first, [9])
+  assert second != blocks.block_key(ns, blocks.ROOT, [9])  # the parent is part of the key
+  assert blocks.chain_keys(ns, [2, 5, 7, 9], 3) == [first, second]
+  # A prefix-free encoding: a count separates [1] + [2, 3] from [1, 2] + [3].
+  assert blocks.block_key(ns, blocks.ROOT, [1, 2]) != blocks.block_key(ns, blocks.ROOT, [1, 2, 0])
+
+
+def test_namespace_binds_model_dtype_and_engine():
+  base = engine()
+  others = [engine(seed=1), engine(dtype='bfloat16'),
+            engine(config=EngineConfig(block_size=16, cache_len=512)),
+            engine(config=EngineConfig(block_size=B, cache_len=256))]
+  spaces = {blocks.namespace(e.model_fingerprint, e.fingerprint) for e in [base] + others}
+  assert len(spaces) == 5
+
+
+@pytest.mark.parametrize('name', ['tiny_gemma2', 'tiny_gemma3', 'tiny_gemma4'])
+def test_a_rows_bits_do_not_depend_on_the_rows_after_it(name):
+  # Why a query that diverges inside a block can reuse the block's first rows: under the pinned
+  # engine the KV of rows 0..r-1 of a block, and their logits, are the same whatever tokens
+  # fill the rest of the block (or whether it is filled at all).
+  eng = engine(name)
+  vocab = eng.config.vocab_size
+  prefix = tokens(3 * B + 3, 1, vocab)  # ends 3 rows into block 3
+  rest_a = tokens(B, 2, vocab)[1:]
+  rest_b = tokens(B, 3, vocab)[1:]
+  from gemma_jax import kv_state as kvs
+  rows = []
+  for context in (prefix, prefix + rest_a, prefix + rest_b):
+    ctx, logits = eng.extend(eng.empty(), context, logits='all')
+    block = kvs.take_rows(ctx.kv, 3 * B, 3 * B + 3)
+    rows.append((b''.join(k.tobytes() + v.tobytes() for k, v in zip(block.k, block.v)),
+                 sha256_bytes(logits[:len(prefix)])))
+  assert rows[0] == rows[1] == rows[2]
+
+
+# ----------------------------------------------------------------------------------------------
+# Grafts from the store are byte-exact
+
+
+@pytest.mark.parametrize('url_kind', ['memory', 'file'])
+@pytest.mark.parametrize('name', ['tiny_gemma3', 'tiny_gemma4'])
+def test_graft_from_the_store_equals_fresh(tmp_path, url_kind, name):
+  eng = engine(name)
+  url = 'memory://' if url_kind == 'memory' else f'file://{tmp_path}/store/'
+  store = Store(url, eng)
+  vocab = eng.config.vocab_size
+  library = tokens(5 * B + 3, 4, vocab)  # a partial last block, crossing the window 5 times
+  query = tokens(6, 5, vocab)[1:]
+  report = store.put(library)
+  assert report['blocks_written'] == 6 and report['reused_tokens'] == 0
+  logits, match = grafted_logits(store, library, query)
+  assert match.tokens == len(library) and match.rows == 3
+  assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, library, query))
+  again = store.put(library)
+  assert again['blocks_written'] == 0 and again['reused_tokens'] == len(library)
+
+
+def test_contexts_that_share_a_prefix_share_its_blocks_and_a_divergence_mid_block_reuses_rows():
+  eng = engine()
+  store = Store('memory://', eng)
+  shared = tokens(3 * B + 5, 6)
+  first = shared + tokens(2 * B, 7)[1:]
+  second = shared + tokens(B + 4, 8)[1:]
+  store.put(first)
+  report = store.put(second)
+  # The 3 shared full blocks are reused; the 5 shared rows of block 3 come from first's block 3.
+  assert report['reused_tokens'] == len(shared)
+  assert report['blocks_written'] == len(blocks.chain_keys(store.namespace, second, B)) - 3
+  third = shared + tokens(10, 9)[1:]  # never deposited: diverges 5 rows into block 3
+  logits, match = grafted_logits(store, third, tokens(4, 10)[1:])
+  assert match.tokens == len(shared) and match.rows == 5
+  assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, third, tokens(4, 10)[1:]))
+
+
+def test_a_query_shorter_than_a_stored_block_uses_its_first_rows():
+  eng = engine()
+  store = Store('memory://', eng)
+  library = tokens(4 * B, 11)
+  store.put(library)
+  short = library[:2 * B + 3]
+  match = store.lookup(short)
+  assert match.tokens == len(short) and match.rows == 3
+  assert store.put(short)['blocks_written'] == 0  # already addressable
+  logits, _ = grafted_logits(store, short, [7, 8])
+  assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, short, [7, 8]))
+
+
+def test_a_graft_reads_only_global_rows_of_blocks_behind_the_ring(tmp_path):
+  eng = engine()
+  store = Store('memory://', eng)
+  library = tokens(40 * B, 12)  # far past the local ring (W + B - 1 = 15 slots)
+  store.put(library)
+  reads = []
+  original = store.kv.read
+  store.kv.read = lambda key, byte_range=None: reads.append((key, byte_range)) or original(
+      key, byte_range)
+  store.host = type(store.host)(0)  # no host tier: every block from the backing store
+  logits, match = grafted_logits(store, library, [5])
+  object_reads = [r for r in reads if r[0].startswith('objects/')]
+  ranged = [r for r in object_reads if r[1] is not None]
+  assert len(object_reads) == 40 and len(ranged) >= 37  # all but the blocks in the ring
+  assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, library, [5]))
+
+
+def test_the_device_cache_is_the_engines_and_the_host_tier_is_bounded():
+  eng = engine()
+  store = Store('memory://', eng, host_cache_bytes=10_000)
+  library = tokens(20 * B, 13)
+  store.put(library)
+  ctx, _ = store.graft(library)
+  empty = eng.empty()
+  for ours, fixed in zip(ctx.kv.layers, empty.kv.layers):
+    assert ours.k.shape == fixed.k.shape
+  assert store.host.bytes <= 10_000
+  store.graft(library)
+  assert store.counters['backing_reads'] > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input and faults: never grafted, reported, quarantined, still correct
+
+
+def test_unknown_and_unreachable_urls_are_refused():
+  eng = engine()
+  with pytest.raises(StoreUrlError, match='expected a kvstore URL'):
+    Store('/no/scheme', eng)
+  with pytest.raises(StoreUrlError, match='unsupported URL scheme'):
+    Store('nonsense://x/', eng)
+  with pytest.raises(StoreUrlError, match='do not support authority'):
+    Store('file://relative/path/', eng)
+
+
+def test_a_store_of_another_model_engine_or_dtype_is_refused_with_the_reason(tmp_path):
+  url = f'file://{tmp_path}/s/'
+  Store(url, engine()).put(tokens(20, 14))
+  with pytest.raises(StoreError, match='another model or engine.*params_sha256'):
+    Store(url, engine(seed=1))
+  with pytest.raises(StoreError, match="dtype: the store has 'float32', expected 'bfloat16'"):
+    Store(url, engine(dtype='bfloat16'))
+  with pytest.raises(StoreError, match='block_size: the store has 8, expected 16'):
+    Store(url, engine(config=EngineConfig(block_size=16, cache_len=512)))
+  with pytest.raises(StoreError, match='pinned engine only'):
+    Store(url, engine(config=EngineConfig(mode='default', cache_len=512)))
+
+
+def _corrupt(store, name, how):
+  data = store.kv.read(name)
+  if how in ('flip', 'flip_local'):
+    offset, length = blocks.header_span(data)
+    data = bytearray(data)
+    # Global layers' rows come first: 'flip' hits rows every graft reads, 'flip_local' the
+    # last local layer's, which a graft far past the block does not read.
+    data[offset + length + 10 if how == 'flip' else len(data) - 10] ^= 0x04
+    store.kv.write(name, bytes(data))
+  elif how == 'truncate':
+    store.kv.write(name, data[:len(data) - 100])
+  elif how == 'delete':
+    store.kv.delete(name)
+  elif how == 'header':
+    data = bytearray(data)
+    data[20] ^= 0x01  # inside the JSON header
+    store.kv.write(name, bytes(data))
+
+
+@pytest.mark.parametrize('how', ['flip', 'truncate', 'delete', 'header'])
+def test_a_bad_object_is_never_grafted_and_the_answer_is_still_exact(how):
+  eng = engine()
+  store = Store('memory://', eng)
+  library = tokens(6 * B, 15)
+  query = tokens(5, 16)[1:]
+  store.put(library)
+  victim = store.lookup(library).entries[3]  # block 3 of 6
+  _corrupt(store, f'objects/{victim["object"]}', how)
+  reader = Store(store.url, eng)  # a reader that has cached nothing
+  reader.kv = store.kv
+  logits, match = grafted_logits(reader, library, query)
+  assert match.tokens == 3 * B  # the prefix ends before the bad block
+  assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, library, query))
+  (problem,) = reader.problems
+  assert problem.key == victim['key'] and problem.reason
+  assert reader.kv.list('quarantine/')  # moved aside with its reason
+  assert reader.lookup(library).tokens == 3 * B  # a miss from now on, until it is rewritten
+  assert reader.put(library)['blocks_written'] == 1  # the same block, rewritten
+  assert reader.lookup(library).tokens == len(library)
+
+
+def test_an_object_copied_under_another_key_or_from_another_store_is_refused():
+  eng = engine()
+  store = Store('memory://', eng)
+  a, b = tokens(2 * B, 17), tokens(2 * B, 18)
+  store.put(a)
+  store.put(b)
+  entry_a = store.lookup(a).entries[1]
+  entry_b = store.lookup(b).entries[1]
+  store.kv.write(f'objects/{entry_a["object"]}', store.kv.read(f'objects/{entry_b["object"]}'))
+  reader = Store(store.url, eng)
+  reader.kv = store.kv
+  logits, match = grafted_logits(reader, a, [9])
+  assert match.tokens == B and 'header' in reader.problems[0].reason
+  assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, a, [9]))
+
+
+def test_bytes_a_graft_does_not_read_cannot_harm_it_and_verify_still_finds_them():
+  eng = engine()
+  store = Store('memory://', eng)
+  library = tokens(6 * B, 15)
+  store.put(library)
+  victim = store.lookup(library).entries[1]  # far behind the ring of the graft point
+  _corrupt(store, f'objects/{victim["object"]}', 'flip_local')
+  reader = Store(store.url, eng)
+  reader.kv = store.kv
+  logits, match = grafted_logits(reader, library, [6])
+  assert match.tokens == len(library) and not reader.problems  # every byte it used verified
+  assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, library, [6]))
+  (problem,) = reader.verify()
+  assert problem.key == victim['key'] and 'altered' in problem.reason
+  assert reader.lookup(library[:2 * B]).tokens == 2 * B
+  reader.graft(library[:2 * B])  # now block 1 is in the ring: its local rows are read, refused
+  assert reader.problems and reader.problems[0].key == victim['key']
+
+
+def test_verify_names_every_bad_object_and_gc_removes_what_no_entry_reaches(tmp_path):
+  url = f'file://{tmp_path}/s/'
+  eng = engine()
+  store = Store(url, eng)
+  library = tokens(4 * B, 19)
+  store.put(library)
+  assert store.verify() == []
+  victim = store.lookup(library).entries[1]
+  _corrupt(store, f'objects/{victim["object"]}', 'flip')
+  store.kv.write(f'objects/{"ab" * 32}.{"cd" * 16}', b'an unpublished leftover')
+  out = subprocess.run([sys.executable, '-m', 'experiments.store', 'verify', f'--store={url}',
+                        *TINY_FLAGS], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, 'PYTHONPATH': str(REPO)}, timeout=600)
+  assert out.returncode == 1
+  assert f'index/{victim["parent"]}/{victim["key"]}' in out.stdout and 'altered' in out.stdout
+  assert 'not published' in out.stdout
+  removed = store.gc()
+  assert removed['objects'] >= 1 and removed['entries'] >= 1
+  assert store.verify() == []
+  assert store.lookup(library).tokens == B  # blocks 2, 3 are gone with their bad parent
+
+
+def test_the_index_can_be_rebuilt_from_the_objects_alone():
+  eng = engine()
+  store = Store('memory://', eng)
+  library = tokens(5 * B + 2, 20)
+  store.put(library)
+  for name in store.kv.list('index/'):
+    store.kv.delete(name)
+  fresh_reader = Store(store.url, eng)
+  fresh_reader.kv = store.kv
+  assert fresh_reader.lookup(library).tokens == 0
+  assert fresh_reader.rebuild_index() == 6
+  logits, match = grafted_logits(fresh_reader, library, [4, 5])
+  assert match.tokens == len(library)
+  assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, library, [4, 5]))
+
+
+def test_hostile_entries_are_refused_not_followed():
+  eng = engine()
+  store = Store('memory://', eng)
+  library = tokens(2 * B, 21)
+  store.put(library)
+  entry = store.lookup(library).entries[0]
+  name = f'index/{entry["parent"]}/{entry["key"]}'
+  for hostile in ({**entry, 'object': '../../etc/passwd'}, {**entry, 'tokens': 'abc'},
+                  {**entry, 'object_bytes': 1 << 60}, [1, 2, 3], {**entry, 'start': -8}):
+    store.kv.write(name, json.dumps(hostile).encode())
+    reader = Store(store.url, eng)
+    reader.kv = store.kv
+    assert reader.lookup(library).tokens == 0
+    assert reader.problems
+    store.put(library)  # rewrites the removed entry
+
+
+# ----------------------------------------------------------------------------------------------
+# Several processes
+
+
+def _put_process(url, path):
+  return subprocess.Popen([sys.executable, '-m', 'experiments.store', 'put', f'--store={url}',
+                           f'--input={path}', *TINY_FLAGS], cwd=REPO,
+                          env={**os.environ, 'PYTHONPATH': str(REPO)},
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_two_processes_putting_the_same_texts_leave_one_copy(tmp_path):
+  url = f'file://{tmp_path}/s/'
+  contexts = [tokens(6 * B + i, 30 + i) for i in range(3)]
+  path = tmp_path / 'in.jsonl'
+  path.write_text(''.join(json.dumps({'tokens': c}) + '\n' for c in contexts))
+  procs = [_put_process(url, path) for _ in range(2)]
+  for proc in procs:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+  store = Store(url, engine())
+  assert store.verify() == []  # no second copy left unpublished, nothing bad
+  expected = {k for c in contexts for k in blocks.chain_keys(store.namespace, c, B)}
+  assert {e['key'] for e in store.entries()} == expected
+  assert len(object_names(store)) == len(expected)
+
+
+@pytest.mark.slow
+def test_a_process_killed_mid_put_leaves_no_half_object_and_loses_nothing(tmp_path):
+  url = f'file://{tmp_path}/s/'
+  eng = engine()
+  store = Store(url, eng)
+  earlier = tokens(3 * B, 40)
+  store.put(earlier)
+  before = {name: store.kv.read(name) for name in store.kv.list('')}
+  path = tmp_path / 'in.jsonl'
+  path.write_text(''.join(json.dumps({'tokens': tokens(30 * B, 41 + i)}) + '\n'
+                          for i in range(20)))
+  proc = _put_process(url, path)
+  deadline = time.time() + 300
+  while len(store.kv.list('index/')) < len(before) + 3 and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  for name, data in before.items():  # every earlier object and entry is intact
+    assert store.kv.read(name) == data
+  reader = Store(url, eng)
+  problems = reader.verify()
+  assert all(p.reason.startswith('not published') for p in problems), problems
+  assert not any(name.startswith('objects/.') for name in reader.kv.list(''))
+  # A second process reads and writes the same store: the earlier text grafts exactly.
+  logits, match = grafted_logits(reader, earlier, [3, 4])
+  assert match.tokens == len(earlier)
+  assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, earlier, [3, 4]))
+  reader.gc()
+  assert reader.verify() == []
