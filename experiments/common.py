@@ -13,6 +13,7 @@ entry point whose --output is not given writes results/<kind>_<config parts>.jso
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -79,8 +80,10 @@ def model_config_json() -> dict:
   return {'model': FLAGS.model, 'weights': FLAGS.weights, 'dtype': FLAGS.dtype}
 
 
+@functools.lru_cache(maxsize=None)
 def provenance() -> dict:
-  """The code a result was made from: `git_commit` is the commit only when the tracked and
+  """The code a result was made from, read once when this module is imported (the process
+  runs the code as it was then): `git_commit` is the commit only when the tracked and
   untracked source files equal it; otherwise it is None, `git_base_commit` names the commit
   the changes sit on and `git_modified_files` lists them (a dirty tree is never recorded as a
   commit). Changes under results/, manifests/ and figures/ do not count."""
@@ -103,6 +106,9 @@ def _entry_point() -> str:
   main = sys.modules.get('__main__')
   spec = getattr(main, '__spec__', None)
   return spec.name if spec and spec.name else os.path.basename(sys.argv[0])
+
+
+provenance()  # snapshot the code state as the process starts
 
 
 def default_output(kind: str, *parts) -> str:

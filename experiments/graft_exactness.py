@@ -2,11 +2,20 @@
 
   python -m experiments.graft_exactness --samples=50 --manifest=manifests/NAME.json
   python -m experiments.graft_exactness --input=pairs.jsonl --engine=default --output=...
+  python -m experiments.graft_exactness --source=store --store=file:///tmp/kv/
 
 Samples are drawn by a seeded generator from real text (experiments/samples.py) or read from
 --input (one {"library": text, "query": text} per line). For each, the fresh side computes
 library + query from scratch; the graft side has a separately constructed engine write the
 library's artifact to disk, restores it (verified) and processes the query (graft/exactness.py).
+
+With --source=store the libraries are deposited into the store at --store by a separate process
+(`python -m experiments.store put`, its own engine), and each query grafts the longest stored
+prefix of its library from it (graft/store.py). The samples then include libraries that share a
+prefix ending mid-block with another (their shared blocks stored once) and libraries that were
+never deposited but diverge mid-block from one that was (the store gives the shared block's
+first rows); see experiments/samples.py `with_shared_prefixes`. Rows add `grafted_tokens`,
+`deposited` and `shares`.
 The output JSON (schema graft_exactness, analysis/results.py; default
 results/graft_exactness_<model>_<dtype>[_<engine>][_<attention>].json) holds the full config, one
 row per sample and a summary; --manifest also writes the replayable evidence (token ids and
@@ -16,7 +25,10 @@ output hashes) for experiments.replay.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 import tempfile
 
 from absl import app, flags, logging
@@ -24,6 +36,7 @@ from absl import app, flags, logging
 from experiments import common, samples
 from gemma_jax import compare, files
 from graft import exactness
+from graft.store import Store
 
 FLAGS = flags.FLAGS
 
@@ -37,6 +50,10 @@ def define_flags() -> None:
   flags.DEFINE_string('manifest', None, 'Also write a replayable manifest here.')
   flags.DEFINE_integer('continuation_tokens', 32, 'Greedy tokens compared after the query.')
   flags.DEFINE_string('artifact_dir', None, 'Where artifacts go (default: a temporary directory).')
+  flags.DEFINE_enum('source', 'artifact', ['artifact', 'store'],
+                    'Where grafts come from: an artifact per sample, or the knowledge store.')
+  flags.DEFINE_string('store', None, 'Store URL for --source=store (default: a temporary '
+                      'file:// store); another process deposits into it, so not memory://.')
   common.define_model_flags()
   common.define_engine_flags(cache_len=common.GRAFT_CACHE_LEN)
 
@@ -44,19 +61,19 @@ def define_flags() -> None:
 def run_config(engine) -> dict:
   return {**common.model_config_json(), 'engine': FLAGS.engine, 'attention': FLAGS.attention,
           'engine_config': dataclasses.asdict(engine.engine_config), 'samples': FLAGS.samples,
-          'seed': FLAGS.seed, 'input': FLAGS.input,
+          'seed': FLAGS.seed, 'input': FLAGS.input, 'source': FLAGS.source,
+          'store': FLAGS.store if FLAGS.source == 'store' else None,
           'continuation_tokens': FLAGS.continuation_tokens,
           'model_fingerprint': engine.model_fingerprint['sha256'],
           'engine_fingerprint': engine.fingerprint}
 
 
-def run(engine, writer, pairs: list[samples.Sample], artifact_dir: str) -> list[dict]:
+def run(engine, grafts, pairs: list[samples.Sample]) -> list[dict]:
+  """One row per sample; grafts[i] is sample i's graft source."""
   rows = []
   for i, sample in enumerate(pairs):
-    row = exactness.check_sample(
-        engine, writer, sample.library, sample.query,
-        artifact_path=os.path.join(artifact_dir, f'sample_{i:03d}'),
-        continuation_tokens=FLAGS.continuation_tokens)
+    row = exactness.check_sample(engine, grafts[i], sample.library, sample.query,
+                                 continuation_tokens=FLAGS.continuation_tokens)
     rows.append(row)
     logging.info('sample %d/%d: library %d, query %d tokens: equal=%s kl=%.3g argmax=%.3f '
                  'continuation_equal=%s (%.1fs)', i + 1, len(pairs), row['library_tokens'],
@@ -80,11 +97,25 @@ def manifest(config: dict, engine, pairs, rows) -> dict:
   }
 
 
+def deposit(url: str, libraries: list, scratch: str) -> None:
+  """Puts the libraries into the store at `url` from a separate process (its own engine)."""
+  path = os.path.join(scratch, 'libraries.jsonl')
+  with open(path, 'w') as f:
+    for library in libraries:
+      f.write(json.dumps({'tokens': [int(t) for t in library]}) + '\n')
+  command = [sys.executable, '-m', 'experiments.store', 'put', f'--store={url}',
+             f'--input={path}', f'--model={FLAGS.model}', f'--weights={FLAGS.weights}',
+             f'--dtype={FLAGS.dtype}', f'--engine={FLAGS.engine}', f'--attention={FLAGS.attention}',
+             f'--block_size={FLAGS.block_size}', f'--cache_len={FLAGS.cache_len}']
+  logging.info('depositing %d libraries: %s', len(libraries), ' '.join(command))
+  subprocess.run(command, check=True, cwd=common.REPO,
+                 env={**os.environ, 'PYTHONPATH': common.REPO})
+
+
 def main(argv):
   del argv
   loaded = common.load_model()
   engine = common.make_engine(loaded)
-  writer = common.make_engine(loaded)  # separately constructed: it writes the artifacts
   if FLAGS.input:
     pairs = samples.read_jsonl(FLAGS.input, loaded.tokenizer)
   else:
@@ -92,11 +123,32 @@ def main(argv):
                          window=loaded.config.sliding_window)
   config = run_config(engine)
   with tempfile.TemporaryDirectory() as scratch:
-    rows = run(engine, writer, pairs, FLAGS.artifact_dir or scratch)
+    if FLAGS.source == 'store':
+      if (FLAGS.store or '').startswith('memory://'):
+        raise app.UsageError('--source=store deposits from another process: use a store it can '
+                             'reach (file:///abs/path/, gs://...), not memory://')
+      url = FLAGS.store or f'file://{scratch}/store/'
+      planned = samples.with_shared_prefixes(pairs, FLAGS.block_size, seed=FLAGS.seed)
+      pairs = [p.sample for p in planned]
+      deposit(url, [p.sample.library for p in planned if p.deposited], scratch)
+      store = Store(url, engine)
+      grafts = [lambda library, store=store: store.graft(library)[0]] * len(pairs)
+    else:
+      writer = common.make_engine(loaded)  # separately constructed: it writes the artifacts
+      directory = FLAGS.artifact_dir or scratch
+      grafts = [exactness.artifact_graft(writer, engine,
+                                         os.path.join(directory, f'sample_{i:03d}'))
+                for i in range(len(pairs))]
+    rows = run(engine, grafts, pairs)
+  if FLAGS.source == 'store':
+    for row, plan in zip(rows, planned):
+      row.update(deposited=plan.deposited, shares=plan.shares, shared_tokens=plan.shared_tokens)
   summary = exactness.summarize(rows)
   output = FLAGS.output or common.default_output(
-      'graft_exactness', FLAGS.model, FLAGS.dtype, FLAGS.engine if FLAGS.engine != 'pinned' else '',
-      FLAGS.attention if FLAGS.attention != 'xla' else '')
+      'graft_exactness', FLAGS.model, FLAGS.dtype,
+      FLAGS.engine if FLAGS.engine != 'pinned' else '',
+      FLAGS.attention if FLAGS.attention != 'xla' else '',
+      'store' if FLAGS.source == 'store' else '')
   written = common.write_result(output, 'graft_exactness',
                                 {'config': config, 'samples': rows, 'summary': summary})
   if FLAGS.manifest:

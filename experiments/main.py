@@ -77,8 +77,9 @@ def main(argv):
   pairs = samples.draw(loaded.tokenizer, FLAGS.exactness_samples, seed=0,
                        window=loaded.config.sliding_window)
   with tempfile.TemporaryDirectory() as scratch:
-    rows = [exactness.check_sample(engine, writer, s.library, s.query,
-                                   artifact_path=os.path.join(scratch, f'a{i}'))
+    rows = [exactness.check_sample(
+                engine, exactness.artifact_graft(writer, engine, os.path.join(scratch, f'a{i}')),
+                s.library, s.query)
             for i, s in enumerate(pairs)]
   for r in rows:
     print(f"library {r['library_tokens']:5d}  query {r['query_tokens']:4d}  "

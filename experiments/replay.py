@@ -90,10 +90,9 @@ def replay(manifest: dict, limit: int = 0) -> list[str]:
   failures = []
   with tempfile.TemporaryDirectory() as scratch:
     for i, record in enumerate(records):
-      row = exactness.check_sample(
-          engine, writer, record['library'], record['query'],
-          artifact_path=f'{scratch}/sample_{i:03d}',
-          continuation_tokens=config['continuation_tokens'])
+      graft = exactness.artifact_graft(writer, engine, f'{scratch}/sample_{i:03d}')
+      row = exactness.check_sample(engine, graft, record['library'], record['query'],
+                                   continuation_tokens=config['continuation_tokens'])
       differing = [h for h in HASHES if row[h] != record[h]]
       status = 'ok' if not differing else 'DIFFERS: ' + ', '.join(differing)
       logging.info('sample %d/%d (library %d, query %d tokens): %s', i + 1, len(records),

@@ -67,3 +67,39 @@ def read_jsonl(path: str, tokenizer) -> list[Sample]:
   return [Sample(library=tuple(tokenizer.encode(r['library'])),
                  query=tuple(tokenizer.encode(r['query'], add_bos=False)))
           for r in read_records(path, ('library', 'query'))]
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSample:
+  """A sample for a store-backed graft: `deposited` libraries are put into the store first; a
+  library that `shares` a prefix with an earlier sample's starts with that library's first
+  `shared_tokens` tokens (a count that ends mid-block), so the store either holds the shared
+  blocks once (both deposited) or a query diverges from a stored library inside a block (this
+  one not deposited)."""
+
+  sample: Sample
+  deposited: bool
+  shares: int | None = None  # index of the sample whose library prefix it shares
+  shared_tokens: int = 0
+
+
+def with_shared_prefixes(pairs: list[Sample], block_size: int, *, seed: int) -> list[StoreSample]:
+  """Every third sample (from the fourth on) shares a prefix with the sample before it,
+  ending mid-block; of those, every other one is not deposited. The rest are deposited as
+  drawn."""
+  rng = np.random.default_rng(seed + 1)
+  out = [StoreSample(pairs[0], deposited=True)]
+  for i in range(1, len(pairs)):
+    previous, sample = pairs[i - 1].library, pairs[i]
+    if i % 3 or i < 3 or len(previous) < block_size + 2:
+      out.append(StoreSample(sample, deposited=True))
+      continue
+    shared = int(rng.integers(1, len(previous) - 1))
+    if shared % block_size == 0:
+      shared += 1  # end inside a block
+    # Real text after the shared prefix, no longer than the two libraries (the cache fits both).
+    tail = sample.library[1:][:max(1, len(sample.library) - shared)]
+    library = previous[:shared] + tail
+    out.append(StoreSample(Sample(library=library, query=sample.query), deposited=i % 2 == 0,
+                           shares=i - 1, shared_tokens=shared))
+  return out

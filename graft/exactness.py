@@ -3,20 +3,21 @@
 For a (library, query) pair:
   fresh  the engine computes library + query from scratch; we keep the query's logits (every
          query position) and a greedy continuation;
-  graft  a separately constructed engine computes the library alone and writes it as an artifact
-         to disk; the first engine restores it (verifying every hash), grafts it at its own
-         positions, then processes the query and continues greedily.
+  graft  a graft source gives a context holding the library, or a prefix of it, computed
+         elsewhere: an artifact a separately constructed engine wrote to disk (`artifact_graft`),
+         or the longest prefix a store holds (graft/store.py); the engine verifies and grafts it
+         at its own positions, computes the rest of the library and the query, and continues.
 Equal means the SHA-256 of the two float32 query-logit arrays is the same.
 """
 
 from __future__ import annotations
 
-import os
 import time
+from typing import Callable
 
 from gemma_jax import compare
 from graft import artifact
-from graft.engine import Engine
+from graft.engine import Context, Engine
 
 
 def fresh_run(engine: Engine, library, query, continuation_tokens: int):
@@ -25,29 +26,41 @@ def fresh_run(engine: Engine, library, query, continuation_tokens: int):
   return logits, continuation
 
 
-def graft_run(engine: Engine, writer: Engine, library, query, continuation_tokens: int,
-              artifact_path: str):
-  library_ctx, _ = writer.prefill(list(library), logits='none')
-  artifact.save(artifact_path, writer, library_ctx)
-  restored = artifact.graft(engine, artifact.load(artifact_path, engine))
-  ctx, logits = engine.extend(restored, list(query), logits='all')
+def artifact_graft(writer: Engine, engine: Engine, artifact_path: str) -> Callable:
+  """A graft source: `writer` computes the library and saves its artifact at `artifact_path`;
+  `engine` restores it (verifying every hash) at its own positions."""
+  def graft(library) -> Context:
+    library_ctx, _ = writer.prefill(list(library), logits='none')
+    artifact.save(artifact_path, writer, library_ctx)
+    return artifact.graft(engine, artifact.load(artifact_path, engine))
+  return graft
+
+
+def graft_run(engine: Engine, graft: Callable, library, query, continuation_tokens: int):
+  """The graft side: `graft(library)` gives a context holding a prefix of the library (all of
+  it from an artifact; the longest stored prefix from a store); the engine computes the rest of
+  the library and the query, then continues greedily."""
+  grafted = graft(library)
+  rest = list(library[len(grafted.tokens):]) + list(query)
+  ctx, logits = engine.extend(grafted, rest, logits=len(query))
   _, continuation = engine.generate(ctx, continuation_tokens, stop_at_eos=False)
-  return logits, continuation
+  return logits, continuation, len(grafted.tokens)
 
 
-def check_sample(engine: Engine, writer: Engine, library, query, *, artifact_path: str,
+def check_sample(engine: Engine, graft: Callable, library, query, *,
                  continuation_tokens: int = 32) -> dict:
   """One sample's row of the results (see experiments/graft_exactness.py for the schema)."""
   t0 = time.perf_counter()
   fresh_logits, fresh_continuation = fresh_run(engine, library, query, continuation_tokens)
   t1 = time.perf_counter()
-  graft_logits, graft_continuation = graft_run(engine, writer, library, query,
-                                               continuation_tokens, artifact_path)
+  graft_logits, graft_continuation, grafted = graft_run(engine, graft, library, query,
+                                                        continuation_tokens)
   t2 = time.perf_counter()
   comparison = compare.compare_logits(fresh_logits, graft_logits)
   return {
       'library_tokens': len(library),
       'query_tokens': len(query),
+      'grafted_tokens': grafted,
       'fresh_sha256': compare.sha256_bytes(fresh_logits),
       'graft_sha256': compare.sha256_bytes(graft_logits),
       'equal': comparison['equal'],
@@ -61,7 +74,6 @@ def check_sample(engine: Engine, writer: Engine, library, query, *, artifact_pat
       'continuation_sha256': compare.token_ids_sha256(fresh_continuation),
       'fresh_seconds': round(t1 - t0, 3),
       'graft_seconds': round(t2 - t1, 3),
-      'artifact': os.path.basename(artifact_path),
   }
 
 
