@@ -395,7 +395,8 @@ def graft_exactness(results: Sequence[dict[str, Any]], path: pathlib.Path) -> pa
   labels, totals, equals = [], [], []
   for r in results:
     c = r['config']
-    parts = [c.get('model'), c.get('weights'), c.get('dtype'), c.get('engine'), c.get('attention')]
+    parts = [c.get('model'), c.get('weights'), c.get('dtype'), c.get('engine'), c.get('attention'),
+             'store' if c.get('source') == 'store' else None]
     labels.append('\n'.join(str(p) for p in parts if p))
     totals.append(r['samples'])
     equals.append(r['equal'])
@@ -416,6 +417,51 @@ def graft_exactness(results: Sequence[dict[str, Any]], path: pathlib.Path) -> pa
 # --------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------
+# (f) usable context from the store
+# --------------------------------------------------------------------------------------------
+
+
+def widen_context(found_results: Sequence[tuple[pathlib.Path, dict]],
+                  path: pathlib.Path) -> pathlib.Path | None:
+  """Per widening run: tokens the store can graft against the device cache's, store throughput
+  against the raw disk, and time to first token by tier."""
+  if not found_results:
+    logging.warning('widen_context: no widen_context results; skipped')
+    return None
+  fig, axes = plt.subplots(len(found_results), 3, figsize=(14, 3.8 * len(found_results)),
+                           squeeze=False, layout='constrained')
+  for row, (_, data) in zip(axes, found_results):
+    c, s = data['config'], data['summary']
+    label = f"{c.get('model')} ({c.get('weights')}) {c.get('dtype')}"
+    ax = row[0]
+    ax.bar(['device KV\n(cache length)', 'store\n(addressable)'],
+           [s['device_kv_tokens'], s['addressable_tokens']], color=['tab:gray', 'tab:green'])
+    ax.set_yscale('log')
+    ax.set_ylabel('tokens (log)')
+    ax.set_title(f'{label}: {s["ratio"]:.0f}x the device cache; device bytes '
+                 f'{s["device_bytes_before"] / 1e6:.0f} MB -> {s["device_bytes_after"] / 1e6:.0f} MB',
+                 fontsize=8)
+    ax = row[1]
+    names = ['put', 'disk write', 'get', 'disk read']
+    values = [s['put_gbps'], s.get('disk_write_gbps') or 0, s.get('get_gbps') or 0,
+              s.get('disk_read_gbps') or 0]
+    ax.bar(names, values, color=['tab:blue', 'tab:gray', 'tab:orange', 'tab:gray'])
+    ax.set_ylabel('GB/s')
+    ax.set_title(f'{label}: store throughput against the raw disk', fontsize=8)
+    ax = row[2]
+    tiers = [('host hit', s.get('ttft_hit_host_s')), ('backing hit', s.get('ttft_hit_backing_s')),
+             ('miss (recompute)', s.get('ttft_miss_s'))]
+    ax.bar([t for t, v in tiers], [v or 0 for _, v in tiers],
+           color=['tab:green', 'tab:olive', 'tab:red'])
+    ax.set_yscale('log')
+    ax.set_ylabel('time to first token (s, log)')
+    ax.set_title(f'{label}: {s["sampled_equal"]}/{s["sampled"]} sampled grafts SHA-256 equal '
+                 'to fresh', fontsize=8)
+  fig.suptitle('Usable context from the knowledge store, at a fixed device cache')
+  return _save(fig, path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,6 +490,8 @@ FIGURES: tuple[Figure, ...] = (
            lambda found, _: position_sweep_rows(found), position_controls),
     Figure('graft_exactness', ('graft_exactness',),
            lambda found, _: graft_exactness_results(found), graft_exactness),
+    Figure('widen_context', ('widen_context',), lambda found, _: found['widen_context'],
+           widen_context),
 )
 
 

@@ -48,6 +48,12 @@ KINDS: dict[str, Kind] = {
     #               "ttft_recompute_s", "skipped"}]}
     'bench': Kind(1, ('config', 'ceilings', 'systems'),
                   'speed of this project\'s engines and of peers, side by side'),
+    # {"config", "summary": {"addressable_tokens", "device_kv_tokens", "ratio",
+    #  "device_bytes_before", "device_bytes_after", "store_bytes", "bytes_per_token", "put_gbps",
+    #  "get_gbps", "disk_write_gbps", "disk_read_gbps", "ttft_hit_host_s", "ttft_hit_backing_s",
+    #  "ttft_miss_s", "sampled", "sampled_equal", ...}, "deposit", "queries": [...]}
+    'widen_context': Kind(1, ('config', 'summary', 'queries'),
+                          'usable context from the store against the device cache'),
     # {"config", "prompts": [{"name", "tokens", "argmax_agreement", "max_abs_over_max_logit",
     #  "continuation_equal"}], "summary"}
     'hf_parity': Kind(1, ('config', 'prompts', 'summary'),

@@ -26,6 +26,36 @@ def corpus_text() -> str:
   return '\n\n'.join(topics.topics[name] for name in sorted(topics.topics))
 
 
+def long_corpus_texts():
+  """Real text by the megabyte, present on any machine with CPython: the documentation topics,
+  then every module of the standard library (sources with their docstrings), in path order."""
+  import glob
+  import os
+  import sysconfig
+  yield corpus_text()
+  root = sysconfig.get_paths()['stdlib']
+  for path in sorted(glob.glob(os.path.join(root, '**', '*.py'), recursive=True)):
+    relative = os.path.relpath(path, root)
+    if relative.startswith(('site-packages', 'test', 'idlelib')) or '/test' in relative:
+      continue
+    with open(path, encoding='utf-8', errors='replace') as f:
+      yield f.read()
+
+
+def distinct_libraries(tokenizer, length: int, count: int | None = None):
+  """Consecutive, non-overlapping libraries of `length` tokens (BOS + length - 1 of real text,
+  long_corpus_texts), as many as asked (or as the text holds)."""
+  body, made = [], 0
+  for text in long_corpus_texts():
+    body.extend(tokenizer.encode(text, add_bos=False))
+    while len(body) >= length - 1:
+      yield (BOS_ID,) + tuple(body[:length - 1])
+      body = body[length - 1:]
+      made += 1
+      if count is not None and made >= count:
+        return
+
+
 def library_lengths(count: int, window: int, rng: np.random.Generator) -> list[int]:
   """Lengths from 1 to 2,000+: fixed edge cases first (1, around the window, 2,048), then a mix
   of short, around-the-window and long libraries."""

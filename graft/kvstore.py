@@ -56,28 +56,57 @@ class KvStore:
     except Exception as e:  # TensorStore raises ValueError for unparsable or unsupported URLs
       raise StoreUrlError(f'cannot open store {url!r}: {e}') from None
 
+  def read_many(self, requests) -> list:
+    """Reads [(key, byte range [start, stop) or None)] concurrently. Per request: the bytes,
+    None when the key is missing, or a ShortValueError when the range runs past the value."""
+    futures = []
+    for key, byte_range in requests:
+      kwargs = {} if byte_range is None else {'byte_range': slice(*byte_range)}
+      futures.append(self._kv.read(check_key(key), **kwargs))
+    out = []
+    for (key, byte_range), future in zip(requests, futures):
+      try:
+        result = future.result()
+      except Exception as e:  # an unreachable store, a permission error, a driver failure
+        if 'OUT_OF_RANGE' not in str(e):
+          raise StoreUrlError(f'{self.url}: reading {key} failed: {e}') from None
+        out.append(ShortValueError(f'{key} is shorter than bytes {byte_range}'))
+        continue
+      out.append(result.value if result.state == 'value' else None)
+    return out
+
   def read(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes | None:
     """The value (or bytes [start, stop) of it), or None when the key is missing."""
-    kwargs = {} if byte_range is None else {'byte_range': slice(*byte_range)}
-    check_key(key)
-    try:
-      result = self._kv.read(key, **kwargs).result()
-    except Exception as e:  # an unreachable store, a permission error, a driver failure
-      if 'OUT_OF_RANGE' in str(e):
-        raise ShortValueError(f'{key} is shorter than bytes {byte_range}') from None
-      raise StoreUrlError(f'{self.url}: reading {key} failed: {e}') from None
-    return result.value if result.state == 'value' else None
+    (value,) = self.read_many([(key, byte_range)])
+    if isinstance(value, ShortValueError):
+      raise value
+    return value
+
+  def write_many(self, items) -> None:
+    """Writes [(key, value)] concurrently (each write whole and atomic)."""
+    futures = [self._kv.write(check_key(key), value) for key, value in items]
+    for future in futures:
+      future.result()
 
   def write(self, key: str, value: bytes) -> None:
-    self._kv.write(check_key(key), value).result()
+    self.write_many([(key, value)])
+
+  def write_if_absent_many(self, items) -> list[bool]:
+    """Writes each [(key, value)] only if its key does not exist, concurrently; per item, True
+    when this call wrote it."""
+    futures = [self._kv.write(check_key(key), value, if_equal=_NO_VALUE) for key, value in items]
+    return [future.result().generation != b'' for future in futures]
 
   def write_if_absent(self, key: str, value: bytes) -> bool:
     """Writes `value` only if `key` does not exist; True when this call wrote it."""
-    stamp = self._kv.write(check_key(key), value, if_equal=_NO_VALUE).result()
-    return stamp.generation != b''
+    return self.write_if_absent_many([(key, value)])[0]
 
   def delete(self, key: str) -> None:
     self._kv.write(check_key(key), None).result()
+
+  def delete_all(self) -> None:
+    """Deletes every key under the URL."""
+    self._kv.delete_range(ts.KvStore.KeyRange(b'', b'')).result()
 
   def list(self, prefix: str = '') -> list[str]:
     """Every key starting with `prefix`, sorted."""

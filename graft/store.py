@@ -43,9 +43,11 @@ index entry reaches.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import os
 import time
 import uuid
 
@@ -60,6 +62,9 @@ from graft.engine import Context, Engine
 from graft.kvstore import KvStore, ShortValueError
 
 _DESCRIPTION = 'store.json'
+# Hashing runs in threads: hashlib releases the GIL on large buffers.
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
+_WRITE_BATCH = 64  # blocks computed before they are written together (bounds host memory)
 # Bytes read for a header: enough for any block object's preamble and header (about 150 bytes
 # per leaf), so a graft reads a block far behind its end (global layers only) in one read.
 _HEADER_PROBE = 1 << 16
@@ -193,42 +198,48 @@ class Store:
     self.problems.append(Problem(key=key, name=name, reason=reason))
     logging.warning('store %s: refusing %s (block %s..): %s', self.url, name, key[:16], reason)
 
+  def _entries_many(self, wanted: list[tuple[str, str, int]]) -> list[dict | None]:
+    """The verified entries index/<parent>/<key> of blocks at sequence index `start`, for each
+    (parent, key, start), read concurrently: None where missing, or bad (then quarantined)."""
+    todo = [w for w in wanted if w[1] not in self._entries]
+    names = [f'index/{parent}/{key}' for parent, key, _ in todo]
+    for (parent, key, start), name, data in zip(todo, names,
+                                                self.kv.read_many([(n, None) for n in names])):
+      if data is None:
+        continue
+      try:
+        if isinstance(data, Exception):
+          raise BlockError(str(data))
+        self._entries[key] = blocks.decode_entry(
+            data, ns=self.namespace, parent=parent, key=key, expected_start=start,
+            layout=self.layout, vocab_size=self.engine.config.vocab_size)
+      except BlockError as e:
+        self.quarantine(key, name, str(e), entry_name=name, data=data)
+    return [self._entries.get(key) for _, key, _ in wanted]
+
   def _entry(self, parent: str, key: str, start: int) -> dict | None:
-    """The verified entry index/<parent>/<key> of the block at sequence index `start`, or None
-    (missing, or bad: then quarantined)."""
-    if key in self._entries:
-      return self._entries[key]
-    name = f'index/{parent}/{key}'
-    data = self.kv.read(name)
-    if data is None:
-      return None
-    try:
-      entry = blocks.decode_entry(data, ns=self.namespace, parent=parent, key=key,
-                                  expected_start=start, layout=self.layout,
-                                  vocab_size=self.engine.config.vocab_size)
-    except BlockError as e:
-      self.quarantine(key, name, str(e), entry_name=name, data=data)
-      return None
-    self._entries[key] = entry
-    return entry
+    return self._entries_many([(parent, key, start)])[0]
 
   def _children(self, parent: str, start: int) -> list[dict]:
-    out = []
-    for name in self.kv.list(f'index/{parent}/'):
-      entry = self._entry(parent, name.rsplit('/', 1)[1], start)
-      if entry is not None:
-        out.append(entry)
-    return out
+    keys = [name.rsplit('/', 1)[1] for name in self.kv.list(f'index/{parent}/')]
+    return [e for e in self._entries_many([(parent, k, start) for k in keys]) if e is not None]
 
-  def _read_object(self, entry: dict, global_only: bool) -> dict[str, np.ndarray]:
-    """The entry's object's leaves (global layers only, or all), verified; BlockError if bad."""
+  def _request(self, entry: dict, global_only: bool) -> tuple[str, tuple[int, int] | None]:
+    """What to read of an entry's object: all of it, or (global only) its first bytes, which
+    hold the preamble, the header and the global layers' rows."""
+    name = f'objects/{entry["object"]}'
+    if not global_only:
+      return name, None
+    wanted = _HEADER_PROBE + self.layout.global_bytes(len(entry['tokens']))
+    return name, (0, min(entry['object_bytes'], wanted))
+
+  def _decode_object(self, entry: dict, global_only: bool, probe) -> dict[str, np.ndarray]:
+    """The leaves of an entry's object from the bytes read by its `_request`, verified
+    (BlockError if anything is wrong); reads the rest only when the header ran longer."""
     name = f'objects/{entry["object"]}'
     size = entry['object_bytes']
-    wanted = _HEADER_PROBE + self.layout.global_bytes(len(entry['tokens']))
-    try:
-      probe = self.kv.read(name, (0, min(size, wanted)) if global_only else None)
-    except ShortValueError:
-      raise BlockError('the object is shorter than its entry says (truncated)') from None
+    if isinstance(probe, ShortValueError):
+      raise BlockError('the object is shorter than its entry says (truncated)')
     if probe is None:
       raise BlockError('the object is missing')
     if not global_only and len(probe) != size:
@@ -260,6 +271,11 @@ class Store:
     return blocks.decode_leaves(header, data, data_start, global_only=global_only,
                                 layout=self.layout)
 
+  def _read_object(self, entry: dict, global_only: bool) -> dict[str, np.ndarray]:
+    """The entry's object's leaves (global layers only, or all), verified; BlockError if bad."""
+    (probe,) = self.kv.read_many([self._request(entry, global_only)])
+    return self._decode_object(entry, global_only, probe)
+
   def _read_range(self, name: str, start: int, stop: int) -> bytes:
     try:
       data = self.kv.read(name, (start, stop))
@@ -269,16 +285,31 @@ class Store:
       raise BlockError('the object is missing')
     return data
 
-  def read_block(self, entry: dict, global_only: bool) -> dict[str, np.ndarray]:
-    """The block's verified leaves from the host tier, else from the backing store."""
-    leaves = self.host.get(entry['object'], global_only)
-    if leaves is not None:
-      self.counters['host_hits'] += 1
-      return leaves
-    leaves = self._read_object(entry, global_only)
-    self.counters['backing_reads'] += 1
-    self.host.put(entry['object'], global_only, leaves)
-    return leaves
+  def read_blocks(self, wanted: list[tuple[dict, bool]]) -> list:
+    """For each (entry, global_only): the block's verified leaves from the host tier, else from
+    the backing store (all of those read concurrently, hashed in parallel), or the BlockError
+    that refused it."""
+    out = [self.host.get(entry['object'], global_only) for entry, global_only in wanted]
+    self.counters['host_hits'] += sum(leaves is not None for leaves in out)
+    missing = [i for i, leaves in enumerate(out) if leaves is None]
+    if not missing:
+      return out
+    start = time.perf_counter()
+    probes = self.kv.read_many([self._request(*wanted[i]) for i in missing])
+
+    def decode(i, probe):
+      try:
+        return self._decode_object(*wanted[i], probe)
+      except BlockError as e:
+        return e
+
+    for i, leaves in zip(missing, _POOL.map(decode, missing, probes)):
+      out[i] = leaves
+      if not isinstance(leaves, BlockError):
+        self.host.put(wanted[i][0]['object'], wanted[i][1], leaves)
+    self.counters['backing_seconds'] += time.perf_counter() - start
+    self.counters['backing_reads'] += len(missing)
+    return out
 
   def quarantine_object(self, entry: dict, reason: str) -> None:
     """A published block whose object is bad: the object and its entry are moved aside."""
@@ -309,6 +340,9 @@ class Store:
   def lookup(self, tokens) -> Match:
     """The longest stored prefix of `tokens`, at token granularity."""
     tokens = [int(t) for t in tokens]
+    keys = blocks.chain_keys(self.namespace, tokens, self.block_size)
+    self._entries_many([(keys[i - 1] if i else blocks.ROOT, key, i * self.block_size)
+                        for i, key in enumerate(keys)])  # every block's entry, concurrently
     parent, used, matched, rows = blocks.ROOT, [], 0, 0
     for start in range(0, len(tokens), self.block_size):
       chunk = tokens[start:start + self.block_size]
@@ -350,24 +384,20 @@ class Store:
   def _rows(self, match: Match) -> list[kvs.KVRows]:
     """Each matched block's rows, read as far as the graft attends to them."""
     n = match.tokens
-    layers = self.engine.empty().kv.layers
-    ring = min(layer.num_slots for layer in layers)
+    ring = min(layer.num_slots for layer in self.engine.empty().kv.layers)
+    used = [len(e['tokens']) for e in match.entries[:-1]] + [match.rows]
+    # A block wholly behind every ring is read for its global layers only.
+    wanted = [(entry, entry['start'] + rows <= n - ring)
+              for entry, rows in zip(match.entries, used)]
     out = []
-    for i, entry in enumerate(match.entries):
-      used = match.rows if i == len(match.entries) - 1 else len(entry['tokens'])
+    for (entry, _), rows, leaves in zip(wanted, used, self.read_blocks(wanted)):
+      if isinstance(leaves, BlockError):
+        raise _BadBlock(entry, str(leaves))
       start = entry['start']
-      global_only = start + used <= n - ring  # wholly behind every ring: global layers only
-      try:
-        leaves = self.read_block(entry, global_only)
-      except BlockError as e:
-        raise _BadBlock(entry, str(e)) from None
-      k, v = [], []
-      for index in self.engine.config.cache_layers:
-        k.append(leaves.get(f'layer_{index}/k'))
-        v.append(leaves.get(f'layer_{index}/v'))
+      k = tuple(leaves.get(f'layer_{i}/k') for i in self.engine.config.cache_layers)
+      v = tuple(leaves.get(f'layer_{i}/v') for i in self.engine.config.cache_layers)
       positions = np.arange(start, start + len(entry['tokens']), dtype=np.int32)
-      rows = kvs.KVRows(start, tuple(k), tuple(v), tuple(positions for _ in k))
-      out.append(rows.prefix(used))
+      out.append(kvs.KVRows(start, k, v, (positions,) * len(k)).prefix(rows))
     return out
 
   # --------------------------------------------------------------------------------------------
@@ -391,6 +421,7 @@ class Store:
     report = {'tokens': len(tokens), 'reused_tokens': match.tokens, 'blocks_written': 0,
               'blocks_existing': 0, 'bytes_written': 0, 'compute_seconds': 0.0,
               'storage_seconds': 0.0}
+    batch = []  # (parent, start, tokens, leaves) computed and not yet stored
     for k in range(first_new, len(keys)):
       start, stop = k * self.block_size, min((k + 1) * self.block_size, len(tokens))
       t1 = time.perf_counter()
@@ -398,45 +429,63 @@ class Store:
         ctx, _ = self.engine.extend(ctx, tokens[len(ctx.tokens):stop], logits='none',
                                     consume=True)
       rows = kvs.take_rows(ctx.kv, start, stop)
-      t2 = time.perf_counter()
       leaves = {}
       for index, k_rows, v_rows in zip(self.engine.config.cache_layers, rows.k, rows.v):
         leaves[f'layer_{index}/k'], leaves[f'layer_{index}/v'] = k_rows, v_rows
-      parent = keys[k - 1] if k else blocks.ROOT
-      written = self._write_block(parent, start, tokens[start:stop], leaves)
-      report['blocks_written' if written else 'blocks_existing'] += 1
-      report['bytes_written'] += written
-      report['compute_seconds'] += t2 - t1
-      report['storage_seconds'] += time.perf_counter() - t2
+      batch.append((keys[k - 1] if k else blocks.ROOT, start, tokens[start:stop], leaves))
+      report['compute_seconds'] += time.perf_counter() - t1
+      if len(batch) == _WRITE_BATCH or k == len(keys) - 1:
+        t2 = time.perf_counter()
+        for written in self._write_blocks(batch):
+          report['blocks_written' if written else 'blocks_existing'] += 1
+          report['bytes_written'] += written
+        report['storage_seconds'] += time.perf_counter() - t2
+        batch = []
     report['seconds'] = time.perf_counter() - t0
     return report
 
-  def _write_block(self, parent: str, start: int, tokens, leaves) -> int:
-    """Writes, verifies and publishes one block; returns the bytes written (0 when another
-    writer's verified copy was already published)."""
-    key, data, header = blocks.encode_block(self.namespace, parent, start, tokens, leaves,
-                                            self.layout)
-    offset, length = blocks.header_span(data)
-    object_name = f'{key}.{uuid.uuid4().hex}'
-    self.kv.write(f'objects/{object_name}', data)
-    if self.kv.read(f'objects/{object_name}') != data:  # what the storage layer kept
-      self.kv.delete(f'objects/{object_name}')
-      raise StoreError(f'{self.url}: object {object_name} did not read back as written')
-    entry_bytes = blocks.encode_entry(header, object_name, len(data),
-                                      data[offset:offset + length])
-    entry_name = f'index/{parent}/{key}'
-    for _ in range(3):  # a bad existing entry is quarantined and the publish tried again
-      if self.kv.write_if_absent(entry_name, entry_bytes):
-        self.counters['blocks_written'] += 1
-        return len(data)
+  def _write_blocks(self, batch) -> list[int]:
+    """Writes, verifies and publishes blocks [(parent, start, tokens, leaves)], each step for
+    the whole batch at once; returns the bytes written per block (0 where another writer's
+    verified copy was published first)."""
+    encoded = list(_POOL.map(lambda b: blocks.encode_block(self.namespace, *b, self.layout),
+                             batch))
+    names = [f'objects/{key}.{uuid.uuid4().hex}' for key, _, _ in encoded]
+    self.kv.write_many([(name, data) for name, (_, data, _) in zip(names, encoded)])
+    for name, (_, data, _), kept in zip(names, encoded,
+                                        self.kv.read_many([(n, None) for n in names])):
+      if kept != data:  # what the storage layer kept
+        self.kv.delete(name)
+        raise StoreError(f'{self.url}: object {name} did not read back as written')
+    entries = []
+    for (parent, _, _, _), name, (key, data, header) in zip(batch, names, encoded):
+      offset, length = blocks.header_span(data)
+      entries.append((f'index/{parent}/{key}', blocks.encode_entry(
+          header, name.split('/', 1)[1], len(data), data[offset:offset + length])))
+    published = self.kv.write_if_absent_many(entries)
+    out = []
+    for (parent, start, _, _), name, (key, data, _), (entry_name, entry_bytes), won in zip(
+        batch, names, encoded, entries, published):
+      if not won:
+        won = self._publish_over(parent, start, key, name, entry_name, entry_bytes)
+      self.counters['blocks_written'] += won
+      out.append(len(data) if won else 0)
+    return out
+
+  def _publish_over(self, parent, start, key, name, entry_name, entry_bytes) -> bool:
+    """Another writer published this block first: keep its copy if it verifies (and delete
+    ours), else quarantine it and publish ours. True when ours was published."""
+    for _ in range(3):
       existing = self._entry(parent, key, start)
       if existing is not None:
         try:
           self._read_object(existing, global_only=False)
-          self.kv.delete(f'objects/{object_name}')  # first writer wins; ours was a copy
-          return 0
+          self.kv.delete(name)  # first writer wins; ours was a copy
+          return False
         except BlockError as e:
           self.quarantine_object(existing, str(e))
+      if self.kv.write_if_absent(entry_name, entry_bytes):
+        return True
     raise StoreError(f'{self.url}: could not publish block {key[:16]}..')
 
   # --------------------------------------------------------------------------------------------
@@ -526,6 +575,12 @@ class Store:
             'bytes': objects, 'tokens_addressable': tokens,
             'bytes_per_token': objects / tokens if tokens else None,
             'block_size': self.block_size}
+
+  def destroy(self) -> None:
+    """Deletes the whole store (every object, entry and its description)."""
+    self.kv.delete_all()
+    self._entries.clear()
+    self.host = HostCache(self.host.capacity)
 
   def rebuild_index(self) -> int:
     """Publishes an entry for every verified object that has none (an index lost or damaged

@@ -164,9 +164,8 @@ def test_a_graft_reads_only_global_rows_of_blocks_behind_the_ring(tmp_path):
   library = tokens(40 * B, 12)  # far past the local ring (W + B - 1 = 15 slots)
   store.put(library)
   reads = []
-  original = store.kv.read
-  store.kv.read = lambda key, byte_range=None: reads.append((key, byte_range)) or original(
-      key, byte_range)
+  original = store.kv.read_many
+  store.kv.read_many = lambda requests: reads.extend(requests) or original(requests)
   store.host = type(store.host)(0)  # no host tier: every block from the backing store
   logits, match = grafted_logits(store, library, [5])
   object_reads = [r for r in reads if r[0].startswith('objects/')]
