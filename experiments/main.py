@@ -6,7 +6,9 @@
 2. logits: a few texts through experiments.logits' format (ids, last-position logits, argmax);
 3. graft exactness: a handful of fresh-vs-graft samples on the embedded model, byte for byte;
 4. replay: the committed CI manifest made on a machine like this one, recomputed hash for hash;
-5. figures: analysis.figures redraws figures/ from the committed results/.
+5. store: a few texts deposited in a knowledge store (a temporary file:// one), queries grafted
+   from it by longest prefix (one diverging mid-block), hits, bytes and SHA-256 equality;
+6. figures: analysis.figures redraws figures/ from the committed results/.
 
 Any exactness check that does not hold (a graft not byte-equal, a replayed hash that differs)
 fails the job: it exits with status 1 after listing them.
@@ -24,8 +26,9 @@ from absl import app, flags
 
 from analysis import figures
 from experiments import common, generate, logits, replay, samples
-from gemma_jax import files
+from gemma_jax import compare, files
 from graft import exactness
+from graft.store import Store
 
 FLAGS = flags.FLAGS
 
@@ -51,6 +54,37 @@ DEMO_TEXTS = [
 
 def step(title: str) -> None:
   print(f'\n== {title} ==', flush=True)
+
+
+def store_demo(engine, libraries) -> list[str]:
+  """Deposits the libraries, grafts a query after each (and after a text that diverges from the
+  first one inside a block) from the store, and compares with fresh computation."""
+  failed = []
+  with tempfile.TemporaryDirectory() as scratch:
+    store = Store(f'file://{scratch}/store/', engine)
+    libraries = [list(lib) for lib in libraries]
+    for library in libraries:
+      report = store.put(library)
+      print(f"put {report['tokens']} tokens: {report['blocks_written']} blocks, "
+            f"{report['bytes_written'] / 1e6:.1f} MB")
+    diverging = libraries[0][:150] + libraries[1][1:100]  # leaves library 0 mid-block
+    query = libraries[2][-12:]
+    for name, context in [('library 0', libraries[0]), ('library 1', libraries[1]),
+                          ('diverging text', diverging)]:
+      ctx, match = store.graft(context)
+      _, grafted = engine.extend(ctx, context[match.tokens:] + query, logits='last')
+      _, fresh = engine.prefill(context + query, logits='last')
+      equal = compare.sha256_bytes(grafted) == compare.sha256_bytes(fresh)
+      print(f'{name}: {match.tokens}/{len(context)} tokens grafted from the store, '
+            f'SHA-256 equal to fresh: {equal}')
+      if not equal:
+        failed.append(f'store graft of {name} is not byte-equal to fresh')
+    stats = store.stats()
+    print(f"store: {stats['objects']} blocks, {stats['bytes'] / 1e6:.1f} MB, "
+          f"{stats['tokens_addressable']} tokens, {stats['bytes_per_token']:.0f} bytes/token; "
+          f"host hits {store.counters['host_hits']}, backing reads "
+          f"{store.counters['backing_reads']}")
+  return failed
 
 
 def main(argv):
@@ -97,7 +131,10 @@ def main(argv):
   print(f'replay of {path}:', 'all hashes reproduce' if not failures else '\n'.join(failures))
   failed.extend(f'replay: {line}' for line in failures)
 
-  step('5. figures')
+  step('5. store')
+  failed.extend(store_demo(engine, samples.distinct_libraries(loaded.tokenizer, 300, count=3)))
+
+  step('6. figures')
   written = figures.draw_figures(FLAGS.results_dir, FLAGS.figures_dir)
   print(f'{sum(p is not None for p in written.values())} figures written to '
         f'{FLAGS.figures_dir}/')

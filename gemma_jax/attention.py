@@ -102,25 +102,31 @@ class XlaAttention:
     return 1
 
 
-def _xla(tile_size: int | None) -> AttendFn:
+def _xla(tile_size: int | None, platform: str | None) -> AttendFn:
+  del platform  # XLA compiles it for whatever it lowers to
   if tile_size is not None:
     raise ValueError('attention_tile applies to the Pallas kernel; XLA attention has no tiles')
   return XlaAttention()
 
 
-def _pallas(tile_size: int | None) -> AttendFn:
+def _pallas(tile_size: int | None, platform: str | None) -> AttendFn:
   from gemma_jax import kernels  # the Pallas kernels load only when asked for
-  return kernels.make_pallas_attention(tile_size=tile_size)
+  return kernels.make_pallas_attention(
+      tile_size=tile_size, platform=platform,
+      interpret=None if platform is None else platform == 'cpu')
 
 
-# name -> a builder taking the KV tile size (None: the implementation's default).
-IMPLEMENTATIONS: dict[str, Callable[[int | None], AttendFn]] = {'xla': _xla, 'pallas': _pallas}
+# name -> a builder taking the KV tile size (None: the implementation's default) and the
+# platform to build for ('cpu', 'gpu', 'tpu'; None: the default backend's; another platform than
+# this host's gives a function that lowers for it, graft/lowering.py, but does not run).
+IMPLEMENTATIONS: dict[str, Callable[[int | None, str | None], AttendFn]] = {
+    'xla': _xla, 'pallas': _pallas}
 
 
-def build(name: str, tile_size: int | None = None) -> AttendFn:
+def build(name: str, tile_size: int | None = None, platform: str | None = None) -> AttendFn:
   if name not in IMPLEMENTATIONS:
     raise ValueError(f'unknown attention {name!r}; expected one of {tuple(IMPLEMENTATIONS)}')
-  return IMPLEMENTATIONS[name](tile_size)
+  return IMPLEMENTATIONS[name](tile_size, platform)
 
 
 class Attention(nnx.Module):

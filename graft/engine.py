@@ -119,7 +119,11 @@ class Engine:
   """Runs a loaded model under an EngineConfig. Contexts are immutable values; every method
   returns a new one, so a context can be branched freely."""
 
-  def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig()):
+  def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), *,
+               kernel_platform: str | None = None):
+    """kernel_platform: the platform the attention kernel is built for ('cpu', 'gpu', 'tpu';
+    None: the default backend's). Naming one this host does not have gives an engine whose
+    functions lower for that platform (graft/lowering.py) but do not run."""
     if os.environ.get('XLA_FLAGS', '') != config.xla_flags:
       raise ValueError(f'the engine config needs XLA_FLAGS={config.xla_flags!r} but the process '
                        f'has {os.environ.get("XLA_FLAGS", "")!r}; set it before starting Python')
@@ -128,7 +132,8 @@ class Engine:
     self.config = loaded.config
     self.engine_config = config
     self._pinned_shapes = config.mode == 'pinned'
-    self._attention_fn = attention_lib.build(config.attention, config.attention_tile)
+    self._attention_fn = attention_lib.build(config.attention, config.attention_tile,
+                                             kernel_platform)
     head_dims = tuple(sorted({self.config.layer_spec(i).head_dim
                               for i in range(self.config.num_layers)}))
     self._kernel_blocks = self._attention_fn.blocks(head_dims, self.dtype)

@@ -60,7 +60,8 @@ Block shapes per backend (`default_block_config`):
       sublane-replicated [B, 8, S], H a multiple of 128.
 
 The gpu and tpu configurations were checked in interpret mode on CPU (same arithmetic, same
-bits as the cpu driver for equal blocks), not yet compiled on the hardware.
+bits as the cpu driver for equal blocks) and lowered for cuda (Triton) and tpu (Mosaic) from a
+CPU-only host (tests/test_lowering.py), not yet compiled on the hardware.
 """
 
 from __future__ import annotations
@@ -344,13 +345,15 @@ def make_pallas_attention(*, tile_size: int | None = None, block_q: int | None =
   platform defaults to jax.default_backend() ('cpu', 'gpu' (also for 'cuda'/'rocm'), 'tpu');
   interpret defaults to True on CPU and False elsewhere. Passing platform='gpu' or 'tpu' with
   interpret=True runs that backend's blocks and driver in interpret mode (how the tests check
-  them on CPU)."""
+  them on CPU). Passing platform='gpu' or 'tpu' with interpret=False on any host builds the
+  compiled kernel for that platform: on a host without it, functions using it can be lowered
+  for it (graft/lowering.py) but not run. The cpu driver exists only in interpret mode."""
   backend = jax.default_backend()
   if platform is None:
     platform = {'cuda': 'gpu', 'rocm': 'gpu'}.get(backend, backend)
   if interpret is None:
     interpret = backend == 'cpu'
-  if backend == 'cpu' and not interpret:
+  if platform == 'cpu' and not interpret:
     raise ValueError('Pallas kernels run on CPU only in interpret mode')
   if platform not in PLATFORMS:
     raise ValueError(f'no Pallas attention for platform {platform!r}')
