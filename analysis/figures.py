@@ -464,6 +464,42 @@ def widen_context(found_results: Sequence[tuple[pathlib.Path, dict]],
   return _save(fig, path)
 
 
+# --------------------------------------------------------------------------------------------
+# (g) the fault campaign
+# --------------------------------------------------------------------------------------------
+
+
+def faults(found_results: Sequence[tuple[pathlib.Path, dict]],
+           path: pathlib.Path) -> pathlib.Path | None:
+  """Per fault kind, the trials' outcomes stacked: exact, refused and recomputed, silent-wrong
+  (and the lost count in the label)."""
+  if not found_results:
+    logging.warning('faults: no faults results; skipped')
+    return None
+  fig, axes = plt.subplots(len(found_results), 1, squeeze=False, layout='constrained',
+                           figsize=(12, 4.2 * len(found_results)))
+  for (ax,), (_, data) in zip(axes, found_results):
+    kinds = list(data['kinds'])
+    values = {o: np.array([data['kinds'][k][o] for k in kinds]) for o in
+              ('exact', 'refused', 'silent_wrong')}
+    x = np.arange(len(kinds))
+    bottom = np.zeros(len(kinds))
+    for outcome, color in (('exact', 'tab:green'), ('refused', 'tab:blue'),
+                           ('silent_wrong', 'tab:red')):
+      ax.bar(x, values[outcome], bottom=bottom, color=color,
+             label={'refused': 'refused and recomputed'}.get(outcome, outcome.replace('_', '-')))
+      bottom += values[outcome]
+    labels = [f"{k}\nlost {data['kinds'][k]['lost']}" for k in kinds]
+    ax.set_xticks(x, labels, rotation=60, ha='right', fontsize=7)
+    ax.set_ylabel('trials')
+    s, c = data['summary'], data['config']
+    ax.set_title(f"{c.get('model')} ({c.get('weights')}) {c.get('dtype')}: {s['trials']} trials, "
+                 f"{s['silent_wrong']} silent-wrong, {s['lost']} lost", fontsize=9)
+    ax.legend(fontsize=8)
+  fig.suptitle('Fault campaign: every trial\'s answer against a fresh computation (SHA-256)')
+  return _save(fig, path)
+
+
 @dataclasses.dataclass(frozen=True)
 class Figure:
   """A figure: the result kinds it reads, how it picks its input from them, how it draws."""
@@ -492,6 +528,7 @@ FIGURES: tuple[Figure, ...] = (
            lambda found, _: graft_exactness_results(found), graft_exactness),
     Figure('widen_context', ('widen_context',), lambda found, _: found['widen_context'],
            widen_context),
+    Figure('faults', ('faults',), lambda found, _: found['faults'], faults),
 )
 
 

@@ -54,6 +54,10 @@ KINDS: dict[str, Kind] = {
     #  "ttft_miss_s", "sampled", "sampled_equal", ...}, "deposit", "queries": [...]}
     'widen_context': Kind(1, ('config', 'summary', 'queries'),
                           'usable context from the store against the device cache'),
+    # {"config", "kinds": {kind: {"trials", "exact", "refused", "reasons": {reason: count},
+    #  "silent_wrong", "lost"}}, "summary": {"trials", "exact", "refused", "silent_wrong", "lost"}}
+    'faults': Kind(1, ('config', 'kinds', 'summary'),
+                   'fault-injection campaign over artifacts and the store'),
     # {"config", "prompts": [{"name", "tokens", "argmax_agreement", "max_abs_over_max_logit",
     #  "continuation_equal"}], "summary"}
     'hf_parity': Kind(1, ('config', 'prompts', 'summary'),

@@ -37,8 +37,10 @@ headers alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import re
 import struct
 
 import numpy as np
@@ -52,7 +54,8 @@ ENTRY_FORMAT = 'kv-graft-index/1'
 MAGIC = b'KVGRAFT1'
 ROOT = '0' * 64  # the parent of block 0
 _PREAMBLE = len(MAGIC) + 4
-MAX_HEADER_BYTES = 1 << 20  # a header larger than this is refused before it is parsed
+MAX_HEADER_BYTES = 1 << 20
+_HEX64 = re.compile('[0-9a-f]{64}')  # a header larger than this is refused before it is parsed
 
 
 class BlockError(ValueError):
@@ -176,6 +179,22 @@ def _check_tokens(tokens, block_size: int, vocab_size: int) -> list[int]:
   return tokens
 
 
+def _malformed_is_refused(what: str):
+  """Turns any error a hostile value could raise while being checked into a BlockError."""
+  def wrap(fn):
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+      try:
+        return fn(*args, **kwargs)
+      except BlockError:
+        raise
+      except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
+        raise BlockError(f'{what} is malformed ({type(e).__name__}: {str(e)[:80]})') from None
+    return checked
+  return wrap
+
+
+@_malformed_is_refused('the header')
 def decode_header(header_bytes: bytes, *, ns: str, expected_key: str, layout: Layout,
                   vocab_size: int) -> dict:
   """The verified header of the object published as `expected_key`."""
@@ -187,7 +206,7 @@ def decode_header(header_bytes: bytes, *, ns: str, expected_key: str, layout: La
                      'or machine)')
   tokens = _check_tokens(header.get('tokens'), layout.block_size, vocab_size)
   parent = header.get('parent')
-  if not isinstance(parent, str) or len(parent) != 64:
+  if not isinstance(parent, str) or not _HEX64.fullmatch(parent):
     raise BlockError('the header has no valid parent key')
   if block_key(ns, parent, tokens) != header.get('key') or header['key'] != expected_key:
     raise BlockError('the header\'s key does not match its parent and tokens, or the key it '
@@ -208,6 +227,7 @@ def decode_header(header_bytes: bytes, *, ns: str, expected_key: str, layout: La
   return header
 
 
+@_malformed_is_refused('the object')
 def decode_leaves(header: dict, data: bytes, data_offset: int, *, global_only: bool,
                   layout: Layout) -> dict[str, np.ndarray]:
   """The leaves in `data` (the object's bytes from `data_offset`), each re-hashed."""
@@ -235,6 +255,7 @@ def encode_entry(header: dict, object_name: str, object_bytes: int, header_bytes
                     'header_sha256': hashlib.sha256(header_bytes).hexdigest()})
 
 
+@_malformed_is_refused('the index entry')
 def decode_entry(data: bytes, *, ns: str, parent: str, key: str, expected_start: int,
                  layout: Layout, vocab_size: int) -> dict:
   """The verified index entry stored at index/<parent>/<key>, whose block starts at sequence
@@ -248,14 +269,15 @@ def decode_entry(data: bytes, *, ns: str, parent: str, key: str, expected_start:
   if block_key(ns, parent, tokens) != key:
     raise BlockError('the entry\'s tokens do not hash to its key')
   name = entry.get('object')
-  if not isinstance(name, str) or not name.startswith(key + '.') or len(name) != 64 + 1 + 32:
+  if not isinstance(name, str) or not re.fullmatch(re.escape(key) + r'\.[0-9a-f]{32}', name):
     raise BlockError('the entry names no object of its key')
   if (type(entry.get('start')) is not int or entry['start'] < 0
       or entry['start'] % layout.block_size or entry['start'] != expected_start):
     raise BlockError(f'the entry\'s start index {entry.get("start")!r} is not its place in the '
                      f'chain ({expected_start})')
   if (type(entry.get('object_bytes')) is not int
-      or entry['object_bytes'] > _PREAMBLE + MAX_HEADER_BYTES + layout.data_bytes(len(tokens))):
+      or not _PREAMBLE < entry['object_bytes']
+      <= _PREAMBLE + MAX_HEADER_BYTES + layout.data_bytes(len(tokens))):
     raise BlockError('the entry\'s object size is out of range')
   if not isinstance(entry.get('header_sha256'), str):
     raise BlockError('the entry has no header hash')

@@ -48,6 +48,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
 import uuid
 
@@ -64,6 +65,7 @@ from graft.kvstore import KvStore, ShortValueError
 _DESCRIPTION = 'store.json'
 # Hashing runs in threads: hashlib releases the GIL on large buffers.
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
+_HEX64 = re.compile('[0-9a-f]{64}')
 _WRITE_BATCH = 64  # blocks computed before they are written together (bounds host memory)
 # Bytes read for a header: enough for any block object's preamble and header (about 150 bytes
 # per leaf), so a graft reads a block far behind its end (global layers only) in one read.
@@ -140,12 +142,14 @@ class HostCache:
 class Store:
   """A store at `url` bound to one namespace: the pinned `engine`'s model and configuration."""
 
-  def __init__(self, url: str, engine: Engine, *, host_cache_bytes: int = 1 << 30,
+  def __init__(self, url: str | KvStore, engine: Engine, *, host_cache_bytes: int = 1 << 30,
                create: bool = True):
+    """`url` is a kvstore URL, or an open KvStore (another view of the same storage: a memory://
+    store is private to the KvStore that opened it; a wrapper that injects faults)."""
     if engine.engine_config.mode != 'pinned':
       raise StoreError('a store holds KV of the pinned engine only (block-aligned, byte-exact); '
                        f'this engine is {engine.engine_config.mode!r}')
-    self.kv = KvStore(url)
+    self.kv = url if isinstance(url, KvStore) else KvStore(url)
     self.url = self.kv.url
     self.engine = engine
     self.layout = blocks.Layout.of(engine)
@@ -221,7 +225,13 @@ class Store:
     return self._entries_many([(parent, key, start)])[0]
 
   def _children(self, parent: str, start: int) -> list[dict]:
-    keys = [name.rsplit('/', 1)[1] for name in self.kv.list(f'index/{parent}/')]
+    keys = []
+    for name in self.kv.list(f'index/{parent}/'):
+      key = name[len(f'index/{parent}/'):]
+      if _HEX64.fullmatch(key):
+        keys.append(key)
+      else:  # a name this store never makes: reported, never followed
+        self._report(key[:64], name[:200], 'not an index entry name')
     return [e for e in self._entries_many([(parent, k, start) for k in keys]) if e is not None]
 
   def _request(self, entry: dict, global_only: bool) -> tuple[str, tuple[int, int] | None]:
@@ -312,9 +322,39 @@ class Store:
     return out
 
   def quarantine_object(self, entry: dict, reason: str) -> None:
-    """A published block whose object is bad: the object and its entry are moved aside."""
-    self.quarantine(entry['key'], f'objects/{entry["object"]}', reason,
-                    entry_name=f'index/{entry["parent"]}/{entry["key"]}')
+    """A published block that failed verification. The object is checked on its own (its
+    header, key chain and every leaf, not against the entry): if it is sound, the entry was the
+    damaged one, and only the entry is moved aside and rebuilt from the object; otherwise the
+    object and its entry are moved aside."""
+    name = f'objects/{entry["object"]}'
+    entry_name = f'index/{entry["parent"]}/{entry["key"]}'
+    sound = self._sound_object(name, entry['key'])
+    if sound is None:
+      self.quarantine(entry['key'], name, reason, entry_name=entry_name)
+      return
+    self.quarantine(entry['key'], entry_name, f'{reason}; the object is sound: the entry was '
+                    'damaged and is rebuilt from it', entry_name=entry_name,
+                    data=self.kv.read(entry_name))
+    self.kv.write_if_absent(entry_name, sound)
+
+  def _sound_object(self, name: str, key: str) -> bytes | None:
+    """The index entry an object publishes, when the object verifies on its own (None
+    otherwise)."""
+    data = self.kv.read(name)
+    if not data:
+      return None
+    try:
+      offset, length = blocks.header_span(data)
+      header_bytes = data[offset:offset + length]
+      header = blocks.decode_header(header_bytes, ns=self.namespace, expected_key=key,
+                                    layout=self.layout, vocab_size=self.engine.config.vocab_size)
+      if offset + length + header['data_bytes'] != len(data):
+        return None
+      blocks.decode_leaves(header, data[offset + length:], offset + length, global_only=False,
+                           layout=self.layout)
+    except BlockError:
+      return None
+    return blocks.encode_entry(header, name.split('/', 1)[1], len(data), header_bytes)
 
   def quarantine(self, key: str, name: str, reason: str, *, entry_name: str | None = None,
                  data: bytes | None = None) -> None:
@@ -587,23 +627,14 @@ class Store:
     can always be rebuilt from the objects' headers); returns how many it wrote."""
     written = 0
     for name in self.kv.list('objects/'):
-      data = self.kv.read(name)
-      if data is None:
+      key = name.split('/', 1)[1].split('.')[0]
+      entry = self._sound_object(name, key)
+      if entry is None:
+        self.quarantine(key, name, 'the object does not verify on its own',
+                        data=self.kv.read(name))
         continue
-      try:
-        offset, length = blocks.header_span(data)
-        header_bytes = data[offset:offset + length]
-        key = name.split('/', 1)[1].split('.')[0]
-        header = blocks.decode_header(header_bytes, ns=self.namespace, expected_key=key,
-                                      layout=self.layout,
-                                      vocab_size=self.engine.config.vocab_size)
-        blocks.decode_leaves(header, data[offset + length:], offset + length,
-                             global_only=False, layout=self.layout)
-      except BlockError as e:
-        self.quarantine(name.split('/', 1)[1][:64], name, str(e), data=data)
-        continue
-      entry = blocks.encode_entry(header, name.split('/', 1)[1], len(data), header_bytes)
-      written += self.kv.write_if_absent(f'index/{header["parent"]}/{key}', entry)
+      parent = json.loads(entry)['parent']
+      written += self.kv.write_if_absent(f'index/{parent}/{key}', entry)
     return written
 
 

@@ -243,8 +243,7 @@ def test_a_bad_object_is_never_grafted_and_the_answer_is_still_exact(how):
   store.put(library)
   victim = store.lookup(library).entries[3]  # block 3 of 6
   _corrupt(store, f'objects/{victim["object"]}', how)
-  reader = Store(store.url, eng)  # a reader that has cached nothing
-  reader.kv = store.kv
+  reader = Store(store.kv, eng)  # a reader that has cached nothing
   logits, match = grafted_logits(reader, library, query)
   assert match.tokens == 3 * B  # the prefix ends before the bad block
   assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, library, query))
@@ -265,8 +264,7 @@ def test_an_object_copied_under_another_key_or_from_another_store_is_refused():
   entry_a = store.lookup(a).entries[1]
   entry_b = store.lookup(b).entries[1]
   store.kv.write(f'objects/{entry_a["object"]}', store.kv.read(f'objects/{entry_b["object"]}'))
-  reader = Store(store.url, eng)
-  reader.kv = store.kv
+  reader = Store(store.kv, eng)
   logits, match = grafted_logits(reader, a, [9])
   assert match.tokens == B and 'header' in reader.problems[0].reason
   assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, a, [9]))
@@ -279,8 +277,7 @@ def test_bytes_a_graft_does_not_read_cannot_harm_it_and_verify_still_finds_them(
   store.put(library)
   victim = store.lookup(library).entries[1]  # far behind the ring of the graft point
   _corrupt(store, f'objects/{victim["object"]}', 'flip_local')
-  reader = Store(store.url, eng)
-  reader.kv = store.kv
+  reader = Store(store.kv, eng)
   logits, match = grafted_logits(reader, library, [6])
   assert match.tokens == len(library) and not reader.problems  # every byte it used verified
   assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, library, [6]))
@@ -320,8 +317,7 @@ def test_the_index_can_be_rebuilt_from_the_objects_alone():
   store.put(library)
   for name in store.kv.list('index/'):
     store.kv.delete(name)
-  fresh_reader = Store(store.url, eng)
-  fresh_reader.kv = store.kv
+  fresh_reader = Store(store.kv, eng)
   assert fresh_reader.lookup(library).tokens == 0
   assert fresh_reader.rebuild_index() == 6
   logits, match = grafted_logits(fresh_reader, library, [4, 5])
@@ -339,8 +335,7 @@ def test_hostile_entries_are_refused_not_followed():
   for hostile in ({**entry, 'object': '../../etc/passwd'}, {**entry, 'tokens': 'abc'},
                   {**entry, 'object_bytes': 1 << 60}, [1, 2, 3], {**entry, 'start': -8}):
     store.kv.write(name, json.dumps(hostile).encode())
-    reader = Store(store.url, eng)
-    reader.kv = store.kv
+    reader = Store(store.kv, eng)
     assert reader.lookup(library).tokens == 0
     assert reader.problems
     store.put(library)  # rewrites the removed entry
