@@ -58,6 +58,14 @@ KINDS: dict[str, Kind] = {
     #  "silent_wrong", "lost"}}, "summary": {"trials", "exact", "refused", "silent_wrong", "lost"}}
     'faults': Kind(1, ('config', 'kinds', 'summary'),
                    'fault-injection campaign over artifacts and the store'),
+    # {"config", "tasks": [{"id", "split" (recurring|heldout), "base_correct",
+    #  "base_decode_tokens", "deposited", "source", "library_correct", "library_decode_tokens",
+    #  "grafted_tokens", "graft_exact", ...}], "summary": {"base_accuracy", "recurring_accuracy",
+    #  "heldout_base_accuracy", "heldout_library_accuracy", "never_solved",
+    #  "never_solved_answered", "never_solved_base_tokens", "never_solved_library_decode_tokens",
+    #  "token_factor", "flops_factor", "energy_factor", "graft_exact", ...}}
+    'flywheel': Kind(1, ('config', 'tasks', 'summary'),
+                     'verified solutions deposited as KV and grafted on recurrence'),
     # {"config", "prompts": [{"name", "tokens", "argmax_agreement", "max_abs_over_max_logit",
     #  "continuation_equal"}], "summary"}
     'hf_parity': Kind(1, ('config', 'prompts', 'summary'),

@@ -3,9 +3,10 @@
   python -m experiments.replay --manifest=manifests/NAME.json
   python -m experiments.replay --manifest='manifests/ci_gemma3_270m_float32_*.json'
 
-The manifest (written by experiments.graft_exactness --manifest) holds the token ids of every
-sample, the model and engine fingerprints, and the SHA-256 of the fresh and grafted query logits
-and of the greedy continuation. Replay rebuilds the model and the pinned engine from the
+A graft-exactness manifest (experiments.graft_exactness --manifest) holds the token ids of
+every sample, the model and engine fingerprints, and the SHA-256 of the fresh and grafted query
+logits and of the greedy continuation; a flywheel manifest (experiments.flywheel --manifest)
+holds every answer's prompt token ids, decoding settings, tokens and logits SHA-256. Replay rebuilds the model and the pinned engine from the
 manifest's config, checks the model fingerprint, recomputes every sample and exits with status 1,
 listing the differing samples, if any hash differs. A different engine environment (another CPU,
 jax version, ...) is reported; the hashes then say whether it mattered.
@@ -71,8 +72,9 @@ def select(pattern: str) -> str:
       '--manifest=manifests/<name>.json')
 
 
-def replay(manifest: dict, limit: int = 0) -> list[str]:
-  """Recomputes the manifest's samples; returns a line per differing sample (empty: all equal)."""
+def _engine(manifest: dict) -> tuple[Engine, Engine]:
+  """Two separately constructed engines of the manifest's model and configuration, after
+  checking that this machine loads the same model."""
   config = manifest['config']
   loaded = weights.load(config['model'], config['weights'], config['dtype'])
   # Manifests made before the config was named EngineConfig hold it under 'pinned'.
@@ -86,20 +88,58 @@ def replay(manifest: dict, limit: int = 0) -> list[str]:
                             engine.fingerprint['environment'])
   if environment:
     logging.warning('engine environment differs from the manifest: %s', '; '.join(environment))
-  records = manifest['samples'][:limit or None]
+  return engine, writer
+
+
+def records(manifest: dict) -> list[dict]:
+  """What a manifest records one hash set each for: samples or answers."""
+  return manifest['answers'] if manifest.get('kind') == 'flywheel' else manifest['samples']
+
+
+def replay(manifest: dict, limit: int = 0) -> list[str]:
+  """Recomputes the manifest's records; returns a line per differing one (empty: all equal)."""
+  if manifest.get('kind') == 'flywheel':
+    return replay_answers(manifest, limit)
+  config = manifest['config']
+  engine, writer = _engine(manifest)
+  chosen = manifest['samples'][:limit or None]
   failures = []
   with tempfile.TemporaryDirectory() as scratch:
-    for i, record in enumerate(records):
+    for i, record in enumerate(chosen):
       graft = exactness.artifact_graft(writer, engine, f'{scratch}/sample_{i:03d}')
       row = exactness.check_sample(engine, graft, record['library'], record['query'],
                                    continuation_tokens=config['continuation_tokens'])
       differing = [h for h in HASHES if row[h] != record[h]]
       status = 'ok' if not differing else 'DIFFERS: ' + ', '.join(differing)
-      logging.info('sample %d/%d (library %d, query %d tokens): %s', i + 1, len(records),
+      logging.info('sample %d/%d (library %d, query %d tokens): %s', i + 1, len(chosen),
                    len(record['library']), len(record['query']), status)
       if differing:
         failures.append(f'sample {i}: ' + ', '.join(
             f'{h} {row[h][:16]}.. != recorded {record[h][:16]}..' for h in differing))
+  return failures
+
+
+def replay_answers(manifest: dict, limit: int = 0) -> list[str]:
+  """A flywheel manifest: every answer decoded again from a fresh computation of its whole
+  prompt (a grafted answer is byte-equal to that, so the recorded hashes must reproduce)."""
+  from experiments.flywheel import Asker  # the decoding the run used
+  engine, _ = _engine(manifest)
+  asker = Asker(engine, manifest['budget'])
+  chosen = manifest['answers'][:limit or None]
+  failures = []
+  for i, record in enumerate(chosen):
+    ctx, _ = engine.prefill(record['prompt'], logits='last')
+    decoded = engine.decode(ctx, manifest['budget'], temperature=record['temperature'],
+                            seed=record['seed'], stop=asker.stop)
+    differing = [name for name, ok in (('tokens', decoded.tokens == record['tokens']),
+                                       ('logits_sha256',
+                                        decoded.logits_sha256 == record['logits_sha256']))
+                 if not ok]
+    logging.info('answer %d/%d (%s %s %s): %s', i + 1, len(chosen), record['id'],
+                 record['split'], record['phase'],
+                 'ok' if not differing else 'DIFFERS: ' + ', '.join(differing))
+    if differing:
+      failures.append(f'answer {i} ({record["id"]} {record["phase"]}): ' + ', '.join(differing))
   return failures
 
 
@@ -109,12 +149,12 @@ def main(argv):
   with open(path) as f:
     manifest = json.load(f)
   failures = replay(manifest, FLAGS.limit)
-  count = len(manifest['samples'][:FLAGS.limit or None])
+  count = len(records(manifest)[:FLAGS.limit or None])
   if failures:
-    print(f'{len(failures)} of {count} samples differ from {path}:')
+    print(f'{len(failures)} of {count} records differ from {path}:')
     print('\n'.join(failures))
     sys.exit(1)
-  print(f'all {count} samples reproduce {path} hash for hash')
+  print(f'all {count} records reproduce {path} hash for hash')
 
 
 if __name__ == '__main__':

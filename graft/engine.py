@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +110,16 @@ class Context:
   tokens: tuple[int, ...]
   next_position: int
   last_logits: np.ndarray | None = None  # float32 [V] at the last token, when computed
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+  """What `Engine.decode` produced: the tokens, the SHA-256 of the logits each was drawn from
+  (concatenated float32 rows), and the context after all but the last token."""
+
+  context: Context
+  tokens: list[int]
+  logits_sha256: str
 
 
 def _next_power_of_two(n: int) -> int:
@@ -260,18 +271,27 @@ class Engine:
     """Greedy (temperature 0) or seeded sampling from the context's last logits. The returned
     context holds every generated token but the last (computing its KV would cost one more
     call that nothing needs unless the context is extended; extend it then)."""
+    stop = (lambda tokens: tokens[-1] == EOS_ID) if stop_at_eos else None
+    decoded = self.decode(ctx, max_new_tokens, temperature=temperature, seed=seed, stop=stop)
+    return decoded.context, decoded.tokens
+
+  def decode(self, ctx: Context, max_new_tokens: int, *, temperature: float = 0.0,
+             seed: int = 0, stop: Callable[[list[int]], bool] | None = None) -> 'Decoded':
+    """`generate` that stops once `stop(tokens so far)` holds, and also returns the SHA-256 of
+    the float32 logits every token was drawn from (the evidence a replay compares)."""
     if ctx.last_logits is None:
       raise ValueError('the context has no logits at its last token; extend it with '
                        "logits='last' first")
     rng = np.random.default_rng(seed)
-    new_tokens = []
+    new_tokens, digest = [], hashlib.sha256()
     while len(new_tokens) < max_new_tokens:
       if new_tokens:  # after the first step the context is this loop's own: update in place
         ctx, _ = self.extend(ctx, new_tokens[-1:], logits='last', consume=len(new_tokens) > 1)
+      digest.update(np.ascontiguousarray(ctx.last_logits, np.float32).tobytes())
       new_tokens.append(sample(ctx.last_logits, temperature, rng))
-      if stop_at_eos and new_tokens[-1] == EOS_ID:
+      if stop is not None and stop(new_tokens):
         break
-    return ctx, new_tokens
+    return Decoded(context=ctx, tokens=new_tokens, logits_sha256=digest.hexdigest())
 
   def prefill(self, tokens: Sequence[int], *, logits: str = 'last',
               start_position: int = 0) -> tuple[Context, np.ndarray | None]:

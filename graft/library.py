@@ -1,0 +1,120 @@
+"""The verified-knowledge library: verified solutions kept as KV in the store, grafted on demand.
+
+An entry is a problem, a worked solution and its answer, accepted only when a verifier
+(graft/verifiers.py) has checked the answer. Its canonical text is one template:
+
+    Problem: {problem}
+    Solution: {solution}
+    Answer: {answer}
+    <blank line>
+
+and a question is asked as `QUESTION` ("Problem: {problem}\\nSolution:"): the model writes a
+worked solution and an "Answer:" line, from which graft/verifiers.py reads the answer. A library prefix is BOS followed by the canonical texts of some entries in a
+fixed order, tokenized as one text; it is computed once by the pinned engine and deposited in
+the store (graft/store.py), so the same entries in the same order are a store hit the next time,
+and every entry deposited alone is its own prefix.
+
+Lookup: `find` (the exact problem: the recurring case), or `retrieve`: the k entries most similar
+to a problem by BM25 (the bm25s package) over the entries' problem texts, most similar first
+(ties by entry id), assembled as one prefix by `context`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gemma_jax.config import BOS_ID
+from graft import verifiers
+from graft.engine import Context
+from graft.store import Match, Store
+
+ENTRY = 'Problem: {problem}\nSolution: {solution}\nAnswer: {answer}\n\n'
+QUESTION = 'Problem: {problem}\nSolution:'
+
+
+class LibraryError(ValueError):
+  """An entry that must not enter the library; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  id: str
+  problem: str
+  solution: str  # the worked solution, without its final "Answer:" line
+  answer: str
+  source: str  # who solved it: 'self' (this model), 'solutions' (handed over), ...
+
+  def text(self) -> str:
+    return ENTRY.format(problem=self.problem, solution=self.solution, answer=self.answer)
+
+
+def worked(solution: str) -> str:
+  """A solution's text without its trailing "Answer: ..." (the entry states the answer)."""
+  text = solution.rsplit('Answer:', 1)[0] if 'Answer:' in solution else solution
+  return ' '.join(text.split()) or '-'
+
+
+def _normal(problem: str) -> str:
+  return ' '.join(problem.split()).lower()
+
+
+class Library:
+  """Entries, their BM25 index and their KV in a store."""
+
+  def __init__(self, store: Store):
+    self.store = store
+    self.tokenizer = store.engine.loaded.tokenizer
+    self.entries: dict[str, Entry] = {}
+    self._by_problem: dict[str, Entry] = {}
+    self._index = None  # (bm25s.BM25, ids in index order); rebuilt when entries change
+
+  def add(self, entry: Entry, verdict: verifiers.Verdict) -> dict:
+    """Deposits a verified entry (its canonical text as a prefix of its own); returns the
+    store's put report. An unverified entry or a second entry for the same problem is refused."""
+    if not verdict.correct:
+      raise LibraryError(f'{entry.id}: the verifier refused its answer ({verdict.reason})')
+    if entry.id in self.entries or _normal(entry.problem) in self._by_problem:
+      raise LibraryError(f'{entry.id}: the library already holds this problem')
+    report = self.store.put(self.prefix([entry]))
+    self.entries[entry.id] = entry
+    self._by_problem[_normal(entry.problem)] = entry
+    self._index = None
+    return report
+
+  def find(self, problem: str) -> Entry | None:
+    return self._by_problem.get(_normal(problem))
+
+  def retrieve(self, problem: str, k: int) -> list[Entry]:
+    """The k entries whose problems BM25 ranks closest to `problem`, closest first."""
+    import bm25s  # imported when retrieval is first asked for
+    if not self.entries or k < 1:
+      return []
+    if self._index is None:
+      ids = sorted(self.entries)
+      retriever = bm25s.BM25()
+      retriever.index(bm25s.tokenize([self.entries[i].problem for i in ids], stopwords=None,
+                                     show_progress=False), show_progress=False)
+      self._index = (retriever, ids)
+    retriever, ids = self._index
+    k = min(k, len(ids))
+    found, scores = retriever.retrieve(bm25s.tokenize([problem], stopwords=None,
+                                                      show_progress=False),
+                                       k=k, show_progress=False)
+    ranked = sorted(zip(found[0].tolist(), scores[0].tolist()), key=lambda p: (-p[1], ids[p[0]]))
+    return [self.entries[ids[i]] for i, _ in ranked]
+
+  def prefix(self, entries: list[Entry]) -> list[int]:
+    """BOS and the entries' canonical texts, in order, tokenized as one text."""
+    return [BOS_ID] + self.tokenizer.encode(''.join(e.text() for e in entries), add_bos=False)
+
+  def context(self, entries: list[Entry]) -> tuple[Context, Match, list[int]]:
+    """A context holding the entries' prefix, grafted from the store (computed and deposited
+    first when the store does not hold it whole); the match says how much was grafted."""
+    tokens = self.prefix(entries)
+    if self.store.lookup(tokens).tokens < len(tokens):
+      self.store.put(tokens)
+    ctx, match = self.store.graft(tokens)
+    return ctx, match, tokens
+
+  def question(self, problem: str) -> list[int]:
+    return self.tokenizer.encode(QUESTION.format(problem=problem), add_bos=False)
