@@ -42,9 +42,9 @@ GRAFT_CACHE_LEN = 2560
 _OUTPUT_PATHS = ('results/', 'manifests/', 'figures/')
 
 
-def define_model_flags() -> None:
-  flags.DEFINE_string('model', 'gemma3_270m', 'Model config name (gemma_jax.config).')
-  flags.DEFINE_string('weights', 'embedded',
+def define_model_flags(model: str = 'gemma3_270m', weights_spec: str = 'embedded') -> None:
+  flags.DEFINE_string('model', model, 'Model config name (gemma_jax.config).')
+  flags.DEFINE_string('weights', weights_spec,
                       "'embedded', 'random:SEED', or a checkpoint path (GGUF file, Orbax "
                       'directory, safetensors).')
   flags.DEFINE_enum('dtype', 'float32', sorted(weights.DTYPES), 'Parameter/activation dtype.')
@@ -138,24 +138,37 @@ def median_seconds(fn, repeats: int) -> float:
   return statistics.median(times)
 
 
-def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
-  """Records of a JSONL file, each required to hold non-empty strings under `fields`; errors
-  name the file and line."""
+def jsonl_records(path: str) -> list[tuple[int, dict]]:
+  """(line number, object) of every non-empty line of a JSONL file; a line that is not a JSON
+  object, an unreadable or empty file raise ValueError naming the file and line."""
+  try:
+    with open(path) as f:
+      lines = f.readlines()
+  except OSError as e:
+    raise ValueError(f'{path}: cannot be read ({e})') from None
   records = []
-  with open(path) as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{path}:{number}: not valid JSON ({e})') from None
-      if not isinstance(record, dict) or not all(
-          isinstance(record.get(k), str) and record[k] for k in fields):
-        names = ', '.join(f'"{k}"' for k in fields)
-        raise ValueError(f'{path}:{number}: expected an object with non-empty string fields '
-                         f'{names}')
-      records.append(record)
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f'{path}:{number}: not valid JSON ({e})') from None
+    if not isinstance(record, dict):
+      raise ValueError(f'{path}:{number}: expected a JSON object')
+    records.append((number, record))
   if not records:
     raise ValueError(f'{path} holds no records')
   return records
+
+
+def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
+  """Records of a JSONL file, each required to hold non-empty strings under `fields`."""
+  out = []
+  for number, record in jsonl_records(path):
+    if not all(isinstance(record.get(k), str) and record[k] for k in fields):
+      names = ', '.join(f'"{k}"' for k in fields)
+      raise ValueError(f'{path}:{number}: expected an object with non-empty string fields '
+                       f'{names}')
+    out.append(record)
+  return out

@@ -83,10 +83,7 @@ def define_flags() -> None:
   flags.DEFINE_integer('seed', 0, 'Seed of the contexts and of every fault\'s place.')
   flags.DEFINE_list('kinds', list(KINDS), f'Fault kinds: any of {", ".join(KINDS)}.')
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
-  flags.DEFINE_string('model', 'tiny_gemma3', 'Model config name (a tiny one by default, so '
-                      'thousands of trials run in minutes).')
-  flags.DEFINE_string('weights', 'random:0', "'embedded', 'random:SEED' or a checkpoint path.")
-  flags.DEFINE_enum('dtype', 'float32', sorted(weights.DTYPES), 'Parameter/activation dtype.')
+  common.define_model_flags('tiny_gemma3', 'random:0')  # tiny: thousands of trials in minutes
   flags.DEFINE_integer('block_size', 8, 'Token rows per call of the pinned engine.')
   flags.DEFINE_integer('cache_len', 512, 'KV slots.')
 

@@ -234,13 +234,28 @@ def round_of_heldout(asker, library, header, heldout, k, sample_exact, round_) -
   return rows
 
 
-def run(engine, library: Library, task_list, heldout_sets, solutions, examples) -> dict:
-  asker = Asker(engine, FLAGS.budget)
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """How the loop asks (the flags of the same names)."""
+
+  attempts: int = 4
+  temperature: float = 0.7
+  seed: int = 0
+  budget: int = 40
+  k: int = 3
+  sample_exact: int = 10
+
+
+def run(engine, library: Library, task_list, heldout_sets, solutions, examples,
+        settings: Settings) -> dict:
+  """The four phases (and round two when `heldout_sets` has two sets); rows of Asked."""
+  asker = Asker(engine, settings.budget)
   header = few_shot(engine, library, examples)
   counts = {'solutions_rejected': 0, 'entries_refused': 0}
   rows = []
   for i, task in enumerate(task_list):  # (a) base, (b) deposit
-    base = ask_base(asker, header, task, FLAGS.attempts, FLAGS.temperature, FLAGS.seed)
+    base = ask_base(asker, header, task, settings.attempts, settings.temperature,
+                    settings.seed)
     source = deposit(library, task, base, solutions, counts)
     rows.append({'task': task, 'split': 'recurring', 'base': base, 'source': source})
     logging.info('task %d/%d %s: base %s in %d attempts (%d tokens), deposited: %s', i + 1,
@@ -250,10 +265,10 @@ def run(engine, library: Library, task_list, heldout_sets, solutions, examples) 
   for row in rows:  # (c) recurring
     entry = library.find(row['task'].problem) if row['source'] else None
     row['library'] = (ask_library(asker, library, [entry], row['task'],
-                                  check=checked < FLAGS.sample_exact) if entry else None)
+                                  check=checked < settings.sample_exact) if entry else None)
     checked += entry is not None
-  heldout_rows = round_of_heldout(asker, library, header, heldout_sets[0], FLAGS.k,
-                                  FLAGS.sample_exact, 1)
+  heldout_rows = round_of_heldout(asker, library, header, heldout_sets[0], settings.k,
+                                  settings.sample_exact, 1)
   second = []
   if len(heldout_sets) > 1:  # round two: the library grows by round one's held-out answers
     for row in heldout_rows:
@@ -266,8 +281,8 @@ def run(engine, library: Library, task_list, heldout_sets, solutions, examples) 
           row['deposited_round2'] = True
         except LibraryError:
           pass
-    second = round_of_heldout(asker, library, header, heldout_sets[1], FLAGS.k,
-                              FLAGS.sample_exact, 2)
+    second = round_of_heldout(asker, library, header, heldout_sets[1], settings.k,
+                              settings.sample_exact, 2)
   return {'rows': rows + heldout_rows + second, 'counts': counts}
 
 
@@ -406,7 +421,9 @@ def main(argv):
     url = f'file://{scratch}/store/'
   store = Store(url, engine)
   try:
-    results = run(engine, Library(store), task_list, heldout, solutions, examples)
+    settings = Settings(attempts=FLAGS.attempts, temperature=FLAGS.temperature, seed=FLAGS.seed,
+                        budget=FLAGS.budget, k=FLAGS.k, sample_exact=FLAGS.sample_exact)
+    results = run(engine, Library(store), task_list, heldout, solutions, examples, settings)
   finally:
     if scratch:
       shutil.rmtree(scratch, ignore_errors=True)

@@ -8,7 +8,9 @@
 4. replay: the committed CI manifest made on a machine like this one, recomputed hash for hash;
 5. store: a few texts deposited in a knowledge store (a temporary file:// one), queries grafted
    from it by longest prefix (one diverging mid-block), hits, bytes and SHA-256 equality;
-6. figures: analysis.figures redraws figures/ from the committed results/.
+6. flywheel: a few unit-conversion tasks attempted, verified solutions deposited, asked again
+   with their entries grafted: base against library accuracy and the token factor;
+7. figures: analysis.figures redraws figures/ from the committed results/.
 
 Any exactness check that does not hold (a graft not byte-equal, a replayed hash that differs)
 fails the job: it exits with status 1 after listing them.
@@ -25,9 +27,10 @@ import numpy as np
 from absl import app, flags
 
 from analysis import figures
-from experiments import common, generate, logits, replay, samples
+from experiments import common, flywheel, generate, logits, replay, samples, tasks
 from gemma_jax import compare, files
 from graft import exactness
+from graft.library import Library
 from graft.store import Store
 
 FLAGS = flags.FLAGS
@@ -87,6 +90,26 @@ def store_demo(engine, libraries) -> list[str]:
   return failed
 
 
+def flywheel_demo(engine) -> list[str]:
+  """A short flywheel run (experiments/flywheel.py): 6 unit conversions, 4 held out."""
+  task_list = tasks.generate('units', 6, seed=0)
+  seen = [t.problem for t in task_list]
+  examples = tasks.generate('units', 3, seed=30_000, exclude=seen)
+  heldout = tasks.generate('units', 4, seed=10_000, exclude=seen + [t.problem for t in examples])
+  solutions = {t.id: t.reference_solution for t in task_list}
+  with tempfile.TemporaryDirectory() as scratch:
+    library = Library(Store(f'file://{scratch}/store/', engine))
+    results = flywheel.run(engine, library, task_list, [heldout], solutions, examples,
+                           flywheel.Settings(attempts=2, budget=40, sample_exact=4))
+  summary = flywheel.summarize(engine.config, results)
+  print(f"base accuracy {summary['base_accuracy']:.2f}, with the library (recurring) "
+        f"{summary['recurring_accuracy']:.2f}; held out {summary['heldout_base_accuracy']:.2f} "
+        f"-> {summary['heldout_library_accuracy']:.2f}; token factor on the never-solved: "
+        f"{summary['token_factor']}; sampled grafts SHA-256 equal to fresh: "
+        f"{summary['graft_exact_equal']}/{summary['graft_exact_checked']}")
+  return [] if summary['graft_exact'] is not False else ['flywheel: a sampled graft is not exact']
+
+
 def main(argv):
   del argv
   failed = []  # every exactness check that did not hold: any one fails the job
@@ -134,7 +157,10 @@ def main(argv):
   step('5. store')
   failed.extend(store_demo(engine, samples.distinct_libraries(loaded.tokenizer, 300, count=3)))
 
-  step('6. figures')
+  step('6. flywheel')
+  failed.extend(flywheel_demo(engine))
+
+  step('7. figures')
   written = figures.draw_figures(FLAGS.results_dir, FLAGS.figures_dir)
   print(f'{sum(p is not None for p in written.values())} figures written to '
         f'{FLAGS.figures_dir}/')

@@ -43,23 +43,14 @@ def define_flags() -> None:
 def read_contexts(path: str, tokenizer) -> list[list[int]]:
   """Token ids of each line: {"text": ...} with BOS, or {"tokens": [...]} as given."""
   contexts = []
-  with open(path) as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{path}:{number}: not valid JSON ({e})') from None
-      if isinstance(record, dict) and isinstance(record.get('text'), str) and record['text']:
-        contexts.append(tokenizer.encode(record['text']))
-      elif (isinstance(record, dict) and isinstance(record.get('tokens'), list)
-            and record['tokens'] and all(type(t) is int for t in record['tokens'])):
-        contexts.append(record['tokens'])
-      else:
-        raise ValueError(f'{path}:{number}: expected {{"text": "..."}} or {{"tokens": [ids]}}')
-  if not contexts:
-    raise ValueError(f'{path} holds no records')
+  for number, record in common.jsonl_records(path):
+    if isinstance(record.get('text'), str) and record['text']:
+      contexts.append(tokenizer.encode(record['text']))
+    elif (isinstance(record.get('tokens'), list) and record['tokens']
+          and all(type(t) is int for t in record['tokens'])):
+      contexts.append(record['tokens'])
+    else:
+      raise ValueError(f'{path}:{number}: expected {{"text": "..."}} or {{"tokens": [ids]}}')
   return contexts
 
 

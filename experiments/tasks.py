@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 
 import numpy as np
 
+from experiments import common
 from graft import verifiers
 
 FAMILIES = ('arithmetic', 'multiplication', 'word', 'dates', 'units')
@@ -101,32 +101,10 @@ def generate(family: str, count: int, *, seed: int, exclude=()) -> list[Task]:
   return tasks
 
 
-def _records(path: str):
-  try:
-    with open(path) as f:
-      lines = f.readlines()
-  except OSError as e:
-    raise ValueError(f'{path}: cannot be read ({e})') from None
-  records = []
-  for number, line in enumerate(lines, 1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ValueError(f'{path}:{number}: not valid JSON ({e})') from None
-    if not isinstance(record, dict):
-      raise ValueError(f'{path}:{number}: expected a JSON object')
-    records.append((number, record))
-  if not records:
-    raise ValueError(f'{path} holds no records')
-  return records
-
-
 def read_tasks(path: str) -> list[Task]:
   """Tasks of a JSONL file (see the module docstring); every problem is reported with its line."""
   tasks, ids = [], set()
-  for number, record in _records(path):
+  for number, record in common.jsonl_records(path):
     where = f'{path}:{number}'
     for field in ('id', 'problem', 'answer'):
       if field not in record:
@@ -151,7 +129,7 @@ def read_tasks(path: str) -> list[Task]:
 
 def read_solutions(path: str) -> dict[str, str]:
   solutions = {}
-  for number, record in _records(path):
+  for number, record in common.jsonl_records(path):
     if not isinstance(record.get('solution'), str) or 'id' not in record:
       raise ValueError(f'{path}:{number}: expected {{"id": ..., "solution": "..."}}')
     if str(record['id']) in solutions:

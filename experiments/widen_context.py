@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from experiments import ceilings, common, samples
-from gemma_jax import compare
+from gemma_jax import compare, files
 from graft.store import Store
 
 FLAGS = flags.FLAGS
@@ -81,14 +81,8 @@ def local_directory(url: str) -> str | None:
 
 def evict_page_cache(directory: str) -> None:
   """Asks the OS to drop its cached pages of every file under `directory` (posix_fadvise)."""
-  for root, _, names in os.walk(directory):
-    for name in names:
-      fd = os.open(os.path.join(root, name), os.O_RDONLY)
-      try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-      finally:
-        os.close(fd)
+  files.fsync_tree(directory, then=lambda fd: os.posix_fadvise(fd, 0, 0,
+                                                               os.POSIX_FADV_DONTNEED))
 
 
 def deposit(store: Store, libraries, target: int) -> dict:

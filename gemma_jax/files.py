@@ -86,12 +86,15 @@ def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
   write_atomic(path, lambda f: np.savez(f, **arrays), suffix='.npz')
 
 
-def _fsync_tree(root: str) -> None:
+def fsync_tree(root: str, *, then=None) -> None:
+  """fsyncs every file under `root` (calling then(fd) on each, still open) and every directory."""
   for directory, _, names in os.walk(root):
     for name in names:
       fd = os.open(os.path.join(directory, name), os.O_RDONLY)
       try:
         os.fsync(fd)
+        if then:
+          then(fd)
       finally:
         os.close(fd)
     fsync_directory(directory)
@@ -111,7 +114,7 @@ def atomic_directory(path: str) -> Iterator[str]:
   os.mkdir(staging)
   try:
     yield staging
-    _fsync_tree(staging)
+    fsync_tree(staging)
     try:
       os.rename(staging, path)
     except OSError as e:  # a non-empty directory appeared at `path` meanwhile
