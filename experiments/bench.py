@@ -15,7 +15,7 @@ fraction of the limit.
 
 Systems (`--systems`, default all): ours_pinned, ours_default, hf_transformers (torch, the same
 dequantized GGUF in float32), llama_cpp_q4_k_m, llama_cpp_f32 and deepmind_gemma
-(experiments/peers.py). A peer that is not installed is skipped with the reason printed and
+(experiments/peers/). A peer that is not installed is skipped with the reason printed and
 recorded in its row (`skipped`), never silently. Output: schema `bench` (analysis/results.py).
 """
 

@@ -1,46 +1,21 @@
-"""The systems a user would otherwise pick, measured on the same weights and token ids as ours.
+"""HF transformers as a peer: Gemma3ForCausalLM on the embedded GGUF, float32, eager attention.
 
-Each peer returns the benchmark's row fields (experiments/bench.py): prefill_tok_s,
-decode_tok_s, ttft_recompute_s, ttft_graft_s (None where the peer cannot restore a saved KV
-state) and `skipped` (None, or why it was not measured: a peer that is not installed is skipped
-with the reason, never silently).
-
-  hf_transformers     HF transformers' Gemma3ForCausalLM on the embedded GGUF, float32, eager
-                      attention; prefill asks for the last position's logits only
-                      (logits_to_keep=1), as ours does
+Prefill asks for the last position's logits only (logits_to_keep=1), as ours does. Decode is
+one token per call on its DynamicCache. Its "graft" is the library's cache kept in memory: a
+deep copy of the DynamicCache, then the query (HF saves no verified artifact).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 
 from experiments import common
-
-NAMES = ('hf_transformers',)
-
-
-def measure(name: str, loaded, work) -> dict:
-  if name == 'hf_transformers':
-    return hf_transformers(loaded, work)
-  raise ValueError(f'unknown peer {name!r}; expected one of {NAMES}')
+from experiments.peers import skipped
 
 
-def skipped(reason: str) -> dict:
-  return {'skipped': reason, 'prefill_tok_s': None, 'decode_tok_s': None,
-          'ttft_recompute_s': None, 'ttft_graft_s': None}
-
-
-def _embedded_float32(loaded) -> str | None:
-  """Why a peer that reads the embedded GGUF cannot run this configuration (None: it can)."""
-  if loaded.weights != 'embedded' or loaded.dtype != 'float32':
-    return 'peers run the embedded GGUF in float32 (--weights=embedded --dtype=float32)'
-  return None
-
-
-def hf_transformers(loaded, work) -> dict:
-  reason = _embedded_float32(loaded)
-  if reason:
-    return skipped(reason)
+def measure(loaded, work) -> dict:
+  del loaded
   try:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -66,6 +41,13 @@ def hf_transformers(loaded, work) -> dict:
       out = model(token, past_key_values=out.past_key_values, use_cache=True)
       token = out.logits[:, -1:].argmax(-1)
 
+  library_cache = forward(work.library, past_key_values=DynamicCache(config=model.config),
+                          use_cache=True).past_key_values
+
+  @torch.no_grad()
+  def restored():
+    return forward(work.query, past_key_values=copy.deepcopy(library_cache), use_cache=True)
+
   prefill = common.median_seconds(lambda: forward(work.prompt, use_cache=False), work.repeats)
   # The decode loop's time net of its 32-token prompt.
   prompt_only = common.median_seconds(lambda: forward(work.decode_prompt, use_cache=False),
@@ -75,5 +57,7 @@ def hf_transformers(loaded, work) -> dict:
                                     work.repeats)
   return {'prefill_tok_s': len(work.prompt) / prefill,
           'decode_tok_s': work.decode_tokens / max(loop - prompt_only, 1e-9),
-          'ttft_recompute_s': recompute, 'ttft_graft_s': None,
+          'ttft_recompute_s': recompute,
+          'ttft_graft_s': common.median_seconds(restored, work.repeats),
+          'ttft_graft_note': 'the library\'s DynamicCache deep-copied in memory, then the query',
           'torch_threads': torch.get_num_threads()}

@@ -1,0 +1,49 @@
+"""The systems a user would otherwise pick, measured on the same weights and token ids as ours.
+
+Each peer returns the benchmark's row fields (experiments/bench.py): prefill_tok_s,
+decode_tok_s, ttft_recompute_s, ttft_graft_s (the library's saved KV state restored, then the
+query) and `skipped` (None, or why it was not measured: a peer that is not installed is skipped
+with the reason, never silently).
+
+  hf_transformers     HF transformers' Gemma3ForCausalLM on the embedded GGUF, float32 (hf.py)
+  llama_cpp_q4_k_m    llama.cpp through llama-cpp-python on the Q4_K_M file as shipped
+  llama_cpp_f32       llama.cpp on a float32 GGUF written from the same file (llama_cpp.py)
+  deepmind_gemma      google-deepmind's `gemma` (JAX) Gemma3_270M with its sampler, reading the
+                      weights this project writes in the official Orbax layout, in its own
+                      Python 3.12 environment (deepmind.py; setup_peer_envs.sh builds it)
+
+The `bench` extra installs llama-cpp-python (PyPI ships only its source: the build compiles
+llama.cpp, about 20 minutes on two cores).
+"""
+
+from __future__ import annotations
+
+NAMES = ('hf_transformers', 'llama_cpp_q4_k_m', 'llama_cpp_f32', 'deepmind_gemma')
+
+
+def skipped(reason: str) -> dict:
+  return {'skipped': reason, 'prefill_tok_s': None, 'decode_tok_s': None,
+          'ttft_recompute_s': None, 'ttft_graft_s': None}
+
+
+def embedded_float32(loaded) -> str | None:
+  """Why a peer that reads the embedded weights cannot run this configuration (None: it can)."""
+  if loaded.weights != 'embedded' or loaded.dtype != 'float32':
+    return 'peers run the embedded 270M in float32 (--weights=embedded --dtype=float32)'
+  return None
+
+
+def measure(name: str, loaded, work) -> dict:
+  reason = embedded_float32(loaded)
+  if reason:
+    return skipped(reason)
+  if name == 'hf_transformers':
+    from experiments.peers import hf
+    return hf.measure(loaded, work)
+  if name.startswith('llama_cpp_'):
+    from experiments.peers import llama_cpp
+    return llama_cpp.measure_peer(name.removeprefix('llama_cpp_'), work)
+  if name == 'deepmind_gemma':
+    from experiments.peers import deepmind
+    return deepmind.measure(loaded, work)
+  raise ValueError(f'unknown peer {name!r}; expected one of {NAMES}')
