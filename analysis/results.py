@@ -66,6 +66,9 @@ KINDS: dict[str, Kind] = {
     #  "token_factor", "flops_factor", "energy_factor", "graft_exact", ...}}
     'flywheel': Kind(1, ('config', 'tasks', 'summary'),
                      'verified solutions deposited as KV and grafted on recurrence'),
+    # {"config", "report": {"backend", "device_kind", "steps": {name: {"status", "seconds",
+    #  "tail", ...}}, "ok"}}
+    'device_check': Kind(1, ('config', 'report'), 'the accelerator host check'),
     # {"config", "prompts": [{"name", "tokens", "argmax_agreement", "max_abs_over_max_logit",
     #  "continuation_equal"}], "summary"}
     'hf_parity': Kind(1, ('config', 'prompts', 'summary'),

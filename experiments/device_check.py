@@ -1,0 +1,94 @@
+"""The one-command check on a real accelerator host (GPU or TPU), in under five minutes.
+
+  bash experiments/device_check.sh          # = python -m experiments.device_check
+
+1. the Pallas kernel tests, compiled for the device (not interpret mode);
+2. graft exactness on the embedded 270M, 10 samples, with XLA attention and with the Pallas
+   kernel, fresh and grafted logits compared by SHA-256 (a manifest of the run is written for
+   later replays on the same kind of device);
+3. a replay of the committed CI manifest (made on a CPU: the hashes are expected to differ on
+   another backend, and the result says whether they do);
+4. hashes and timings of all of it to results/device_<kind>.json (kind from the device).
+
+Every step records what it printed and how long it took; a step that fails is recorded and the
+rest still run, and the exit status is non-zero when a kernel test or a graft was not exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+from experiments import common
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  flags.DEFINE_integer('samples', 10, 'Graft-exactness samples per attention implementation.')
+  flags.DEFINE_string('output', None, 'Result JSON (default results/device_<kind>.json).')
+  flags.DEFINE_string('manifest_dir', 'manifests', 'Where the run\'s manifests go.')
+
+
+def _run(command: list[str], timeout: int = 600) -> dict:
+  start = time.perf_counter()
+  try:
+    proc = subprocess.run(command, cwd=common.REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, 'PYTHONPATH': common.REPO})
+    status, out = proc.returncode, proc.stdout + proc.stderr
+  except subprocess.TimeoutExpired as e:
+    status, out = 'timeout', (e.stdout or b'').decode(errors='replace') if isinstance(
+        e.stdout, bytes) else str(e.stdout or '')
+  return {'command': ' '.join(command), 'status': status, 'seconds': time.perf_counter() - start,
+          'tail': out[-4000:]}
+
+
+def main(argv):
+  del argv
+  import jax
+  device = jax.devices()[0]
+  kind = re.sub(r'[^a-z0-9]+', '_', device.device_kind.lower()).strip('_')
+  report = {'backend': jax.default_backend(), 'device_kind': device.device_kind,
+            'devices': len(jax.devices()), 'jax': jax.__version__, 'steps': {}}
+  steps = report['steps']
+  steps['kernel_tests'] = _run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+                                '-k', 'pallas or kernel', 'tests/test_pallas_kernel.py'])
+  for attention in ('xla', 'pallas'):
+    name = f'graft_exactness_gemma3_270m_float32_{attention}_{kind}'
+    output = os.path.join('/tmp', f'{name}.json')
+    steps[f'graft_exactness_{attention}'] = _run(
+        [sys.executable, '-m', 'experiments.graft_exactness', f'--samples={FLAGS.samples}',
+         f'--attention={attention}', '--continuation_tokens=8', f'--output={output}',
+         f'--manifest={os.path.join(FLAGS.manifest_dir, name + ".json")}'])
+    if os.path.exists(output):
+      with open(output) as f:
+        result = json.load(f)
+      steps[f'graft_exactness_{attention}']['summary'] = result['summary']
+      steps[f'graft_exactness_{attention}']['hashes'] = [
+          {k: s[k] for k in ('library_tokens', 'query_tokens', 'fresh_sha256', 'graft_sha256')}
+          for s in result['samples']]
+  steps['replay_ci_manifest'] = _run([sys.executable, '-m', 'experiments.replay',
+                                      '--manifest=manifests/ci_gemma3_270m_float32_intel.json'])
+  steps['lowering_summary'] = _run([sys.executable, '-m', 'graft.lowering', 'gemma3_270m'])
+  exact = all(steps[f'graft_exactness_{a}'].get('summary', {}).get('equal') == FLAGS.samples
+              for a in ('xla', 'pallas'))
+  report['ok'] = steps['kernel_tests']['status'] == 0 and exact
+  output = FLAGS.output or os.path.join('results', f'device_{kind}.json')
+  common.write_result(output, 'device_check', {'config': {'samples': FLAGS.samples},
+                                               'report': report})
+  for name, step in steps.items():
+    print(f'{name}: status {step["status"]}, {step["seconds"]:.0f} s'
+          + (f', {step["summary"]}' if 'summary' in step else ''))
+  if not report['ok']:
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)
