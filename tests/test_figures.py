@@ -51,7 +51,8 @@ def _write(path: pathlib.Path, data, kind=None) -> None:
   path.write_text(json.dumps(data))
 
 
-def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True) -> None:
+def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True,
+                    store=True) -> None:
   results.mkdir(parents=True, exist_ok=True)
   if sweeps:
     for rope_mode in ('float', 'quarter_turn', 'none'):
@@ -73,6 +74,22 @@ def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True
               'summary': {'samples': 4, 'equal': equal, 'max_kl': 1e-6,
                           'argmax_agreement': 1.0, 'continuations_equal': 4}},
              'graft_exactness')
+  if store:
+    summary = {'addressable_tokens': 51200, 'device_kv_tokens': 512, 'ratio': 100.0,
+               'device_bytes_before': 2e6, 'device_bytes_after': 2e6, 'put_gbps': 0.5,
+               'get_gbps': 0.8, 'disk_write_gbps': 1.0, 'disk_read_gbps': 1.1,
+               'ttft_hit_host_s': 0.01, 'ttft_hit_backing_s': 0.02, 'ttft_miss_s': 0.2,
+               'sampled': 4, 'sampled_equal': 4}
+    _write(results / 'widen_context_tiny.json',
+           {'config': {'model': 'tiny_gemma3', 'weights': 'random', 'dtype': 'float32',
+                       'fixture': True}, 'summary': summary, 'queries': []}, 'widen_context')
+    kinds = {k: {'trials': 10, 'exact': 3, 'refused': 7, 'reasons': {'x': 7}, 'silent_wrong': 0,
+                 'lost': 0} for k in ('bitflip_data', 'truncate')}
+    _write(results / 'faults_tiny.json',
+           {'config': {'model': 'tiny_gemma3', 'weights': 'random', 'dtype': 'float32',
+                       'fixture': True}, 'kinds': kinds,
+            'summary': {'trials': 20, 'exact': 6, 'refused': 14, 'silent_wrong': 0,
+                        'lost': 0}}, 'faults')
   if rope:  # a real (tiny) rope_float analysis, computed here, not made up
     result = rope_float.analyze(max_position=256, dtypes=['float32'], offsets=[0, 1, 64],
                                 grid_points=8, vectors=1)
