@@ -23,6 +23,7 @@ from flax import nnx
 
 from gemma_jax import kv_state as kvs
 from gemma_jax import rope
+from gemma_jax import sharding
 from gemma_jax.config import LayerSpec, TransformerConfig
 from gemma_jax.layers import Dense, RMSNorm
 
@@ -194,5 +195,5 @@ class Attention(nnx.Module):
     encoded = attention_fn(q, keys, cache.v, positions, cache.positions,
                            window=self.spec.window, softcap=self.config.attn_logits_softcap,
                            scores=scores)
-    return self.o_proj(encoded), cache
+    return self.o_proj(sharding.gather_contraction(encoded)), cache
 

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gemma_jax import sharding
+
 
 def init_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, *, std: float, mean: float = 0.0):
   """A parameter drawn from N(mean, std^2); the single place random weights come from."""
@@ -81,4 +83,5 @@ class FeedForward(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     gate_up = self.gate_up_proj(x)  # [B, T, 2, F]
-    return self.down_proj(gelu_tanh(gate_up[..., 0, :]) * gate_up[..., 1, :])
+    hidden = gelu_tanh(gate_up[..., 0, :]) * gate_up[..., 1, :]
+    return self.down_proj(sharding.gather_contraction(hidden))

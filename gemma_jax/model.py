@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemma_jax import kv_state as kvs
+from gemma_jax import sharding
 from gemma_jax.attention import AttendFn, Attention, attend
 from gemma_jax.config import TransformerConfig
 from gemma_jax.layers import Dense, FeedForward, RMSNorm, gelu_tanh, init_param
@@ -111,7 +112,8 @@ class Block(nnx.Module):
     x = x + self.post_ffw_norm(self.mlp(self.pre_ffw_norm(x)))
     if per_layer_input is not None:
       gated = gelu_tanh(self.per_layer_input_gate(x)) * per_layer_input
-      x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+      x = x + self.post_per_layer_input_norm(
+          self.per_layer_projection(sharding.gather_contraction(gated)))
     if self.skip_scale is not None:
       x = x * self.skip_scale[...]
     return x, cache

@@ -1,36 +1,91 @@
-"""Tensor-parallel placement of parameters on a jax.sharding mesh.
+"""Placement on a jax.sharding mesh: parameters, the KV state, and the layout of the matmuls.
 
-Every projection is stored [inputs..., outputs...], so Megatron-style tensor parallelism is a
-choice of one axis per weight: column-parallel projections (q_proj, kv_proj, k_proj,
-gate_up_proj, the per-layer gate) split their last output axis over the mesh's 'model' axis;
-row-parallel ones (o_proj, down_proj, per_layer_projection) split their first input axis; the
-embedding splits the vocabulary. Norm scales and small tensors are replicated. XLA inserts the
-collectives. Sharded results are close to, not bit-equal with, single-device ones (the reductions
-are split), so the pinned engine fingerprints the device set it runs on.
+A mesh has a 'model' axis (tensor parallel over heads and the MLP) and a 'data' axis (data
+parallel over sequences, the batch). Every projection is stored [inputs..., outputs...], so
+Megatron-style tensor parallelism is a choice of one axis per weight: column-parallel
+projections (q_proj, kv_proj, k_proj, gate_up_proj, the per-layer gate) split their last
+output axis; row-parallel ones (o_proj, down_proj, per_layer_projection) split their first,
+contracted, axis; the embedding splits the vocabulary. Norm scales and small tensors are
+replicated. A dimension that does not divide by the axis size stays whole. XLA inserts the
+collectives.
+
+Two layouts (LAYOUTS), because where a contraction is split decides the bits:
+
+  split    Megatron: row-parallel weights are split along their contraction, each device sums
+           its part and an all-reduce adds the parts. The sum's order follows the device count,
+           so results on 2 devices differ in their last bits from results on 1 or 4.
+  gather   no contraction is ever split: row-parallel weights are replicated and the activation
+           entering them is gathered whole (`gather_contraction`, a sharding constraint the
+           model applies before every row-parallel projection); the vocabulary is replicated
+           too. More communication, but every dot sees the whole contraction on every mesh.
+
+The KV state is sharded over KV heads ('model') where they divide, and over the batch
+('data').
 """
 
 from __future__ import annotations
+
+import contextlib
+import math
+import os
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gemma_jax.checkpoints import tree
 
 _COLUMN = ('q_proj', 'kv_proj', 'k_proj', 'gate_up_proj', 'per_layer_input_gate')
 _ROW = ('o_proj', 'down_proj', 'per_layer_projection')
+LAYOUTS = ('split', 'gather')
+AXES = ('data', 'model')
 
 
-def partition_spec(name: str, shape: tuple[int, ...], model_size: int) -> P:
+def parse_mesh(spec: str) -> dict[str, int]:
+  """'model:4' or 'model:2,data:2' -> {'data': d, 'model': m} (absent axes have size 1)."""
+  axes = {'data': 1, 'model': 1}
+  for part in (p.strip() for p in spec.split(',') if p.strip()):
+    name, sep, size = part.partition(':')
+    if not sep or name not in axes or not size.isdigit() or int(size) < 1:
+      raise ValueError(f'mesh {spec!r}: expected axis:size pairs over {AXES}, e.g. model:2,data:2')
+    axes[name] = int(size)
+  return axes
+
+
+def host_device_flag(axes: dict[str, int]) -> str:
+  """The XLA flag that gives a CPU process as many devices as the mesh needs."""
+  return f'--xla_force_host_platform_device_count={math.prod(axes.values())}'
+
+
+def set_host_devices(axes: dict[str, int]) -> None:
+  """On a CPU host, asks XLA for the mesh's device count (before jax starts its backend)."""
+  flag = host_device_flag(axes)
+  current = os.environ.get('XLA_FLAGS', '')
+  if flag not in current:
+    kept = ' '.join(f for f in current.split()
+                    if not f.startswith('--xla_force_host_platform_device_count'))
+    os.environ['XLA_FLAGS'] = f'{kept} {flag}'.strip()
+
+
+def make_mesh(axes: dict[str, int]) -> Mesh:
+  count = math.prod(axes.values())
+  devices = jax.devices()
+  if len(devices) < count:
+    raise ValueError(f'the mesh {axes} needs {count} devices; this process has {len(devices)} '
+                     '(on a CPU, --xla_force_host_platform_device_count)')
+  return Mesh(np.array(devices[:count]).reshape(axes['data'], axes['model']), AXES)
+
+
+def partition_spec(name: str, shape: tuple[int, ...], model_size: int,
+                   layout: str = 'split') -> P:
   """The PartitionSpec of the parameter called `name` ('layers/0/attn/q_proj/w', ...)."""
   parts = name.split('/')
   module = parts[-2] if len(parts) > 1 else ''
   spec = [None] * len(shape)
   if module in _COLUMN:
     axis = len(shape) - 1
-  elif module in _ROW:
+  elif module in _ROW and layout == 'split':
     axis = 0
-  elif parts[-1] == 'input_embedding':
+  elif parts[-1] == 'input_embedding' and layout == 'split':
     axis = 0
   else:
     return P()
@@ -40,10 +95,61 @@ def partition_spec(name: str, shape: tuple[int, ...], model_size: int) -> P:
   return P(*spec)
 
 
-def shard_params(params, mesh: Mesh):
-  """Places params on `mesh` (which must have a 'model' axis) by `partition_spec`."""
+def param_shardings(params, mesh: Mesh, layout: str = 'split'):
+  """The NamedSharding of every parameter, as a tree like `params`."""
+  if layout not in LAYOUTS:
+    raise ValueError(f'unknown layout {layout!r}; expected one of {LAYOUTS}')
   model_size = mesh.shape['model']
-  flat = {name: jax.device_put(leaf, NamedSharding(
-              mesh, partition_spec(name, np.shape(leaf), model_size)))
-          for name, leaf in tree.flatten(params).items()}
-  return tree.unflatten(flat)
+
+  def sharding(path, leaf):
+    name = '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
+    return NamedSharding(mesh, partition_spec(name, np.shape(leaf), model_size, layout))
+
+  return jax.tree_util.tree_map_with_path(sharding, params)
+
+
+def shard_params(params, mesh: Mesh, layout: str = 'split'):
+  """Places params on `mesh` (which must have a 'model' axis) by `partition_spec`."""
+  return jax.tree.map(jax.device_put, params, param_shardings(params, mesh, layout))
+
+
+def kv_shardings(kv, mesh: Mesh):
+  """The NamedSharding of every KV-state leaf: K/V [B, S, K, H] over ('data', -, 'model'
+  where K divides, -), positions [B, S] and fill [B] over 'data' where B divides."""
+  data, model = mesh.shape['data'], mesh.shape['model']
+
+  def spec(leaf):
+    batch = 'data' if leaf.shape[0] % data == 0 else None
+    if leaf.ndim == 4:
+      return NamedSharding(mesh, P(batch, None, 'model' if leaf.shape[2] % model == 0 else None,
+                                   None))
+    return NamedSharding(mesh, P(batch, *([None] * (leaf.ndim - 1))))
+
+  return jax.tree.map(spec, kv)
+
+
+_GATHER: list[Mesh] = []  # the mesh whose 'gather' layout the model is being traced under
+
+
+@contextlib.contextmanager
+def gathered_contractions(mesh: Mesh | None):
+  """While tracing under the 'gather' layout, `gather_contraction` replicates activations."""
+  if mesh is None:
+    yield
+    return
+  _GATHER.append(mesh)
+  try:
+    yield
+  finally:
+    _GATHER.pop()
+
+
+def gather_contraction(x: jax.Array) -> jax.Array:
+  """x, about to be contracted by a row-parallel projection: whole on every device under the
+  'gather' layout (so the contraction is never split), unchanged otherwise."""
+  if not _GATHER:
+    return x
+  mesh = _GATHER[-1]
+  batch = 'data' if x.shape[0] % mesh.shape['data'] == 0 else None  # sequences stay apart
+  return jax.lax.with_sharding_constraint(
+      x, NamedSharding(mesh, P(batch, *([None] * (x.ndim - 1)))))
