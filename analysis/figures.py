@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import pathlib
+import textwrap
 from typing import Any, Callable, Iterable, Sequence
 
 from absl import app
@@ -500,6 +501,236 @@ def faults(found_results: Sequence[tuple[pathlib.Path, dict]],
   return _save(fig, path)
 
 
+# --------------------------------------------------------------------------------------------
+# (h) the benchmark: our engines and the peers, against the machine's ceilings
+# --------------------------------------------------------------------------------------------
+
+
+# The graft's time to first token in experiments/bench.py's `ttft_graft_split_s`: restore (read)
+# and verify (hash) are inside load_s; what else load_s holds is drawn as 'load, other'.
+GRAFT_PHASES = (('restore_s', 'restore (read)', 'tab:blue'),
+                ('verify_s', 'verify (hash)', 'tab:cyan'),
+                ('load_other_s', 'load, other', 'tab:gray'),
+                ('graft_s', 'graft (into the cache)', 'tab:olive'),
+                ('query_s', 'query compute', 'tab:orange'))
+
+
+def bench_systems(path: pathlib.Path, data: dict) -> list[dict[str, Any]]:
+  """The system rows of one bench result that can be drawn (a row without a name is left out
+  with a logged warning; a measured row's missing numbers are drawn as 'n/a')."""
+  if not isinstance(data['systems'], list):
+    logging.warning('%s: "systems" is not a list of rows; left out', path)
+    return []
+  rows = []
+  for row in data['systems']:
+    if not isinstance(row, dict) or not row.get('name'):
+      logging.warning('%s: skipping a bench system row without a name', path)
+      continue
+    rows.append(row)
+  return rows
+
+
+def bench_ceiling_tok_s(data: dict, rows: Sequence[dict[str, Any]],
+                        phase: str) -> tuple[float | None, str]:
+  """The machine's ceiling for `phase` ('prefill' or 'decode') in tokens/s, and how it follows
+  from what experiments/bench.py records: prefill at the matmul ceiling's FLOP/s over the
+  prompt's FLOPs per token, decode at the read ceiling's bytes/s over the weight bytes each token
+  reads. Where the per-token cost is not in the config, it comes from a row's fraction of the
+  ceiling (tok/s over fraction); (None, why) when neither is there."""
+  limit, per_token, fraction, unit = {
+      'prefill': ('matmul_gflops', 'prefill_flops_per_token',
+                  'prefill_fraction_of_matmul_ceiling', 'GFLOP/s'),
+      'decode': ('read_gbps', 'decode_bytes_per_token', 'decode_fraction_of_read_ceiling',
+                 'GB/s')}[phase]
+  ceilings, config = data.get('ceilings'), data.get('config')
+  ceiling = ceilings.get(limit) if isinstance(ceilings, dict) else None
+  if not ceiling:
+    return None, f'no {limit} ceiling recorded'
+  cost = config.get(per_token) if isinstance(config, dict) else None
+  if cost:
+    what = 'FLOP' if phase == 'prefill' else 'B'
+    return ceiling * 1e9 / cost, f'{ceiling:.3g} {unit} / {cost:.3g} {what} per token'
+  for row in rows:
+    if not row.get('skipped') and row.get(fraction) and row.get(f'{phase}_tok_s'):
+      return row[f'{phase}_tok_s'] / row[fraction], f'{ceiling:.3g} {unit}, from {row["name"]}'
+  return None, f'no {per_token} recorded'
+
+
+def _value(row: dict[str, Any], field: str) -> float | None:
+  """A measured row's positive number in `field` (None: skipped, absent, null or not a number)."""
+  value = None if row.get('skipped') else row.get(field)
+  if not isinstance(value, (int, float)) or isinstance(value, bool):
+    return None
+  return float(value) if np.isfinite(value) and value > 0 else None
+
+
+def _system_ticks(ax, rows: Sequence[dict[str, Any]]) -> None:
+  """One tick per system; under a skipped system's name, why it was skipped, small."""
+  x = np.arange(len(rows))
+  ax.set_xticks(x, [r['name'] for r in rows], fontsize=8)
+  ax.set_xlim(-0.6, len(rows) - 0.4)
+  for xi, row in zip(x, rows):
+    if row.get('skipped'):
+      ax.annotate('skipped: ' + textwrap.fill(str(row['skipped']), 28), (xi, 0),
+                  xycoords=('data', 'axes fraction'), xytext=(0, -16), textcoords='offset points',
+                  ha='center', va='top', fontsize=5.5, color='dimgray')
+      ax.text(xi, 0.03, 'skipped', transform=ax.get_xaxis_transform(), rotation=90,
+              ha='center', va='bottom', fontsize=7, color='gray')
+
+
+def _fmt(value: float) -> str:
+  return f'{value:,.0f}' if value >= 100 else f'{value:.3g}'
+
+
+def _na(ax, x: float) -> None:
+  ax.text(x, 0.03, 'n/a', transform=ax.get_xaxis_transform(), ha='center', va='bottom',
+          fontsize=7, color='gray')
+
+
+def _log_y(ax, values: Iterable[float | None]) -> None:
+  values = [v for v in values if v]
+  if values:
+    ax.set_yscale('log')
+    ax.set_ylim(min(values) / 4, max(values) * 4)
+
+
+def _bench_throughput(ax, data: dict, rows: Sequence[dict[str, Any]], phase: str,
+                      color: str) -> None:
+  field = f'{phase}_tok_s'
+  fraction = {'prefill': 'prefill_fraction_of_matmul_ceiling',
+              'decode': 'decode_fraction_of_read_ceiling'}[phase]
+  ceiling, how = bench_ceiling_tok_s(data, rows, phase)
+  values = [_value(r, field) for r in rows]
+  for xi, (row, value) in enumerate(zip(rows, values)):
+    if value is None:
+      if not row.get('skipped'):
+        _na(ax, xi)
+      continue
+    ax.bar(xi, value, color=color, width=0.6)
+    share = row.get(fraction) if row.get(fraction) is not None else (
+        value / ceiling if ceiling else None)
+    ax.text(xi, value, _fmt(value) + (f'\n{100 * share:.2g}% of ceiling' if share else ''),
+            ha='center', va='bottom', fontsize=7)
+  ceiling_name = 'matmul' if phase == 'prefill' else 'read bandwidth'
+  if ceiling:
+    ax.axhline(ceiling, color='black', linestyle='--', linewidth=1,
+               label=f'{ceiling_name} ceiling {_fmt(ceiling)} tok/s ({how})')
+    ax.legend(fontsize=7, loc='upper right')
+  else:
+    logging.warning('bench: no %s ceiling in tokens/s (%s); drawn without it', phase, how)
+  _log_y(ax, values + [ceiling])
+  _system_ticks(ax, rows)
+  ax.set_ylabel(f'{phase} tokens/s (log)')
+  ax.grid(alpha=0.3, axis='y')
+  c = data['config'] if isinstance(data['config'], dict) else {}
+  detail = (f"{c.get('prompt_tokens')}-token prompt" if phase == 'prefill' else
+            f"{c.get('decode_tokens')} greedy steps, one token per call")
+  ax.set_title(f'{phase}: {detail}' + ('' if ceiling else f' (ceiling unknown: {how})'),
+               fontsize=9)
+
+
+def _bench_ttft(ax, data: dict, rows: Sequence[dict[str, Any]]) -> None:
+  width = 0.38
+  values = []
+  for xi, row in enumerate(rows):
+    for shift, field, color, name in ((-width / 2, 'ttft_recompute_s', 'tab:red', 'recompute'),
+                                      (width / 2, 'ttft_graft_s', 'tab:green', 'graft')):
+      value = _value(row, field)
+      values.append(value)
+      if value is None:
+        if not row.get('skipped'):
+          _na(ax, xi + shift)
+        continue
+      ax.bar(xi + shift, value, width=width, color=color,
+             label=name if name not in ax.get_legend_handles_labels()[1] else None)
+      ax.text(xi + shift, value, f'{value:.3g} s', ha='center', va='bottom', fontsize=7)
+    recompute, graft = _value(row, 'ttft_recompute_s'), _value(row, 'ttft_graft_s')
+    if recompute and graft:
+      ax.text(xi, 0.97, f'{recompute / graft:.3g}x', transform=ax.get_xaxis_transform(),
+              ha='center', va='top', fontsize=8, fontweight='bold')
+  _log_y(ax, values)
+  _system_ticks(ax, rows)
+  ax.set_ylabel('time to first token (s, log)')
+  ax.grid(alpha=0.3, axis='y')
+  if ax.get_legend_handles_labels()[1]:
+    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.0, 1.0))
+  c = data['config'] if isinstance(data['config'], dict) else {}
+  ax.set_title(f"time to first token: {c.get('library_tokens')}-token library + "
+               f"{c.get('query_tokens')}-token query, recomputed vs grafted from its saved KV "
+               '(speedup on top)', fontsize=9)
+
+
+def _bench_graft_split(ax, data: dict, rows: Sequence[dict[str, Any]]) -> bool:
+  """The graft's time to first token split into its phases, for the systems that record it
+  (horizontal stacked bars, linear seconds); False when none does."""
+  split_rows = [r for r in rows if not r.get('skipped') and isinstance(r.get('ttft_graft_split_s'),
+                                                                       dict)]
+  if not split_rows:
+    ax.axis('off')
+    return False
+  for y, row in enumerate(split_rows):
+    split = row['ttft_graft_split_s']
+    phases = dict(split)
+    phases['load_other_s'] = max(0.0, (split.get('load_s') or 0.0) - (split.get('restore_s') or 0.0)
+                                 - (split.get('verify_s') or 0.0))
+    left = 0.0
+    for key, name, color in GRAFT_PHASES:
+      seconds = float(phases.get(key) or 0.0)
+      ax.barh(y, seconds, left=left, color=color, height=0.6, label=name if y == 0 else None)
+      left += seconds
+    extra = f", restore {row['restore_gbps']:.3g} GB/s" if row.get('restore_gbps') else ''
+    ax.text(left, y, f' {left * 1e3:.3g} ms{extra}', va='center', fontsize=7)
+  ax.set_yticks(range(len(split_rows)), [r['name'] for r in split_rows], fontsize=8)
+  ax.invert_yaxis()
+  ax.margins(x=0.25)
+  ax.set_xlabel('seconds')
+  ax.grid(alpha=0.3, axis='x')
+  ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.0, 1.0))
+  ax.set_title('graft time to first token, by phase (medians of each phase)', fontsize=9)
+  return True
+
+
+def bench(found_results: Sequence[tuple[pathlib.Path, dict]],
+          path: pathlib.Path) -> pathlib.Path | None:
+  """Per bench result: prefill and decode tokens/s per system with the machine's ceiling in
+  tokens/s as a line, time to first token recomputed vs grafted, and the graft's phases. A
+  skipped system keeps its place, with no bar and its reason under its name."""
+  drawable = []
+  for source, data in found_results:
+    rows = bench_systems(source, data)
+    if rows:
+      drawable.append((source, data, rows))
+    else:
+      logging.warning('%s: no bench system rows; left out', source)
+  if not drawable:
+    logging.warning('bench: no bench results with system rows; skipped')
+    return None
+  panels = 4
+  width = max(9.0, 1.6 * max(len(rows) for _, _, rows in drawable))
+  fig, axes = plt.subplots(panels * len(drawable), 1, squeeze=False, layout='constrained',
+                           figsize=(width, 3.6 * panels * len(drawable)))
+  for i, (_, data, rows) in enumerate(drawable):
+    ax_prefill, ax_decode, ax_ttft, ax_split = axes[panels * i:panels * (i + 1), 0]
+    c = data['config'] if isinstance(data['config'], dict) else {}
+    limits = data['ceilings'] if isinstance(data['ceilings'], dict) else {}
+    environment = c.get('environment') or {}
+    _bench_throughput(ax_prefill, data, rows, 'prefill', 'tab:blue')
+    _bench_throughput(ax_decode, data, rows, 'decode', 'tab:purple')
+    _bench_ttft(ax_ttft, data, rows)
+    _bench_graft_split(ax_split, data, rows)
+    machine = ', '.join(dict.fromkeys(str(v) for v in (environment.get('backend'),
+                                                       environment.get('device_kind')) if v))
+    ax_prefill.set_title(
+        f"{_label(c.get('model'), c.get('weights'), c.get('dtype'))}"
+        f"{' on ' + machine if machine else ''}, medians of {c.get('repeats')} runs; "
+        f"ceilings {limits.get('matmul_gflops', float('nan')):.3g} GFLOP/s matmul, "
+        f"{limits.get('read_gbps', float('nan')):.3g} GB/s read\n" + ax_prefill.get_title(),
+        fontsize=9)
+  fig.suptitle('Benchmark: this project\'s engines and the peers on the same weights, against '
+               'the machine\'s ceilings')
+  return _save(fig, path)
+
+
 @dataclasses.dataclass(frozen=True)
 class Figure:
   """A figure: the result kinds it reads, how it picks its input from them, how it draws."""
@@ -529,6 +760,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure('widen_context', ('widen_context',), lambda found, _: found['widen_context'],
            widen_context),
     Figure('faults', ('faults',), lambda found, _: found['faults'], faults),
+    Figure('bench', ('bench',), lambda found, _: found['bench'], bench),
 )
 
 

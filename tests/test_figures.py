@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 
+import matplotlib.text
 import pytest
 
 from analysis import figures
@@ -51,8 +52,48 @@ def _write(path: pathlib.Path, data, kind=None) -> None:
   path.write_text(json.dumps(data))
 
 
+BENCH_SKIP_REASON = 'llama-cpp-python is not installed: pip install -e ".[bench]"'
+# The fixture's machine: 100 GFLOP/s and 10 GB/s; prefill costs 1e7 FLOP and decode reads 1e8
+# bytes per token, so the ceilings are 1e4 and 100 tokens/s.
+BENCH_CEILINGS = {'matmul_gflops': 100.0, 'read_gbps': 10.0}
+BENCH_PREFILL_CEILING, BENCH_DECODE_CEILING = 1e4, 100.0
+
+
+def _bench_row(name, prefill, decode, recompute, graft, split=None):
+  """A measured row as experiments/bench.py writes it, fractions of the ceilings included."""
+  row = {'name': name, 'skipped': None, 'prefill_tok_s': prefill, 'decode_tok_s': decode,
+         'ttft_recompute_s': recompute, 'ttft_graft_s': graft,
+         'prefill_fraction_of_matmul_ceiling': prefill * 1e7 / 1e9 / 100.0,
+         'decode_fraction_of_read_ceiling': decode * 1e8 / 1e9 / 10.0}
+  if split:
+    row.update(ttft_graft_split_s=split, artifact_bytes=24_000_000, restore_gbps=4.0)
+  return row
+
+
+def _bench_fixture(*, per_token_costs=True):
+  """A synthetic bench result in experiments/bench.py's shape: two of ours with the graft split,
+  a measured peer without one, a skipped peer and a measured peer that cannot graft."""
+  split = {'restore_s': 0.004, 'verify_s': 0.002, 'load_s': 0.007, 'graft_s': 0.001,
+           'query_s': 0.012, 'total_s': 0.020}
+  systems = [_bench_row('ours_pinned', 1500.0, 40.0, 1.5, 0.020, split),
+             _bench_row('ours_default', 1800.0, 45.0, 1.4, 0.020, split),
+             {**_bench_row('hf_transformers', 900.0, 20.0, 2.5, 0.3),
+              'ttft_graft_note': 'DynamicCache deep-copied'},
+             {'name': 'llama_cpp_q4_k_m', 'skipped': BENCH_SKIP_REASON, 'prefill_tok_s': None,
+              'decode_tok_s': None, 'ttft_recompute_s': None, 'ttft_graft_s': None},
+             _bench_row('deepmind_gemma', 700.0, 15.0, 3.0, None)]
+  config = {'model': 'tiny_gemma3', 'weights': 'random', 'dtype': 'float32', 'fixture': True,
+            'systems': [s['name'] for s in systems], 'prompt_tokens': 2000, 'decode_tokens': 32,
+            'library_tokens': 2048, 'query_tokens': 64, 'repeats': 3,
+            'environment': {'backend': 'cpu', 'device_kind': 'cpu'}}
+  if per_token_costs:
+    config.update(prefill_flops_per_token=1e7, decode_bytes_per_token=1e8)
+  return {'config': config, 'ceilings': dict(BENCH_CEILINGS), 'systems': systems,
+          'ratios': {'pinned_vs_default_prefill_tok_s': 1500 / 1800}}
+
+
 def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True,
-                    store=True) -> None:
+                    store=True, bench=True) -> None:
   results.mkdir(parents=True, exist_ok=True)
   if sweeps:
     for rope_mode in ('float', 'quarter_turn', 'none'):
@@ -90,6 +131,8 @@ def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True
                        'fixture': True}, 'kinds': kinds,
             'summary': {'trials': 20, 'exact': 6, 'refused': 14, 'silent_wrong': 0,
                         'lost': 0}}, 'faults')
+  if bench:
+    _write(results / 'bench_tiny_gemma3_float32.json', _bench_fixture(), 'bench')
   if rope:  # a real (tiny) rope_float analysis, computed here, not made up
     result = rope_float.analyze(max_position=256, dtypes=['float32'], offsets=[0, 1, 64],
                                 grid_points=8, vectors=1)
@@ -180,6 +223,121 @@ def test_results_are_recognised_by_their_schema_not_their_file_name(tmp_path):
   assert [path.name for path, _ in found['position_sweep']] == ['float.json']
   drawn = figures.draw_figures(results, tmp_path / 'figures')
   assert drawn['position_exactness'] is not None
+
+
+def _draw_bench_only(results: pathlib.Path, output: pathlib.Path, monkeypatch):
+  """draw_figures over `results`; returns (drawn, the bench figure's matplotlib Figure or None)."""
+  saved = {}
+  save = figures._save
+
+  def keep(fig, path):
+    saved[path.name] = fig
+    return save(fig, path)
+
+  monkeypatch.setattr(figures, '_save', keep)
+  drawn = figures.draw_figures(results, output)
+  return drawn, saved.get('bench.png')
+
+
+def _texts(fig) -> list[str]:
+  """Every text of the figure (titles, labels, annotations, legend entries), whitespace folded."""
+  return [' '.join(t.get_text().split()) for t in fig.findobj(matplotlib.text.Text)]
+
+
+def _ceiling_lines(ax) -> list[float]:
+  return [float(line.get_ydata()[0]) for line in ax.get_lines()
+          if len(set(line.get_ydata())) == 1 and line.get_linestyle() == '--']
+
+
+def test_bench_figure_draws_skipped_systems_ceilings_and_ttft(tmp_path, monkeypatch):
+  results = tmp_path / 'results'
+  _write_fixtures(results, sweeps=False, graft=False, rope=False, store=False)
+  drawn, fig = _draw_bench_only(results, tmp_path / 'figures', monkeypatch)
+  png = tmp_path / 'figures' / 'bench.png'
+  assert drawn['bench'] == png
+  assert png.stat().st_size > 1000
+  assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert [name for name, path in drawn.items() if path] == ['bench']
+  prefill, decode, ttft, split = fig.axes[:4]
+  # Every system keeps its tick; the skipped one has no bar and its reason under its name.
+  names = ['ours_pinned', 'ours_default', 'hf_transformers', 'llama_cpp_q4_k_m', 'deepmind_gemma']
+  for ax in (prefill, decode, ttft):
+    assert [t.get_text() for t in ax.get_xticklabels()] == names
+  assert sorted(round(p.get_x() + p.get_width() / 2) for p in prefill.patches) == [0, 1, 2, 4]
+  assert sorted(p.get_height() for p in prefill.patches) == [700.0, 900.0, 1500.0, 1800.0]
+  assert sorted(p.get_height() for p in decode.patches) == [15.0, 20.0, 40.0, 45.0]
+  assert 'skipped: ' + BENCH_SKIP_REASON in _texts(fig)
+  # The ceilings in tokens/s, as experiments/bench.py's fractions imply: FLOP/s over FLOP/token,
+  # bytes/s over bytes/token.
+  assert _ceiling_lines(prefill) == pytest.approx([BENCH_PREFILL_CEILING])
+  assert _ceiling_lines(decode) == pytest.approx([BENCH_DECODE_CEILING])
+  # ours_pinned: 1500 of 1e4 tokens/s.
+  assert '1,500 15% of ceiling' in [' '.join(t.get_text().split()) for t in prefill.texts]
+  # TTFT: recompute and graft side by side (no graft bar for the peer that cannot graft), and
+  # ours' graft split into phases summing to its total.
+  assert sorted(p.get_height() for p in ttft.patches) == pytest.approx(
+      [0.02, 0.02, 0.3, 1.4, 1.5, 2.5, 3.0])
+  assert 'n/a' in [t.get_text() for t in ttft.texts]
+  assert '75x' in [t.get_text() for t in ttft.texts]
+  pinned = [p for p in split.patches if round(p.get_y() + p.get_height() / 2) == 0]
+  assert len(pinned) == len(figures.GRAFT_PHASES)
+  assert sum(p.get_width() for p in pinned) == pytest.approx(0.020)
+
+
+def test_bench_ceiling_in_tokens_per_second(tmp_path):
+  data = _bench_fixture()
+  path = tmp_path / 'bench.json'
+  rows = figures.bench_systems(path, data)
+  assert figures.bench_ceiling_tok_s(data, rows, 'prefill')[0] == pytest.approx(1e4)
+  assert figures.bench_ceiling_tok_s(data, rows, 'decode')[0] == pytest.approx(100.0)
+  # Without the per-token costs in the config: from a measured row's fraction of the ceiling.
+  data = _bench_fixture(per_token_costs=False)
+  assert figures.bench_ceiling_tok_s(data, rows, 'prefill')[0] == pytest.approx(1e4)
+  assert figures.bench_ceiling_tok_s(data, rows, 'decode')[0] == pytest.approx(100.0)
+  # Without either, no ceiling, and why.
+  for row in data['systems']:
+    row.pop('prefill_fraction_of_matmul_ceiling', None)
+  ceiling, why = figures.bench_ceiling_tok_s(data, figures.bench_systems(path, data), 'prefill')
+  assert ceiling is None and 'prefill_flops_per_token' in why
+
+
+def test_bench_figure_without_ceilings_still_draws(tmp_path, monkeypatch):
+  results = tmp_path / 'results'
+  results.mkdir()
+  data = _bench_fixture(per_token_costs=False)
+  for row in data['systems']:
+    row.pop('prefill_fraction_of_matmul_ceiling', None)
+    row.pop('decode_fraction_of_read_ceiling', None)
+  _write(results / 'bench.json', data, 'bench')
+  drawn, fig = _draw_bench_only(results, tmp_path / 'figures', monkeypatch)
+  assert drawn['bench'].stat().st_size > 1000
+  assert _ceiling_lines(fig.axes[0]) == [] and _ceiling_lines(fig.axes[1]) == []
+  assert any('ceiling unknown' in t for t in _texts(fig))
+
+
+def test_malformed_bench_results_are_skipped_with_a_reason(tmp_path, caplog):
+  results = tmp_path / 'results'
+  results.mkdir()
+  good = _bench_fixture()
+  (results / 'bench_not_json.json').write_text('{"schema": "bench/1", ')
+  _write(results / 'bench_no_systems.json', {k: v for k, v in good.items() if k != 'systems'},
+         'bench')  # lacks a field of the schema: not a bench result
+  _write(results / 'bench_systems_not_a_list.json', {**good, 'systems': 'ours_pinned'}, 'bench')
+  _write(results / 'bench_rows_without_names.json',
+         {**good, 'systems': [{'prefill_tok_s': 1.0}, 'ours_pinned']}, 'bench')
+  found = results_lib.load(results)
+  assert [p.name for p, _ in found['bench']] == ['bench_rows_without_names.json',
+                                                 'bench_systems_not_a_list.json']
+  drawn = figures.draw_figures(results, tmp_path / 'figures')
+  assert drawn['bench'] is None
+  assert not (tmp_path / 'figures' / 'bench.png').exists()
+  assert 'bench_systems_not_a_list.json: "systems" is not a list of rows' in caplog.text
+  assert 'bench_rows_without_names.json: skipping a bench system row without a name' in caplog.text
+  assert 'bench: no bench results with system rows; skipped' in caplog.text
+  # A named row that lacks its numbers is drawn as 'n/a', not a crash.
+  _write(results / 'bench_sparse.json', {**good, 'systems': [{'name': 'ours_pinned'}]}, 'bench')
+  drawn = figures.draw_figures(results, tmp_path / 'figures')
+  assert drawn['bench'].stat().st_size > 1000
 
 
 if __name__ == '__main__':
