@@ -52,11 +52,24 @@ def define_model_flags(model: str = 'gemma3_270m', weights_spec: str = 'embedded
 
 def define_engine_flags(engine_default: str = 'pinned', cache_len: int = 4096) -> None:
   flags.DEFINE_enum('engine', engine_default, MODES,
-                    'pinned: fixed-shape byte-exact engine; default: the plain fast path.')
-  flags.DEFINE_enum('attention', 'xla', list(IMPLEMENTATIONS), 'Attention implementation.')
-  flags.DEFINE_integer('block_size', EngineConfig.block_size,
-                       'Token rows per transformer call (pinned engine).')
+                    'pinned: fixed reduction orders, byte-exact; blocked: the first pinned '
+                    'design (fixed-shape blocks); default: the plain fast path.')
+  flags.DEFINE_enum('attention', None, list(IMPLEMENTATIONS),
+                    "Attention implementation (default: the engine mode's, tiled for pinned).")
+  flags.DEFINE_integer('block_size', None,
+                       'pinned: the most token rows per transformer call (default 256); '
+                       'blocked: the rows of every call (default 16).')
   flags.DEFINE_integer('cache_len', cache_len, 'KV slots: the most tokens a context holds.')
+
+
+def engine_flag_args() -> list[str]:
+  """The engine flags as given, for a subprocess that must build the same engine."""
+  args = [f'--engine={FLAGS.engine}', f'--cache_len={FLAGS.cache_len}']
+  if FLAGS.attention is not None:
+    args.append(f'--attention={FLAGS.attention}')
+  if FLAGS.block_size is not None:
+    args.append(f'--block_size={FLAGS.block_size}')
+  return args
 
 
 def load_model() -> weights.LoadedModel:

@@ -59,7 +59,8 @@ def define_flags() -> None:
 
 
 def run_config(engine) -> dict:
-  return {**common.model_config_json(), 'engine': FLAGS.engine, 'attention': FLAGS.attention,
+  return {**common.model_config_json(), 'engine': FLAGS.engine,
+          'attention': engine.engine_config.attention,
           'engine_config': dataclasses.asdict(engine.engine_config), 'samples': FLAGS.samples,
           'seed': FLAGS.seed, 'input': FLAGS.input, 'source': FLAGS.source,
           'store': FLAGS.store if FLAGS.source == 'store' else None,
@@ -105,8 +106,7 @@ def deposit(url: str, libraries: list, scratch: str) -> None:
       f.write(json.dumps({'tokens': [int(t) for t in library]}) + '\n')
   command = [sys.executable, '-m', 'experiments.store', 'put', f'--store={url}',
              f'--input={path}', f'--model={FLAGS.model}', f'--weights={FLAGS.weights}',
-             f'--dtype={FLAGS.dtype}', f'--engine={FLAGS.engine}', f'--attention={FLAGS.attention}',
-             f'--block_size={FLAGS.block_size}', f'--cache_len={FLAGS.cache_len}']
+             f'--dtype={FLAGS.dtype}', *common.engine_flag_args()]
   logging.info('depositing %d libraries: %s', len(libraries), ' '.join(command))
   subprocess.run(command, check=True, cwd=common.REPO,
                  env={**os.environ, 'PYTHONPATH': common.REPO})
@@ -128,7 +128,8 @@ def main(argv):
         raise app.UsageError('--source=store deposits from another process: use a store it can '
                              'reach (file:///abs/path/, gs://...), not memory://')
       url = FLAGS.store or f'file://{scratch}/store/'
-      planned = samples.with_shared_prefixes(pairs, FLAGS.block_size, seed=FLAGS.seed)
+      planned = samples.with_shared_prefixes(pairs, engine.engine_config.block_size,
+                                             seed=FLAGS.seed)
       pairs = [p.sample for p in planned]
       deposit(url, [p.sample.library for p in planned if p.deposited], scratch)
       store = Store(url, engine)
@@ -147,7 +148,7 @@ def main(argv):
   output = FLAGS.output or common.default_output(
       'graft_exactness', FLAGS.model, FLAGS.dtype,
       FLAGS.engine if FLAGS.engine != 'pinned' else '',
-      FLAGS.attention if FLAGS.attention != 'xla' else '',
+      FLAGS.attention or '',
       'store' if FLAGS.source == 'store' else '')
   written = common.write_result(output, 'graft_exactness',
                                 {'config': config, 'samples': rows, 'summary': summary})

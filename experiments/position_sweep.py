@@ -335,7 +335,8 @@ def main(argv):
   logging.info('loading %s (%s) weights=%s dtype=%s rope=%s', label, FLAGS.model, FLAGS.weights,
                FLAGS.dtype, FLAGS.rope)
   loaded = weights.load(config, FLAGS.weights, FLAGS.dtype)
-  cache_len = FLAGS.cache_len or auto_cache_len(library_len, query_len, FLAGS.block_size)
+  block_size = FLAGS.block_size or EngineConfig(mode=FLAGS.engine).block_size
+  cache_len = FLAGS.cache_len or auto_cache_len(library_len, query_len, block_size)
   engine_config = common.engine_config(cache_len=cache_len)
   engines = build_engines(loaded, engine_config, methods)
   library, query = text_tokens(loaded.tokenizer, library_len, query_len, FLAGS.seed)
@@ -355,8 +356,9 @@ def main(argv):
       'text': 'pydoc_data.topics (experiments/samples.py corpus_text)',
       'library_sha256': compare.sha256_bytes(np.asarray(library, np.int32)),
       'query_sha256': compare.sha256_bytes(np.asarray(query, np.int32)),
-      'engine': FLAGS.engine, 'attention': FLAGS.attention, 'block_size': FLAGS.block_size,
-      'cache_len': cache_len, 'engine_config': dataclasses.asdict(engine_config),
+      'engine': FLAGS.engine, 'attention': standard.engine_config.attention,
+      'block_size': block_size, 'cache_len': cache_len,
+      'engine_config': dataclasses.asdict(standard.engine_config),
       'max_context': config.max_context,
       'transformer_config': json.loads(fingerprint.canonical_json(config)),
       'model_fingerprint': standard.model_fingerprint['sha256'],

@@ -6,7 +6,8 @@ means a key occupies the same slot whether it arrived in this call or an earlier
 reduction a query row sees does not depend on how the sequence was cut into calls.
 
 `attend` is the reference (XLA) implementation. `IMPLEMENTATIONS` names every implementation an
-engine can run ('xla': `attend`; 'pallas': the kernels in gemma_jax/kernels) with what of it
+engine can run ('xla': `attend`; 'pallas': the kernels in gemma_jax/kernels; 'tiled': the
+pinned engine's fixed-order tiles, gemma_jax/tiled_attention.py) with what of it
 decides bits (its block shapes, recorded in the engine fingerprint); a new kernel is one entry
 there plus its module. The model passes each layer's score function (`scores`, from its RoPE
 mode in gemma_jax.rope.MODES; None for the plain q . k) to whichever implementation runs.
@@ -117,11 +118,17 @@ def _pallas(tile_size: int | None, platform: str | None) -> AttendFn:
       interpret=None if platform is None else platform == 'cpu')
 
 
+def _tiled(tile_size: int | None, platform: str | None) -> AttendFn:
+  del platform  # plain XLA ops
+  from gemma_jax.tiled_attention import DEFAULT_TILE, TiledAttention
+  return TiledAttention(tile_size or DEFAULT_TILE)
+
+
 # name -> a builder taking the KV tile size (None: the implementation's default) and the
 # platform to build for ('cpu', 'gpu', 'tpu'; None: the default backend's; another platform than
 # this host's gives a function that lowers for it, graft/lowering.py, but does not run).
 IMPLEMENTATIONS: dict[str, Callable[[int | None, str | None], AttendFn]] = {
-    'xla': _xla, 'pallas': _pallas}
+    'xla': _xla, 'pallas': _pallas, 'tiled': _tiled}
 
 
 def build(name: str, tile_size: int | None = None, platform: str | None = None) -> AttendFn:

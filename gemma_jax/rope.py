@@ -20,6 +20,8 @@ experiments:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Callable
 
@@ -66,12 +68,39 @@ def quarter_turn_sin_cos(positions: jax.Array, head_dim: int, *, rotary_fraction
   return sin, cos
 
 
+_SIN_COS: contextvars.ContextVar[dict | None] = contextvars.ContextVar('gemma_jax_rope_sin_cos',
+                                                                      default=None)
+
+
+@contextlib.contextmanager
+def shared_sin_cos():
+  """Within one model call, computes float RoPE's sin and cos once per (positions, head dim,
+  base, scale, fraction) and reuses them in every layer, each computed into its own buffer
+  (`layers.fusion_barrier`): XLA:CPU otherwise recomputes them inside every layer's fusions.
+  The values are the same either way (an elementwise function of the positions)."""
+  token = _SIN_COS.set({})
+  try:
+    yield
+  finally:
+    _SIN_COS.reset(token)
+
+
 def float_sin_cos(positions: jax.Array, head_dim: int, *, base: float, scale: float = 1.0,
                   rotary_fraction: float = 1.0):
-  """sin and cos [..., H/2] of the reference's float32 angles."""
+  """sin and cos [..., H/2] of the reference's float32 angles (shared within a model call
+  under `shared_sin_cos`)."""
+  cache = _SIN_COS.get()
+  key = (id(positions), head_dim, base, scale, rotary_fraction)
+  if cache is not None and key in cache:
+    return cache[key][:2]
   angles = rotation_angles(positions, head_dim, base=base, scale=scale,
                            rotary_fraction=rotary_fraction)
-  return jnp.sin(angles), jnp.cos(angles)
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  if cache is not None:
+    from gemma_jax.layers import fusion_barrier  # layers does not import rope; no cycle
+    sin, cos = fusion_barrier(sin), fusion_barrier(cos)
+    cache[key] = (sin, cos, positions)  # holding positions keeps its id unique
+  return sin, cos
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, *, base: float, scale: float = 1.0,
@@ -130,7 +159,7 @@ class RopeMode:
   name: str
   sin_cos: Callable | None
   scores: Callable[[float], Callable] | None = None
-  attention: tuple[str, ...] = ('xla', 'pallas')
+  attention: tuple[str, ...] = ('xla', 'pallas', 'tiled')
   why: str = ''
 
 

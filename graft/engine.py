@@ -1,43 +1,60 @@
-"""The inference engine: pinned (byte-exact by construction) or default (the plain fast path).
+"""The inference engine: pinned (byte-exact by construction), blocked (the first pinned design)
+or default (the plain fast path).
 
 Why pinning is needed. XLA picks kernels by shape. Measured on this project's CPU machines (jax
 0.10.2, XLA:CPU, float32 and bfloat16): row 0 of `x[:M] @ W` has different bits for M = 1,
-M in 2..32 and M >= 64. At a fixed M, a row of the Gemma 3 matmuls has the same bits whatever
-its row index and the other rows, but not every shape keeps that: in tiny_gemma4 (the per-layer
-input path, a [T, 64] @ [64, 8] matmul) a token's bits change with its row index. An attention
-row over a fixed-size buffer has the same bits whatever its neighbours or the (masked) contents
-of slots past its position. So "restore a prefix, then prefill the rest" differs from a one-shot
-prefill unless every call has the same shape and every token the same row.
+M in 2..32 and M >= 64, and XLA's own reductions and fusions (RMSNorm, softmax, multiply-adds
+contracted into FMAs) add more classes. So "restore a prefix, then prefill the rest" differs
+from a one-shot prefill unless a row's bits stop depending on the call's shape.
 
-The pinned design. Every transformer call processes exactly `block_size` token rows (B), and
-blocks are aligned to the sequence: the token with sequence index j sits in row j mod B of its
-call, whatever the calls before it. A block holds padding rows (position EMPTY: masked
-everywhere, writing nothing) before the first token of a call that continues a context
-mid-block, and after its last token. Every logits call processes exactly `logits_rows` rows
-(1: a GEMV per row, which is also the cheapest way to get the one row a decode step needs).
-Attention writes the block's K/V into the cache first, then reduces over the whole fixed-size
-buffer in slot order, where a token's slot is its sequence index (mod the buffer size on local
-layers, which use a ring of W + B - 1 slots). With these rules a token's KV and logits are a
-pure function of the tokens up to it: prefill, graft continuation and decode all go through the
-same two compiled functions, and an own-position graft is byte-exact for any split point and any
-chunking, before and far past the sliding window (tests/test_graft_exact.py, results/).
+mode='pinned': reduction orders fixed by construction (gemma_jax.layers.FixedOrder), so that
+calls need no fixed shape.
+  * Dots run in Eigen (`dot_library='eigen'`: compiler_options turn XLA:CPU's YNNPACK dot fusion
+    off for the pinned engine's computations, whatever the process's XLA_FLAGS).
+  * Every projection contracts over chunks of at most k_chunk (256) inputs, a batched dot on a
+    free reshape of the weight, and adds the chunk products in chunk order with elementwise adds.
+    A dot over <= 256-320 terms accumulates them in one pass, the same for a GEMV (one row) as
+    for any GEMM of >= 8 rows (2..7 rows take other kernels for some shapes, so such calls are
+    padded to min_rows = 8): a row's bits no longer depend on M. Tiny projections (<= 65536
+    weights, the test configs) are broadcast products with tree sums.
+  * Row sums are explicit pairwise trees (RMSNorm); products that feed an add across ops pass
+    through an integer identity the compiler cannot see through (layers.materialize), and the
+    residual stream leaves a run-time lax.cond (layers.fusion_barrier) so XLA does not recompute
+    it inside every later fusion (which cost more than the chunking).
+  * Attention ('tiled', gemma_jax/tiled_attention.py) reads the first n 256-slot tiles of the
+    cache (n: the tiles holding the context, rounded up to a power of two), one dot per tile,
+    a two-pass softmax whose tile sums are added in slot order, and a tile a row does not see
+    changes nothing, so n follows the context (the cost too) without changing a bit. A token's
+    slot is its sequence index (mod the ring size, W + block_size - 1 rounded up to whole tiles,
+    on local layers).
+  * Logits: `logits_rows` (1) rows per call, the table streamed as table @ row.
+A call has 1 row (a decode step, its logits in the same computation) or a row bucket (min_rows,
+2 min_rows, ..., block_size = 256) with padding rows (position EMPTY: masked everywhere, writing
+nothing) after its tokens; no alignment to the sequence is needed. A token's KV and logits are
+then a pure function of the tokens up to it: one-shot prefill, prefix-then-rest and token-by-token
+decode agree bit for bit for any split point, before and past the sliding window
+(tests/test_graft_exact.py, tests/test_pinned_rows.py, results/graft_exactness_*.json).
+What the guarantee rests on is measured, not proven: XLA:CPU's kernel choices for these shapes
+(Eigen's K blocking above ~320 terms follows the CPU's cache sizes) and its not fusing through a
+lax.cond; the fingerprint pins the CPU model and the versions, and the tests re-measure it.
 
-The block size is a trade. A decode step is a whole block (one real row, B - 1 padding rows),
-so its matmuls cost B rows; a prefill gets XLA:CPU's better efficiency at larger M. Measured on
-the 270M in float32 (2 cores, tokens/s, pinned / default): B = 8: prefill 0.66x, decode 0.90x;
-B = 16: prefill ~1.0x, decode 0.65-0.77x; B = 32: prefill 1.3x, decode 0.5x. B = 16 is the
-default (results/bench_graft_*.json has the current numbers).
+mode='blocked': the first pinned design, kept bit-identical so that results and manifests made
+with it still replay (records without k_chunk map to it, `EngineConfig.from_dict`). Every call
+has exactly block_size (16) rows, blocks aligned to the sequence (token j in row j mod B, padding
+rows before the first token of a call that continues a context mid-block), attention reduces
+over the whole fixed-size buffer, XLA's own numerics. A decode step costs a whole block.
+
+mode='default': the plain fast path: one call per extend padded only to the next power of two
+(XLA sees whatever M the request has), logits for the requested rows in one call, local layers
+over the full cache. It is here to show what pinning buys (and costs: nothing, see
+results/bench_*.json).
 
 Everything that decides bits is in EngineConfig and the engine fingerprint (graft/fingerprint.py):
-block size, logits rows, cache length (attention reduces over the whole buffer), attention
-implementation and its kernel blocks, matmul precision, XLA flags, dtype, the layout version
-(LAYOUT_VERSION: how tokens map to rows and slots), jax/jaxlib versions, backend, device kind and
-CPU vector extensions. The thread count is not: tests/test_threads.py
-shows the bits are the same on one core, two cores, and with Eigen single-threaded.
-
-The default engine is the plain fast path: one call per extend, padded only to the next power of
-two (so XLA sees whatever M the request has), logits for the requested rows in one call, local
-layers over the full cache. It is here to show what pinning buys.
+mode, block size, row buckets, contraction chunk, dot library, logits rows, cache length,
+attention implementation and its tiles, matmul precision, XLA flags, dtype, the layout version,
+jax/jaxlib versions, backend, device kind, CPU model and vector extensions. The thread count is
+not: tests/test_threads.py shows the bits are the same on one core, two cores, and with Eigen
+single-threaded.
 """
 
 from __future__ import annotations
@@ -54,51 +71,80 @@ import numpy as np
 
 from gemma_jax import attention as attention_lib
 from gemma_jax import kv_state as kvs
+from gemma_jax import layers
 from gemma_jax import model
 from gemma_jax import rope
 from gemma_jax.config import EOS_ID
 from gemma_jax.weights import LoadedModel
 from graft import fingerprint
 
-MODES = ('pinned', 'default')
+MODES = ('pinned', 'blocked', 'default')
+DOT_LIBRARIES = ('eigen', 'ynn')
+# XLA:CPU debug options per dot library, passed to every pinned call's compilation (so that the
+# pinned numerics do not depend on the process's XLA_FLAGS defaults).
+_COMPILER_OPTIONS = {'eigen': {'xla_cpu_experimental_ynn_fusion_type': ''}, 'ynn': {}}
+# Per mode: rows per call (block_size) and attention when the config leaves them None.
+_DEFAULT_BLOCK_SIZE = {'pinned': 256, 'blocked': 16, 'default': 256}
+_DEFAULT_ATTENTION = {'pinned': 'tiled', 'blocked': 'xla', 'default': 'xla'}
 
 # The version of everything outside the config that decides a pinned engine's bits: how tokens
-# are laid out in calls and slots (2: blocks aligned to the sequence, token j in row j mod B).
-# Artifacts and store objects record it; a change here must bump it, so that KV computed under
-# the old layout is refused instead of grafted.
+# are laid out in calls and slots (2: token j in slot j, mod the ring on local layers; blocked
+# calls aligned to the sequence). Artifacts and store objects record it; a change here must bump
+# it, so that KV computed under the old layout is refused instead of grafted.
 LAYOUT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Everything about an engine that can change the bits of its results. `mode` 'pinned' is
-  the pinned configuration (byte-exact grafts); 'default' is the plain fast path."""
+  the pinned configuration (byte-exact grafts); 'blocked' the first pinned design; 'default' the
+  plain fast path (see the module docstring). block_size and attention left None take the
+  mode's default (and the Engine records the value it used)."""
 
   mode: str = 'pinned'
-  block_size: int = 16  # B: token rows per transformer call (pinned); see the module docstring
-  logits_rows: int = 1  # rows per logits call (pinned)
+  block_size: int | None = None  # pinned: most rows per call; blocked: rows of every call
+  logits_rows: int = 1  # rows per logits call (pinned, blocked)
   cache_len: int = 4096  # KV slots on global layers: the most tokens a context holds
-  attention: str = 'xla'  # a name in gemma_jax.attention.IMPLEMENTATIONS
-  attention_tile: int | None = None  # KV tile of the Pallas kernel (None: the backend's)
+  attention: str | None = None  # a name in gemma_jax.attention.IMPLEMENTATIONS
+  attention_tile: int | None = None  # KV tile of the tiled / Pallas attention (None: default)
   matmul_precision: str = 'highest'  # jax.default_matmul_precision inside every call
   xla_flags: str = ''  # must equal $XLA_FLAGS when the engine is built
+  # Pinned numerics: calls of 2 .. min_rows - 1 tokens are padded to min_rows rows (XLA:CPU
+  # gives such small GEMMs kernels of their own); k_chunk: the contraction chunk of every
+  # projection; dot_library: 'eigen' (YNNPACK dot fusion off) or 'ynn' (XLA's default).
+  min_rows: int = 8
+  k_chunk: int = 256
+  dot_library: str = 'eigen'
 
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f'unknown engine mode {self.mode!r}; expected one of {MODES}')
-    if self.attention not in attention_lib.IMPLEMENTATIONS:
+    if self.block_size is None:
+      object.__setattr__(self, 'block_size', _DEFAULT_BLOCK_SIZE[self.mode])
+    if self.attention is not None and self.attention not in attention_lib.IMPLEMENTATIONS:
       raise ValueError(f'unknown attention {self.attention!r}; expected one of '
                        f'{tuple(attention_lib.IMPLEMENTATIONS)}')
-    if self.block_size < 1 or self.logits_rows < 1 or self.cache_len < self.block_size:
+    if self.dot_library not in DOT_LIBRARIES:
+      raise ValueError(f'unknown dot library {self.dot_library!r}; expected one of '
+                       f'{DOT_LIBRARIES}')
+    if (self.block_size < 1 or self.logits_rows < 1 or self.cache_len < self.block_size
+        or self.min_rows < 1 or self.k_chunk < 1):
       raise ValueError(f'invalid engine config {self}: need 1 <= block_size <= cache_len and '
-                       'logits_rows >= 1')
+                       'logits_rows, min_rows, k_chunk >= 1')
+    if self.mode == 'blocked' and self.attention == 'tiled':
+      raise ValueError("the blocked engine reduces over the whole cache: attention 'xla' or "
+                       "'pallas'")
 
   @classmethod
   def from_dict(cls, values: dict) -> 'EngineConfig':
-    """From its JSON form; also reads the form older manifests recorded (`engine` for mode)."""
+    """From its JSON form. Also reads older records: `engine` for mode, and a 'pinned' record
+    made before the fixed-order design (no k_chunk) describes the blocked engine, which is what
+    made it."""
     values = dict(values)
     if 'engine' in values and 'mode' not in values:
       values['mode'] = values.pop('engine')
+    if 'k_chunk' not in values and values.get('mode', 'pinned') == 'pinned':
+      values['mode'] = 'blocked'
     return cls(**values)
 
 
@@ -126,6 +172,19 @@ def _next_power_of_two(n: int) -> int:
   return 1 << max(0, n - 1).bit_length()
 
 
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def row_buckets(block_size: int, min_rows: int) -> tuple[int, ...]:
+  """Row counts a pinned call may have: 1, then min_rows doubling, and block_size."""
+  buckets, rows = {1, block_size}, min_rows
+  while rows < block_size:
+    buckets.add(rows)
+    rows *= 2
+  return tuple(sorted(buckets))
+
+
 class Engine:
   """Runs a loaded model under an EngineConfig. Contexts are immutable values; every method
   returns a new one, so a context can be branched freely."""
@@ -138,38 +197,87 @@ class Engine:
     if os.environ.get('XLA_FLAGS', '') != config.xla_flags:
       raise ValueError(f'the engine config needs XLA_FLAGS={config.xla_flags!r} but the process '
                        f'has {os.environ.get("XLA_FLAGS", "")!r}; set it before starting Python')
+    if config.attention is None:
+      preferred = _DEFAULT_ATTENTION[config.mode]
+      supported = rope.get_mode(loaded.config.rope_mode).attention
+      config = dataclasses.replace(config, attention=preferred if preferred in supported
+                                   else 'xla')
     rope.check_attention(loaded.config.rope_mode, config.attention)
     self.loaded = loaded
     self.config = loaded.config
     self.engine_config = config
-    self._pinned_shapes = config.mode == 'pinned'
+    self._pinned = config.mode == 'pinned'
+    self._blocked = config.mode == 'blocked'
     self._attention_fn = attention_lib.build(config.attention, config.attention_tile,
                                              kernel_platform)
     head_dims = tuple(sorted({self.config.layer_spec(i).head_dim
                               for i in range(self.config.num_layers)}))
     self._kernel_blocks = self._attention_fn.blocks(head_dims, self.dtype)
-    if self._pinned_shapes:
-      # Local layers: a ring just big enough for one block (rounded up to whole kernel tiles,
-      # so the kernel never pads the cache).
-      multiple = self._attention_fn.slot_multiple(head_dims, self.dtype)
-      self._local_slots = -(-kvs.local_slots_needed(self.config, config.block_size)
-                            // multiple) * multiple
-    else:
-      self._local_slots = None  # one-shot calls of any length need the full cache
-
-    def step(params, tokens, positions, kv):
-      with jax.default_matmul_precision(config.matmul_precision):
-        return model.forward(params, self.config, tokens, positions, kv, self._attention_fn)
+    multiple = self._attention_fn.slot_multiple(head_dims, self.dtype)
+    self._cache_slots = config.cache_len
+    self._local_slots = None  # default: one-shot calls of any length need the full cache
+    if self._pinned or self._blocked:
+      # Local layers: a ring just big enough for the largest call, in whole kernel tiles (so
+      # the kernel never pads the cache).
+      self._local_slots = _round_up(kvs.local_slots_needed(self.config, config.block_size),
+                                    multiple)
+    if self._pinned:
+      self._cache_slots = _round_up(config.cache_len, multiple)
+      self._row_buckets = row_buckets(config.block_size, config.min_rows)
+    self._numerics = layers.FixedOrder(k_chunk=config.k_chunk) if self._pinned else None
+    self._compiler_options = (_COMPILER_OPTIONS[config.dot_library] or None
+                              if self._pinned else None)
+    self._steps = {}  # (tiles read or None, with logits) -> jitted call
 
     def head(params, hidden, rows):
       # hidden [1, T, D], rows [R] -> logits [1, R, V] of those rows (gathered inside the jit).
-      with jax.default_matmul_precision(config.matmul_precision):
+      with jax.default_matmul_precision(config.matmul_precision), \
+           layers.fixed_order(self._numerics):
         return model.compute_logits(params, self.config, jnp.take(hidden, rows, axis=1))
 
-    # The KV state is donated: XLA updates the cache in place. Callers' contexts stay valid
-    # because a context that may be used again is copied first (see extend's `consume`).
-    self._step = jax.jit(step, donate_argnums=(3,))
-    self._head = jax.jit(head)
+    self._head_fn = head
+    self._head = jax.jit(head, compiler_options=self._compiler_options)
+
+  def step_function(self, tiles: int | None = None, with_logits: bool = False):
+    """The jitted transformer call (params, tokens [1, T], positions [1, T], kv) -> (hidden
+    [1, T, D], kv[, logits [1, 1, V]]) whose attention reads the first `tiles` KV tiles (None:
+    the whole cache). with_logits: a one-row call that also returns its logits (a decode step:
+    the same ops as the call then the head on row 0, one dispatch instead of two). The KV state
+    is donated: XLA updates the cache in place; callers' contexts stay valid because a context
+    that may be used again is copied first (see extend's `consume`)."""
+    key = (tiles, with_logits)
+    if key not in self._steps:
+      attention_fn = self._attention_fn
+      if tiles is not None:
+        attention_fn = attention_fn.reading(tiles)
+      precision, numerics = self.engine_config.matmul_precision, self._numerics
+
+      def step(params, tokens, positions, kv):
+        with jax.default_matmul_precision(precision), layers.fixed_order(numerics):
+          hidden, kv = model.forward(params, self.config, tokens, positions, kv, attention_fn)
+        if not with_logits:
+          return hidden, kv
+        return hidden, kv, self._head_fn(params, hidden, jnp.zeros((1,), jnp.int32))
+
+      self._steps[key] = jax.jit(step, donate_argnums=(3,),
+                                 compiler_options=self._compiler_options)
+    return self._steps[key]
+
+  @property
+  def max_rows(self) -> int:
+    """The most token rows one transformer call has."""
+    if self._pinned or self._blocked:
+      return self.engine_config.block_size
+    return self.engine_config.cache_len
+
+  def _tiles_for(self, end: int) -> int | None:
+    """Tiles the tiled attention reads for a call whose last token has sequence index end - 1:
+    the tiles holding slots 0 .. end - 1, rounded up to a power of two (fewer compiled shapes);
+    reading more tiles than a row sees does not change its bits (gemma_jax.tiled_attention)."""
+    if not (self._pinned and hasattr(self._attention_fn, 'reading')):
+      return None
+    tile = self._attention_fn.tile
+    return min(_next_power_of_two(-(-end // tile)), self._cache_slots // tile)
 
   @functools.cached_property
   def model_fingerprint(self) -> dict:
@@ -185,11 +293,14 @@ class Engine:
   def dtype(self):
     return jax.tree.leaves(self.loaded.params)[0].dtype
 
+  def empty_kv(self) -> kvs.KVState:
+    """The engine's one fixed-size KV state, empty."""
+    return kvs.init_kv_state(self.config, batch_size=1, cache_len=self._cache_slots,
+                             dtype=self.dtype, local_cache_len=self._local_slots)
+
   def empty(self, start_position: int = 0) -> Context:
     """An empty context whose first token will sit at `start_position`."""
-    kv = kvs.init_kv_state(self.config, batch_size=1, cache_len=self.engine_config.cache_len,
-                           dtype=self.dtype, local_cache_len=self._local_slots)
-    return Context(kv=kv, tokens=(), next_position=start_position)
+    return Context(kv=self.empty_kv(), tokens=(), next_position=start_position)
 
   def _check_tokens(self, ctx: Context, tokens: Sequence[int]) -> list[int]:
     tokens = [int(t) for t in tokens]
@@ -209,23 +320,42 @@ class Engine:
     return tokens
 
   def _rows_per_call(self, num_tokens: int) -> int:
-    """Pinned: the block size. Default: the next power of two, but no more rows than the cache
-    has slots."""
-    if self._pinned_shapes:
+    """Pinned: the smallest row bucket that holds the tokens (one row for one token). Blocked:
+    the block size. Default: the next power of two, but no more rows than the cache has slots."""
+    if self._blocked:
       return self.engine_config.block_size
+    if self._pinned:
+      return next(r for r in self._row_buckets if r >= num_tokens)
     return max(num_tokens, min(_next_power_of_two(num_tokens), self.engine_config.cache_len))
 
-  def _call(self, kv, tokens: list[int], first_position: int, rows: int, lead: int):
-    """One transformer call of `rows` rows: `lead` padding rows, the tokens, padding."""
+  def _calls(self, done: int, tokens: list[int]) -> list[tuple[int, list[int], int]]:
+    """(index of the first token, tokens, leading padding rows) per call, for `tokens` after
+    `done` tokens of context."""
+    b = self.engine_config.block_size
+    if self._pinned:  # at most block_size tokens per call, padding after them
+      return [(first, tokens[first:first + b], 0) for first in range(0, len(tokens), b)]
+    if self._blocked:
+      # Blocks aligned to the sequence: the token with sequence index j always sits in row
+      # j mod B, whatever the calls before (the first block may start with padding rows).
+      lead = done % b
+      return [(max(start, 0), tokens[max(start, 0):start + b], max(start, 0) - start)
+              for start in range(-lead, len(tokens), b)]
+    return [(0, tokens, 0)]
+
+  def _call(self, kv, tokens: list[int], first_position: int, rows: int, lead: int, end: int,
+            with_logits: bool = False):
+    """One transformer call of `rows` rows: `lead` padding rows, the tokens, padding; `end`:
+    the context's length after the call."""
     ids = np.zeros((1, rows), np.int32)
     positions = np.full((1, rows), kvs.EMPTY, np.int32)
     ids[0, lead:lead + len(tokens)] = tokens
     positions[0, lead:lead + len(tokens)] = first_position + np.arange(len(tokens))
-    return self._step(self.loaded.params, ids, positions, kv)
+    step = self.step_function(self._tiles_for(end), with_logits)
+    return step(self.loaded.params, ids, positions, kv)
 
   def _logits(self, hidden: jax.Array, rows: list[int]) -> list[np.ndarray]:
     """float32 logits [V] of the given rows of one call's hidden states [1, T, D]."""
-    if not self._pinned_shapes:
+    if not (self._pinned or self._blocked):
       return list(np.asarray(self._head(self.loaded.params, hidden, np.asarray(rows, np.int32))[0]))
     r, out = self.engine_config.logits_rows, []
     for i in range(0, len(rows), r):
@@ -247,17 +377,18 @@ class Engine:
       raise ValueError(f"logits must be 'none', 'last', 'all' or a row count in "
                        f'[0, {len(tokens)}], not {logits!r}')
     first_wanted = len(tokens) - wanted
-    rows = self._rows_per_call(len(tokens))
-    # Pinned: blocks are aligned to the sequence, so the token with sequence index j always sits
-    # in row j mod B, whatever the calls before (the first block may start with padding rows).
-    lead = len(ctx.tokens) % rows if self._pinned_shapes else 0
     kv = ctx.kv if consume else jax.tree.map(jnp.copy, ctx.kv)
     logit_rows = []
-    for block_start in range(-lead, len(tokens), rows):  # token index of the block's row 0
-      first = max(block_start, 0)
-      chunk = tokens[first:block_start + rows]
-      hidden, kv = self._call(kv, chunk, ctx.next_position + first, rows, first - block_start)
-      wanted_rows = [j - block_start for j in range(max(first, first_wanted), first + len(chunk))]
+    for first, chunk, lead in self._calls(len(ctx.tokens), tokens):
+      rows = self._rows_per_call(len(chunk))
+      wanted_rows = [j - first + lead for j in range(max(first, first_wanted), first + len(chunk))]
+      end = len(ctx.tokens) + first + len(chunk)
+      if self._pinned and rows == 1 and wanted_rows and self.engine_config.logits_rows == 1:
+        hidden, kv, row_logits = self._call(kv, chunk, ctx.next_position + first, rows, lead,
+                                            end, with_logits=True)
+        logit_rows.append(np.asarray(row_logits)[0, 0])
+        continue
+      hidden, kv = self._call(kv, chunk, ctx.next_position + first, rows, lead, end)
       if wanted_rows:
         logit_rows.extend(self._logits(hidden, wanted_rows))
     result = np.stack(logit_rows) if wanted else None

@@ -101,13 +101,12 @@ def abstract_engine(config: TransformerConfig, engine_config: EngineConfig, plat
 
 
 def abstract_inputs(engine: Engine) -> dict[str, tuple]:
-  """The abstract arguments of `_step` and `_head` for one pinned call of each."""
+  """The abstract arguments of the step and logits functions for one call of each with the most
+  rows a call has."""
   config, pinned = engine.config, engine.engine_config
   i32 = jnp.int32
-  kv = jax.eval_shape(lambda: kvs.init_kv_state(
-      config, batch_size=1, cache_len=pinned.cache_len, dtype=engine.dtype,
-      local_cache_len=engine._local_slots))
-  rows = pinned.block_size
+  kv = jax.eval_shape(engine.empty_kv)
+  rows = engine.max_rows
   params = engine.loaded.params
   return {
       'step': (params, jax.ShapeDtypeStruct((1, rows), i32),
@@ -118,7 +117,7 @@ def abstract_inputs(engine: Engine) -> dict[str, tuple]:
 
 
 def _functions(engine: Engine) -> dict:
-  return {'step': engine._step, 'logits': engine._head}
+  return {'step': engine.step_function(), 'logits': engine._head}
 
 
 def lower_engine_functions(config: TransformerConfig, engine_config: EngineConfig, platform: str,

@@ -146,9 +146,9 @@ class Store:
                create: bool = True):
     """`url` is a kvstore URL, or an open KvStore (another view of the same storage: a memory://
     store is private to the KvStore that opened it; a wrapper that injects faults)."""
-    if engine.engine_config.mode != 'pinned':
-      raise StoreError('a store holds KV of the pinned engine only (block-aligned, byte-exact); '
-                       f'this engine is {engine.engine_config.mode!r}')
+    if engine.engine_config.mode not in ('pinned', 'blocked'):
+      raise StoreError('a store holds KV of a pinned engine only (byte-exact); this engine is '
+                       f'{engine.engine_config.mode!r}')
     self.kv = url if isinstance(url, KvStore) else KvStore(url)
     self.url = self.kv.url
     self.engine = engine

@@ -18,7 +18,7 @@ from graft.artifact import ArtifactError
 from graft.engine import Engine, EngineConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PINNED = EngineConfig(block_size=8, cache_len=256)
+PINNED = EngineConfig(block_size=8, cache_len=256, attention_tile=8)  # 8-slot tiles: see below
 LIBRARY = [int(t) for t in np.random.default_rng(0).integers(3, 512, 41)]
 QUERY = [int(t) for t in np.random.default_rng(1).integers(3, 512, 9)]
 
@@ -56,9 +56,10 @@ def test_manifest_records_hashes_and_fingerprints(eng, saved):
   assert manifest['engine']['sha256'] == eng.fingerprint['sha256']
   assert manifest['engine']['engine_config']['block_size'] == 8
   assert manifest['leaves']['tokens']['sha256'] == sha256_bytes(np.asarray(LIBRARY, np.int32))
-  # Layer 5 is global (every token stored); layer 0 is local, a ring of W + B - 1 = 15 slots.
+  # Layer 5 is global (every token stored); layer 0 is local, a ring of W + B - 1 = 15 slots
+  # rounded up to whole 8-slot attention tiles.
   assert manifest['leaves']['layer_5/k']['shape'] == [len(LIBRARY), 2, 16]
-  assert manifest['leaves']['layer_0/k']['shape'] == [15, 2, 16]
+  assert manifest['leaves']['layer_0/k']['shape'] == [16, 2, 16]
   assert manifest['leaves']['layer_0/k']['dtype'] == 'float32'
   assert all(f.startswith('state/') and f in manifest['files'] for f in map(
       lambda p: str(p.relative_to(saved)), data_files(saved)))
@@ -81,7 +82,7 @@ from gemma_jax.compare import sha256_bytes
 from gemma_jax import weights
 from graft import artifact
 from graft.engine import Engine, EngineConfig
-eng = Engine(weights.load('tiny_gemma3', 'random:0'), EngineConfig(block_size=8, cache_len=256))
+eng = Engine(weights.load('tiny_gemma3', 'random:0'), EngineConfig(block_size=8, cache_len=256, attention_tile=8))
 seq = artifact.graft(eng, artifact.load({str(saved)!r}, eng))
 print(sha256_bytes(eng.extend(seq, {QUERY!r}, logits='all')[1]))
 '''
@@ -104,7 +105,7 @@ def test_refuses_another_dtype(saved):
 
 
 def test_refuses_another_engine_configuration(eng, saved):
-  other = Engine(eng.loaded, EngineConfig(block_size=16, cache_len=256))
+  other = Engine(eng.loaded, EngineConfig(block_size=16, cache_len=256, attention_tile=8))
   with pytest.raises(ArtifactError, match='block_size: the artifact has 8, expected 16'):
     artifact.load(str(saved), other)
 
