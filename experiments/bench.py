@@ -84,6 +84,16 @@ def _time_graft(engine, path: str, query: list[int]) -> dict:
           'load_s': t1 - t0, 'graft_s': t2 - t1, 'query_s': t3 - t2, 'total_s': t3 - t0}
 
 
+def _read_files(root: str) -> int:
+  """Reads every file under root into memory (plain reads); returns the bytes read."""
+  total = 0
+  for directory, _, names in os.walk(root):
+    for name in names:
+      with open(os.path.join(directory, name), 'rb') as f:
+        total += len(f.read())
+  return total
+
+
 def measure_ours(engine, work: Workload) -> dict:
   prefill = common.median_seconds(lambda: engine.prefill(work.prompt, logits='last'),
                                   work.repeats)
@@ -97,8 +107,9 @@ def measure_ours(engine, work: Workload) -> dict:
     library, _ = engine.prefill(work.library, logits='none')
     artifact.save(path, engine, library)
     artifact_bytes = sum(f['size'] for f in artifact.load(path, engine).manifest['files'].values())
-    _time_graft(engine, path, work.query)  # warm-up
+    _time_graft(engine, path, work.query)  # warm-up (the files are in the page cache after it)
     runs = [_time_graft(engine, path, work.query) for _ in range(work.repeats)]
+    raw_read = common.median_seconds(lambda: _read_files(path), work.repeats)
   median = lambda key: sorted(r[key] for r in runs)[len(runs) // 2]
   split = {key: median(key) for key in runs[0]}
   return {'prefill_tok_s': len(work.prompt) / prefill,
@@ -107,6 +118,10 @@ def measure_ours(engine, work: Workload) -> dict:
           'ttft_recompute_s': recompute, 'ttft_graft_s': split['total_s'],
           'ttft_graft_split_s': split, 'artifact_bytes': artifact_bytes,
           'restore_gbps': artifact_bytes / (split['restore_s'] + split['verify_s']) / 1e9,
+          # The same files read raw (no decoding, no hashing), in this run: what restore +
+          # verify is measured against (issue goal: >= 0.7).
+          'raw_read_gbps': artifact_bytes / raw_read / 1e9,
+          'restore_fraction_of_raw_read': raw_read / (split['restore_s'] + split['verify_s']),
           'engine_config': dataclasses.asdict(engine.engine_config)}
 
 
