@@ -43,9 +43,13 @@ KINDS: dict[str, Kind] = {
     #  "rotary"}}, "summary"} (analysis/rope_float.py `analyze`)
     'rope_float': Kind(1, ('config', 'layer_types', 'summary'),
                        'floating-point account of RoPE angles and re-rotation'),
-    # {"config", "ceilings": {"matmul_gflops", "read_gbps"},
+    # {"config": {..., "prefill_flops_per_token", "decode_bytes_per_token"},
+    #  "ceilings": {"matmul_gflops", "read_gbps"},
     #  "systems": [{"name", "prefill_tok_s", "decode_tok_s", "ttft_graft_s",
-    #               "ttft_recompute_s", "skipped"}]}
+    #               "ttft_recompute_s", "skipped", "prefill_fraction_of_matmul_ceiling",
+    #               "decode_fraction_of_read_ceiling", "ttft_graft_split_s": {"restore_s",
+    #               "verify_s", "load_s", "graft_s", "query_s", "total_s"}, "restore_gbps",
+    #               "raw_read_gbps", "restore_fraction_of_raw_read", ...}], "ratios"}
     'bench': Kind(1, ('config', 'ceilings', 'systems'),
                   'speed of this project\'s engines and of peers, side by side'),
     # {"config", "summary": {"addressable_tokens", "device_kv_tokens", "ratio",

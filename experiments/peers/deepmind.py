@@ -1,7 +1,7 @@
 """google-deepmind's `gemma` library as a peer, driven in its own environment.
 
 gemma 4.x needs Python 3.12 and its own jax/flax, so it runs in a separate virtual environment
-($GEMMA_PEER_PYTHON, default /work/peers_env/gemma/bin/python; experiments/peers/
+($GEMMA_PEER_PYTHON, default ~/.cache/gemma_jax/peers/gemma/bin/python; experiments/peers/
 setup_peer_envs.sh builds it) as a subprocess: `deepmind_gemma_peer.py` (which imports nothing
 from this project) gets a JSON job and prints one JSON result. The weights are this project's,
 written in the official Orbax layout (gemma_jax/checkpoints/orbax_io.py), and read by
@@ -21,7 +21,7 @@ import numpy as np
 from experiments.peers import skipped
 
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'deepmind_gemma_peer.py')
-DEFAULT_PYTHON = '/work/peers_env/gemma/bin/python'
+DEFAULT_PYTHON = os.path.expanduser('~/.cache/gemma_jax/peers/gemma/bin/python')
 
 
 def python_path() -> str | None:

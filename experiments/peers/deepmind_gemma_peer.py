@@ -4,7 +4,7 @@ This file imports nothing from the project: the benchmark runs it as a subproces
 venv's Python (gemma 4.x needs Python >= 3.12 and its own jax/flax), hands it a JSON job and
 reads one JSON object back from the last line of stdout.
 
-  /work/peers_env/gemma/bin/python experiments/peers/deepmind_gemma_peer.py JOB.json
+  ~/.cache/gemma_jax/peers/gemma/bin/python experiments/peers/deepmind_gemma_peer.py JOB.json
   ... | python deepmind_gemma_peer.py -          (job on stdin)
 
 Job keys (all optional except `checkpoint`):

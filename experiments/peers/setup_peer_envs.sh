@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Builds the benchmark peers' environments (see experiments/peers/README.md). Idempotent.
-#   bash experiments/peers/setup_peer_envs.sh [PEERS_DIR]     (default /work/peers_env)
+# Builds the benchmark peers' environments (README.md, "Speed"). Idempotent.
+#   bash experiments/peers/setup_peer_envs.sh [PEERS_DIR]     (default ~/.cache/gemma_jax/peers)
 # llama-cpp-python: PyPI has only the sdist; it compiles llama.cpp with cmake (~23 min on 2
 # busy cores). The built wheel is kept in $PEERS_DIR/wheels and installed into the project venv.
 # gemma: its own Python 3.12 venv (gemma 4.x needs >= 3.12; pyenv has 3.12.1 here).
 set -euo pipefail
-PEERS_DIR=${1:-/work/peers_env}
+PEERS_DIR=${1:-$HOME/.cache/gemma_jax/peers}
 HERE=$(cd "$(dirname "$0")" && pwd)
 PROJECT_PY=${PROJECT_PY:-python}
 mkdir -p "$PEERS_DIR/wheels"
