@@ -16,6 +16,9 @@ prefix ending mid-block with another (their shared blocks stored once) and libra
 never deposited but diverge mid-block from one that was (the store gives the shared block's
 first rows); see experiments/samples.py `with_shared_prefixes`. Rows add `grafted_tokens`,
 `deposited` and `shares`.
+With --batch_slots=N the pinned engine serves N samples per call, one per batch slot
+(`Engine.extend_batch`): fresh and graft sides each run batched, so the rows also show batch
+invariance (a sample's fresh_sha256 is the one it gets alone, in an unbatched run).
 The output JSON (schema graft_exactness, analysis/results.py; default
 results/graft_exactness_<model>_<dtype>[_<engine>][_<attention>].json) holds the full config, one
 row per sample and a summary; --manifest also writes the replayable evidence (token ids and
@@ -48,6 +51,8 @@ def define_flags() -> None:
   flags.DEFINE_string('input', None, 'JSONL of {"library": text, "query": text} pairs.')
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the config).')
   flags.DEFINE_string('manifest', None, 'Also write a replayable manifest here.')
+  flags.DEFINE_integer('batch_slots', 1, 'Samples served together, one per batch slot of every '
+                       'call (pinned engine).', lower_bound=1)
   flags.DEFINE_integer('continuation_tokens', 32, 'Greedy tokens compared after the query.')
   flags.DEFINE_string('artifact_dir', None, 'Where artifacts go (default: a temporary directory).')
   flags.DEFINE_enum('source', 'artifact', ['artifact', 'store'],
@@ -63,6 +68,7 @@ def run_config(engine) -> dict:
           'attention': engine.engine_config.attention,
           'engine_config': dataclasses.asdict(engine.engine_config), 'samples': FLAGS.samples,
           'seed': FLAGS.seed, 'input': FLAGS.input, 'source': FLAGS.source,
+          'batch_slots': FLAGS.batch_slots,
           'store': FLAGS.store if FLAGS.source == 'store' else None,
           'continuation_tokens': FLAGS.continuation_tokens,
           'model_fingerprint': engine.model_fingerprint['sha256'],
@@ -70,16 +76,22 @@ def run_config(engine) -> dict:
 
 
 def run(engine, grafts, pairs: list[samples.Sample]) -> list[dict]:
-  """One row per sample; grafts[i] is sample i's graft source."""
-  rows = []
-  for i, sample in enumerate(pairs):
-    row = exactness.check_sample(engine, grafts[i], sample.library, sample.query,
-                                 continuation_tokens=FLAGS.continuation_tokens)
-    rows.append(row)
-    logging.info('sample %d/%d: library %d, query %d tokens: equal=%s kl=%.3g argmax=%.3f '
-                 'continuation_equal=%s (%.1fs)', i + 1, len(pairs), row['library_tokens'],
-                 row['query_tokens'], row['equal'], row['kl'], row['argmax_agreement'],
-                 row['continuation_equal'], row['fresh_seconds'] + row['graft_seconds'])
+  """One row per sample; grafts[i] is sample i's graft source. --batch_slots samples at once."""
+  rows, n = [], FLAGS.batch_slots
+  for first in range(0, len(pairs), n):
+    if n > 1:
+      rows.extend(exactness.check_batch(engine, grafts[first:first + n], pairs[first:first + n],
+                                        continuation_tokens=FLAGS.continuation_tokens))
+    else:
+      rows.append(exactness.check_sample(engine, grafts[first], pairs[first].library,
+                                         pairs[first].query,
+                                         continuation_tokens=FLAGS.continuation_tokens))
+    for i in range(first, len(rows)):
+      row = rows[i]
+      logging.info('sample %d/%d: library %d, query %d tokens: equal=%s kl=%.3g argmax=%.3f '
+                   'continuation_equal=%s (%.1fs)', i + 1, len(pairs), row['library_tokens'],
+                   row['query_tokens'], row['equal'], row['kl'], row['argmax_agreement'],
+                   row['continuation_equal'], row['fresh_seconds'] + row['graft_seconds'])
   return rows
 
 
@@ -149,7 +161,8 @@ def main(argv):
       'graft_exactness', FLAGS.model, FLAGS.dtype,
       FLAGS.engine if FLAGS.engine != 'pinned' else '',
       FLAGS.attention or '',
-      'store' if FLAGS.source == 'store' else '')
+      'store' if FLAGS.source == 'store' else '',
+      f'batch{FLAGS.batch_slots}' if FLAGS.batch_slots > 1 else '')
   written = common.write_result(output, 'graft_exactness',
                                 {'config': config, 'samples': rows, 'summary': summary})
   if FLAGS.manifest:

@@ -397,6 +397,65 @@ class Engine:
                   last_logits=None if result is None else result[-1])
     return new, result
 
+  def extend_batch(self, ctxs: Sequence[Context], tokens: Sequence[Sequence[int]], *,
+                   logits: Sequence[int] | None = None) -> tuple[list[Context], list]:
+    """Extends N contexts at once, one per batch slot of every call (pinned engine only):
+    slot i gets tokens[i] (possibly none) and, when `logits` is given, float32 logits [k_i, V]
+    of its last logits[i] tokens (None where k_i is 0). A slot's rows are computed exactly as
+    `extend` computes them alone (the fixed reduction orders do not see the other slots; every
+    batched call has at least min_rows rows per slot, so N x rows stays in the GEMM class), so
+    each context gets the bits it gets alone, whatever the other slots hold or whether they
+    are empty (tests/test_batch.py)."""
+    if not self._pinned:
+      raise ValueError('batch slots need the pinned engine (mode pinned): the bits of the '
+                       'other modes depend on the call')
+    if len(ctxs) != len(tokens) or not ctxs:
+      raise ValueError(f'{len(ctxs)} contexts and {len(tokens)} token lists: need one each')
+    tokens = [self._check_tokens(c, t) if len(t) else [] for c, t in zip(ctxs, tokens)]
+    wanted = list(logits) if logits is not None else [0] * len(ctxs)
+    for i, (k, t) in enumerate(zip(wanted, tokens)):
+      if not 0 <= k <= len(t):
+        raise ValueError(f'slot {i}: {k} logit rows asked of {len(t)} tokens')
+    # Copies (the stacked state is this call's own, so the callers' contexts stay valid).
+    kv = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *[c.kv for c in ctxs])
+    b, slots = self.engine_config.block_size, len(ctxs)
+    out = [[] for _ in ctxs]
+    for first in range(0, max(len(t) for t in tokens), b):
+      chunks = [t[first:first + b] for t in tokens]
+      rows = max(self._rows_per_call(max(len(c) for c in chunks)), self.engine_config.min_rows)
+      ids = np.zeros((slots, rows), np.int32)
+      positions = np.full((slots, rows), kvs.EMPTY, np.int32)
+      for i, chunk in enumerate(chunks):
+        ids[i, :len(chunk)] = chunk
+        positions[i, :len(chunk)] = ctxs[i].next_position + first + np.arange(len(chunk))
+      end = max(len(c.tokens) + min(first + b, len(t)) for c, t in zip(ctxs, tokens))
+      hidden, kv = self.step_function(self._tiles_for(end))(self.loaded.params, ids, positions,
+                                                             kv)
+      for i, chunk in enumerate(chunks):
+        start = len(tokens[i]) - wanted[i]  # the slot's first token with logits
+        rows_wanted = [j - first for j in range(max(first, start), first + len(chunk))]
+        if rows_wanted:
+          out[i].extend(self._logits(hidden[i:i + 1], rows_wanted))
+    new = [ctx if not t else  # an idle slot's state was not written
+           Context(kv=jax.tree.map(lambda x, i=i: x[i:i + 1], kv), tokens=ctx.tokens + tuple(t),
+                   next_position=ctx.next_position + len(t),
+                   last_logits=out[i][-1] if out[i] else None)
+           for i, (ctx, t) in enumerate(zip(ctxs, tokens))]
+    return new, [np.stack(o) if o else None for o in out]
+
+  def generate_batch(self, ctxs: Sequence[Context], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of N contexts (each with its last logits), decoded together one
+    token per slot per call (the tokens each context gets alone: see `extend_batch`)."""
+    if any(c.last_logits is None for c in ctxs):
+      raise ValueError('every context needs logits at its last token')
+    outputs = [[int(np.argmax(c.last_logits))] for c in ctxs]
+    ctxs = list(ctxs)
+    while len(outputs[0]) < max_new_tokens:
+      ctxs, rows = self.extend_batch(ctxs, [o[-1:] for o in outputs], logits=[1] * len(ctxs))
+      for o, r in zip(outputs, rows):
+        o.append(int(np.argmax(r[-1])))
+    return outputs
+
   def generate(self, ctx: Context, max_new_tokens: int, *, temperature: float = 0.0,
                seed: int = 0, stop_at_eos: bool = True) -> tuple[Context, list[int]]:
     """Greedy (temperature 0) or seeded sampling from the context's last logits. The returned

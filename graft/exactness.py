@@ -56,6 +56,12 @@ def check_sample(engine: Engine, graft: Callable, library, query, *,
   graft_logits, graft_continuation, grafted = graft_run(engine, graft, library, query,
                                                         continuation_tokens)
   t2 = time.perf_counter()
+  return _row(library, query, grafted, fresh_logits, graft_logits, fresh_continuation,
+              graft_continuation, t1 - t0, t2 - t1)
+
+
+def _row(library, query, grafted, fresh_logits, graft_logits, fresh_continuation,
+         graft_continuation, fresh_seconds, graft_seconds) -> dict:
   comparison = compare.compare_logits(fresh_logits, graft_logits)
   return {
       'library_tokens': len(library),
@@ -72,9 +78,34 @@ def check_sample(engine: Engine, graft: Callable, library, query, *,
       'top5_overlap': comparison['top5_overlap'],
       'continuation_tokens': len(fresh_continuation),
       'continuation_sha256': compare.token_ids_sha256(fresh_continuation),
-      'fresh_seconds': round(t1 - t0, 3),
-      'graft_seconds': round(t2 - t1, 3),
+      'fresh_seconds': round(fresh_seconds, 3),
+      'graft_seconds': round(graft_seconds, 3),
   }
+
+
+def check_batch(engine: Engine, grafts: list[Callable], pairs, *,
+                continuation_tokens: int = 32) -> list[dict]:
+  """`check_sample` for N samples at once, one per batch slot of every call
+  (`Engine.extend_batch`): fresh and graft sides each run batched, continuations decoded
+  together. The rows have check_sample's fields; the timings are the batch's, per sample."""
+  n = len(pairs)
+  t0 = time.perf_counter()
+  fresh_ctxs, fresh_logits = engine.extend_batch(
+      [engine.empty()] * n, [list(s.library) + list(s.query) for s in pairs],
+      logits=[len(s.query) for s in pairs])
+  fresh_continuations = engine.generate_batch(fresh_ctxs, continuation_tokens)
+  t1 = time.perf_counter()
+  grafted = [graft(s.library) for graft, s in zip(grafts, pairs)]
+  graft_ctxs, graft_logits = engine.extend_batch(
+      grafted, [list(s.library[len(g.tokens):]) + list(s.query) for g, s in zip(grafted, pairs)],
+      logits=[len(s.query) for s in pairs])
+  graft_continuations = engine.generate_batch(graft_ctxs, continuation_tokens)
+  t2 = time.perf_counter()
+  return [_row(s.library, s.query, len(g.tokens), fresh, grafted_logits, fresh_continuation,
+               graft_continuation, (t1 - t0) / n, (t2 - t1) / n)
+          for s, g, fresh, grafted_logits, fresh_continuation, graft_continuation
+          in zip(pairs, grafted, fresh_logits, graft_logits, fresh_continuations,
+                 graft_continuations)]
 
 
 def summarize(rows: list[dict]) -> dict:

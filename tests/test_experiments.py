@@ -103,3 +103,15 @@ def test_graft_exactness_reads_pairs_from_jsonl(tmp_path):
       '--continuation_tokens=2', '--cache_len=256')
   rows = json.loads(output.read_text())['samples']
   assert len(rows) == 1 and rows[0]['equal'] and rows[0]['query_tokens'] > 0
+
+
+def test_batch_slots_run_replays_unbatched(tmp_path):
+  # 4 samples in slots of 3 (the last batch is partial); the replay recomputes every sample
+  # alone, so a batched hash that differed from the unbatched one would fail it.
+  output, manifest = tmp_path / 'r.json', tmp_path / 'm.json'
+  run('graft_exactness', *TINY, '--samples=4', '--cache_len=2304', '--batch_slots=3',
+      f'--output={output}', f'--manifest={manifest}', '--continuation_tokens=4')
+  result = json.loads(output.read_text())
+  assert result['config']['batch_slots'] == 3
+  assert result['summary']['equal'] == 4 and result['summary']['continuations_equal'] == 4
+  assert 'reproduce' in run('replay', f'--manifest={manifest}').stdout

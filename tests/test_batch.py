@@ -1,0 +1,65 @@
+"""Batch invariance: a context served in a batch slot gets exactly the bits it gets alone.
+
+The pinned engine's `extend_batch` runs N contexts per call, one per slot. Each slot's logits
+(SHA-256 of float32) must equal those of `extend` on that context alone, whatever the other
+slots hold (other texts, other lengths, grafted contexts) or whether they are idle, at any split.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+
+from gemma_jax import weights
+from gemma_jax.compare import sha256_bytes
+from graft import artifact
+from graft.engine import Engine, EngineConfig
+
+
+@functools.lru_cache(maxsize=None)
+def engine(name='tiny_gemma3'):
+  return Engine(weights.load(name, 'random:0', 'float32'),
+                EngineConfig(block_size=16, cache_len=512, attention_tile=16))
+
+
+def tokens(n, seed):
+  return [int(t) for t in np.random.default_rng(seed).integers(3, 512, n)]
+
+
+@pytest.mark.parametrize('name', ['tiny_gemma2', 'tiny_gemma3', 'tiny_gemma4'])
+def test_slot_equals_alone_whatever_the_other_slots_hold(name):
+  eng = engine(name)
+  texts = [tokens(n, seed) for seed, n in enumerate([37, 5, 70, 1])]
+  alone = [sha256_bytes(eng.extend(eng.empty(), t, logits='all')[1]) for t in texts]
+  # Four texts together, then each next to idle slots and next to other texts.
+  _, together = eng.extend_batch([eng.empty()] * 4, texts, logits=[len(t) for t in texts])
+  assert [sha256_bytes(r) for r in together] == alone
+  _, with_idle = eng.extend_batch([eng.empty()] * 3, [[], texts[2], []], logits=[0, 70, 0])
+  assert with_idle[0] is None and sha256_bytes(with_idle[1]) == alone[2]
+  _, pair = eng.extend_batch([eng.empty()] * 2, [texts[3], texts[0]], logits=[1, 37])
+  assert sha256_bytes(pair[1]) == alone[0]
+
+
+def test_batched_grafts_and_decoding_equal_alone():
+  eng = engine()
+  libraries = [tokens(n, 10 + n) for n in (40, 3, 25)]
+  queries = [tokens(n, 20 + n) for n in (6, 30, 1)]
+  grafted = [artifact.graft(eng, artifact.capture(eng, eng.prefill(lib, logits='none')[0]))
+             for lib in libraries]
+  ctxs, rows = eng.extend_batch(grafted, queries, logits=[len(q) for q in queries])
+  continuations = eng.generate_batch(ctxs, 12)
+  for lib, query, row, continuation in zip(libraries, queries, rows, continuations):
+    fresh, logits = eng.extend(eng.empty(), lib + query, logits=len(query))
+    assert sha256_bytes(row) == sha256_bytes(logits)
+    assert continuation == eng.generate(fresh, 12, stop_at_eos=False)[1]
+
+
+def test_batch_slots_refuse_bad_input():
+  eng = engine()
+  with pytest.raises(ValueError, match='2 contexts and 1 token lists'):
+    eng.extend_batch([eng.empty()] * 2, [[5]])
+  with pytest.raises(ValueError, match='slot 0: 3 logit rows asked of 2 tokens'):
+    eng.extend_batch([eng.empty()], [[5, 6]], logits=[3])
+  blocked = Engine(eng.loaded, EngineConfig(mode='blocked', block_size=8, cache_len=512))
+  with pytest.raises(ValueError, match='batch slots need the pinned engine'):
+    blocked.extend_batch([blocked.empty()], [[5]])
