@@ -45,6 +45,8 @@ def define_flags() -> None:
   flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps for decode throughput.')
   flags.DEFINE_integer('library_tokens', 2048, 'Library length for time to first token.')
   flags.DEFINE_integer('query_tokens', 64, 'Query length for time to first token.')
+  flags.DEFINE_list('batch_slots', [], 'Also measure ours_pinned decode with N contexts per call '
+                    '(Engine.generate_batch) for each N listed, e.g. 1,2,4,8.')
   flags.DEFINE_integer('repeats', 3, 'Timed repetitions (after one warm-up); medians reported.')
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
   common.define_model_flags()
@@ -125,6 +127,19 @@ def measure_ours(engine, work: Workload) -> dict:
           'engine_config': dataclasses.asdict(engine.engine_config)}
 
 
+def measure_batches(engine, work: Workload, slots: list[int]) -> list[dict]:
+  """Decode tokens/s of the pinned engine serving N contexts per call (one per batch slot),
+  each continuing the same 32-token prompt (every slot gets the bits it gets alone)."""
+  ctx, _ = engine.prefill(work.decode_prompt, logits='last')
+  rows = []
+  for n in slots:
+    seconds = common.median_seconds(
+        lambda n=n: engine.generate_batch([ctx] * n, work.decode_tokens + 1), work.repeats)
+    rows.append({'batch_slots': n, 'decode_tok_s': n * work.decode_tokens / seconds})
+    logging.info('batch of %d: %.1f decode tok/s', n, rows[-1]['decode_tok_s'])
+  return rows
+
+
 def main(argv):
   del argv
   unknown = sorted(set(FLAGS.systems) - set(SYSTEMS))
@@ -146,6 +161,8 @@ def main(argv):
       print(f'{name}: skipped ({row["skipped"]})')
     rows.append(row)
   by_name = {r['name']: r for r in rows if not r['skipped']}
+  batches = measure_batches(common.make_engine(loaded, mode='pinned'), work,
+                            [int(n) for n in FLAGS.batch_slots]) if FLAGS.batch_slots else []
   ratios = {}
   if 'ours_pinned' in by_name and 'ours_default' in by_name:
     for what in ('prefill_tok_s', 'decode_tok_s'):
@@ -166,11 +183,12 @@ def main(argv):
   config = {**common.model_config_json(), 'systems': list(FLAGS.systems),
             'prompt_tokens': len(work.prompt), 'decode_tokens': work.decode_tokens,
             'library_tokens': len(work.library), 'query_tokens': len(work.query),
-            'repeats': work.repeats, 'prefill_flops_per_token': flops_per_token,
+            'repeats': work.repeats, 'batch_slots': [int(n) for n in FLAGS.batch_slots],
+            'prefill_flops_per_token': flops_per_token,
             'decode_bytes_per_token': bytes_per_token, 'environment': fingerprint.environment()}
   output = FLAGS.output or common.default_output('bench', FLAGS.model, FLAGS.dtype)
   common.write_result(output, 'bench', {'config': config, 'ceilings': limits, 'systems': rows,
-                                        'ratios': ratios})
+                                        'ratios': ratios, 'batches': batches})
   print(f"ceilings: matmul {limits['matmul_gflops']:.0f} GFLOP/s, read {limits['read_gbps']:.1f} "
         'GB/s')
   for row in by_name.values():
@@ -178,6 +196,8 @@ def main(argv):
     print(f"{row['name']:18s} prefill {row['prefill_tok_s']:7.1f} tok/s  decode "
           f"{row['decode_tok_s']:6.2f} tok/s  ttft recompute {row['ttft_recompute_s']:.3f}s  "
           f'graft {graft}')
+  for row in batches:
+    print(f"ours_pinned, {row['batch_slots']} batch slots: decode {row['decode_tok_s']:.1f} tok/s")
   print('ratios:', {k: round(v, 3) for k, v in ratios.items()})
 
 
