@@ -70,6 +70,11 @@ KINDS: dict[str, Kind] = {
     #  "token_factor", "flops_factor", "energy_factor", "graft_exact", ...}}
     'flywheel': Kind(1, ('config', 'tasks', 'summary'),
                      'verified solutions deposited as KV and grafted on recurrence'),
+    # {"config": {"meshes", "layouts", "samples", ...}, "runs": [{"mesh", "layout", "devices",
+    #  "graft_equal", "equal_to_one_device", "samples", "rows": [{"fresh_sha256",
+    #  "graft_sha256"}]}]}
+    'mesh_exactness': Kind(1, ('config', 'runs'),
+                           'grafts within device meshes, and bits across device counts'),
     # {"config", "report": {"backend", "device_kind", "steps": {name: {"status", "seconds",
     #  "tail", ...}}, "ok"}}
     'device_check': Kind(1, ('config', 'report'), 'the accelerator host check'),

@@ -3,7 +3,7 @@
 Convention: every entry point defines its flags in a `define_flags()` called only under
 `if __name__ == '__main__'`, so every module imports as a library (the main job and the tests
 import several). Model flags (--model, --weights, --dtype) and engine flags (--engine,
---attention, --block_size, --cache_len) come from here.
+--attention, --block_size, --cache_len, --mesh, --layout) come from here.
 
 Results are written by `write_result`: the JSON gets its schema tag (analysis/results.py), the
 code state it was made from (`provenance`) and is written atomically (gemma_jax.files). An
@@ -24,7 +24,7 @@ import time
 from absl import flags, logging
 
 from analysis import results as results_schema
-from gemma_jax import files, weights
+from gemma_jax import files, sharding, weights
 from gemma_jax.attention import IMPLEMENTATIONS
 from graft.engine import MODES, Engine, EngineConfig
 
@@ -60,6 +60,10 @@ def define_engine_flags(engine_default: str = 'pinned', cache_len: int = 4096) -
                        'pinned: the most token rows per transformer call (default 256); '
                        'blocked: the rows of every call (default 16).')
   flags.DEFINE_integer('cache_len', cache_len, 'KV slots: the most tokens a context holds.')
+  flags.DEFINE_string('mesh', '', "Devices to run on: '' (one), or a mesh such as model:4 or "
+                      'model:2,data:2 (on a CPU host the device count is set from it).')
+  flags.DEFINE_enum('layout', 'gather', list(sharding.LAYOUTS),
+                    'Mesh layout: gather (no contraction split) or split (Megatron).')
 
 
 def engine_flag_args() -> list[str]:
@@ -69,10 +73,16 @@ def engine_flag_args() -> list[str]:
     args.append(f'--attention={FLAGS.attention}')
   if FLAGS.block_size is not None:
     args.append(f'--block_size={FLAGS.block_size}')
+  if FLAGS.mesh:
+    args += [f'--mesh={FLAGS.mesh}', f'--layout={FLAGS.layout}']
   return args
 
 
 def load_model() -> weights.LoadedModel:
+  """The --model / --weights / --dtype model. With --mesh (engine tools), first asks XLA for
+  the mesh's host device count, which must happen before jax starts its backend."""
+  if 'mesh' in FLAGS and FLAGS.mesh:
+    sharding.set_host_devices(sharding.parse_mesh(FLAGS.mesh))
   logging.info('loading %s with weights=%s dtype=%s', FLAGS.model, FLAGS.weights, FLAGS.dtype)
   return weights.load(FLAGS.model, FLAGS.weights, FLAGS.dtype)
 
@@ -80,7 +90,8 @@ def load_model() -> weights.LoadedModel:
 def engine_config(**overrides) -> EngineConfig:
   """The EngineConfig the engine flags describe (with `overrides`)."""
   values = dict(mode=FLAGS.engine, attention=FLAGS.attention, block_size=FLAGS.block_size,
-                cache_len=FLAGS.cache_len, xla_flags=os.environ.get('XLA_FLAGS', ''))
+                cache_len=FLAGS.cache_len, mesh=FLAGS.mesh, layout=FLAGS.layout,
+                xla_flags=os.environ.get('XLA_FLAGS', ''))
   values.update(overrides)
   return EngineConfig(**values)
 

@@ -16,6 +16,8 @@ prefix ending mid-block with another (their shared blocks stored once) and libra
 never deposited but diverge mid-block from one that was (the store gives the shared block's
 first rows); see experiments/samples.py `with_shared_prefixes`. Rows add `grafted_tokens`,
 `deposited` and `shares`.
+With --mesh=model:4 (or model:2,data:2; --layout=gather|split) the engine runs on a device mesh
+(gemma_jax/sharding.py); on a CPU host the device count is set from the mesh.
 With --batch_slots=N the pinned engine serves N samples per call, one per batch slot
 (`Engine.extend_batch`): fresh and graft sides each run batched, so the rows also show batch
 invariance (a sample's fresh_sha256 is the one it gets alone, in an unbatched run).
@@ -162,7 +164,8 @@ def main(argv):
       FLAGS.engine if FLAGS.engine != 'pinned' else '',
       FLAGS.attention or '',
       'store' if FLAGS.source == 'store' else '',
-      f'batch{FLAGS.batch_slots}' if FLAGS.batch_slots > 1 else '')
+      f'batch{FLAGS.batch_slots}' if FLAGS.batch_slots > 1 else '',
+      FLAGS.mesh.replace(':', '').replace(',', '_') + f'_{FLAGS.layout}' if FLAGS.mesh else '')
   written = common.write_result(output, 'graft_exactness',
                                 {'config': config, 'samples': rows, 'summary': summary})
   if FLAGS.manifest:

@@ -74,6 +74,7 @@ from gemma_jax import kv_state as kvs
 from gemma_jax import layers
 from gemma_jax import model
 from gemma_jax import rope
+from gemma_jax import sharding
 from gemma_jax.config import EOS_ID
 from gemma_jax.weights import LoadedModel
 from graft import fingerprint
@@ -115,6 +116,10 @@ class EngineConfig:
   min_rows: int = 8
   k_chunk: int = 256
   dot_library: str = 'eigen'
+  # Devices: '' (one) or a mesh ('model:4', 'model:2,data:2'; gemma_jax/sharding.py) and its
+  # layout: 'gather' (no contraction ever split) or 'split' (Megatron).
+  mesh: str = ''
+  layout: str = 'gather'
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -131,6 +136,10 @@ class EngineConfig:
         or self.min_rows < 1 or self.k_chunk < 1):
       raise ValueError(f'invalid engine config {self}: need 1 <= block_size <= cache_len and '
                        'logits_rows, min_rows, k_chunk >= 1')
+    if self.layout not in sharding.LAYOUTS:
+      raise ValueError(f'unknown layout {self.layout!r}; expected one of {sharding.LAYOUTS}')
+    if self.mesh:
+      sharding.parse_mesh(self.mesh)  # raises on a malformed mesh
     if self.mode == 'blocked' and self.attention == 'tiled':
       raise ValueError("the blocked engine reduces over the whole cache: attention 'xla' or "
                        "'pallas'")
@@ -228,11 +237,17 @@ class Engine:
     self._compiler_options = (_COMPILER_OPTIONS[config.dot_library] or None
                               if self._pinned else None)
     self._steps = {}  # (tiles read or None, with logits) -> jitted call
+    # On a mesh: parameters placed by the layout, the KV state over KV heads and sequences,
+    # and (layout 'gather') every row-parallel projection's input gathered whole.
+    self.mesh = sharding.make_mesh(sharding.parse_mesh(config.mesh)) if config.mesh else None
+    self._params = (sharding.shard_params(loaded.params, self.mesh, config.layout)
+                    if self.mesh is not None else loaded.params)
+    self._gather_mesh = self.mesh if config.layout == 'gather' else None
 
     def head(params, hidden, rows):
       # hidden [1, T, D], rows [R] -> logits [1, R, V] of those rows (gathered inside the jit).
       with jax.default_matmul_precision(config.matmul_precision), \
-           layers.fixed_order(self._numerics):
+           layers.fixed_order(self._numerics), sharding.gathered_contractions(self._gather_mesh):
         return model.compute_logits(params, self.config, jnp.take(hidden, rows, axis=1))
 
     self._head_fn = head
@@ -253,7 +268,8 @@ class Engine:
       precision, numerics = self.engine_config.matmul_precision, self._numerics
 
       def step(params, tokens, positions, kv):
-        with jax.default_matmul_precision(precision), layers.fixed_order(numerics):
+        with jax.default_matmul_precision(precision), layers.fixed_order(numerics), \
+             sharding.gathered_contractions(self._gather_mesh):
           hidden, kv = model.forward(params, self.config, tokens, positions, kv, attention_fn)
         if not with_logits:
           return hidden, kv
@@ -295,8 +311,9 @@ class Engine:
 
   def empty_kv(self) -> kvs.KVState:
     """The engine's one fixed-size KV state, empty."""
-    return kvs.init_kv_state(self.config, batch_size=1, cache_len=self._cache_slots,
-                             dtype=self.dtype, local_cache_len=self._local_slots)
+    kv = kvs.init_kv_state(self.config, batch_size=1, cache_len=self._cache_slots,
+                           dtype=self.dtype, local_cache_len=self._local_slots)
+    return kv if self.mesh is None else jax.device_put(kv, sharding.kv_shardings(kv, self.mesh))
 
   def empty(self, start_position: int = 0) -> Context:
     """An empty context whose first token will sit at `start_position`."""
@@ -351,18 +368,18 @@ class Engine:
     ids[0, lead:lead + len(tokens)] = tokens
     positions[0, lead:lead + len(tokens)] = first_position + np.arange(len(tokens))
     step = self.step_function(self._tiles_for(end), with_logits)
-    return step(self.loaded.params, ids, positions, kv)
+    return step(self._params, ids, positions, kv)
 
   def _logits(self, hidden: jax.Array, rows: list[int]) -> list[np.ndarray]:
     """float32 logits [V] of the given rows of one call's hidden states [1, T, D]."""
     if not (self._pinned or self._blocked):
-      return list(np.asarray(self._head(self.loaded.params, hidden, np.asarray(rows, np.int32))[0]))
+      return list(np.asarray(self._head(self._params, hidden, np.asarray(rows, np.int32))[0]))
     r, out = self.engine_config.logits_rows, []
     for i in range(0, len(rows), r):
       chunk = rows[i:i + r]
       padded = np.zeros(r, np.int32)  # every logits call has exactly r rows
       padded[:len(chunk)] = chunk
-      out.extend(np.asarray(self._head(self.loaded.params, hidden, padded)[0, :len(chunk)]))
+      out.extend(np.asarray(self._head(self._params, hidden, padded)[0, :len(chunk)]))
     return out
 
   def extend(self, ctx: Context, tokens: Sequence[int], *, logits: str | int = 'none',
@@ -429,7 +446,7 @@ class Engine:
         ids[i, :len(chunk)] = chunk
         positions[i, :len(chunk)] = ctxs[i].next_position + first + np.arange(len(chunk))
       end = max(len(c.tokens) + min(first + b, len(t)) for c, t in zip(ctxs, tokens))
-      hidden, kv = self.step_function(self._tiles_for(end))(self.loaded.params, ids, positions,
+      hidden, kv = self.step_function(self._tiles_for(end))(self._params, ids, positions,
                                                              kv)
       for i, chunk in enumerate(chunks):
         start = len(tokens[i]) - wanted[i]  # the slot's first token with logits
