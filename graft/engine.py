@@ -49,8 +49,13 @@ mode='default': the plain fast path: one call per extend padded only to the next
 over the full cache. It is here to show what pinning buys (and costs: nothing, see
 results/bench_*.json).
 
+Serving several contexts: `extend_batch` runs N contexts per call, one per batch slot, each
+getting the bits it gets alone (pinned only; tests/test_batch.py). Devices: `mesh` runs the
+engine on a jax.sharding mesh (gemma_jax/sharding.py): layout 'gather' never splits a
+contraction, 'split' is Megatron's (experiments/mesh_exactness.py measures both).
+
 Everything that decides bits is in EngineConfig and the engine fingerprint (graft/fingerprint.py):
-mode, block size, row buckets, contraction chunk, dot library, logits rows, cache length,
+mesh and layout, mode, block size, row buckets, contraction chunk, dot library, logits rows, cache length,
 attention implementation and its tiles, matmul precision, XLA flags, dtype, the layout version,
 jax/jaxlib versions, backend, device kind, CPU model and vector extensions. The thread count is
 not: tests/test_threads.py shows the bits are the same on one core, two cores, and with Eigen
