@@ -501,6 +501,65 @@ def faults(found_results: Sequence[tuple[pathlib.Path, dict]],
   return _save(fig, path)
 
 
+def decode_tokens_per_solved(tasks: list[dict], phase: str) -> tuple[float, int]:
+  """(mean decode tokens, count) over the flywheel rows `phase` ('base' or 'library') solved."""
+  solved = [t[f'{phase}_decode_tokens'] for t in tasks
+            if t.get(f'{phase}_correct') and t.get(f'{phase}_decode_tokens') is not None]
+  return (sum(solved) / len(solved), len(solved)) if solved else (0.0, 0)
+
+
+def flywheel(found_results: Sequence[tuple[pathlib.Path, dict]],
+             path: pathlib.Path) -> pathlib.Path | None:
+  """One row per flywheel run (a task family): accuracy without and with the library (recurring
+  tasks, held-out problems, the second round's), decode tokens per solved problem, and the
+  cost factors on the never-solved problems (token, FLOP, energy)."""
+  if not found_results:
+    logging.warning('flywheel: no flywheel results; skipped')
+    return None
+  fig, axes = plt.subplots(len(found_results), 3, squeeze=False, layout='constrained',
+                           figsize=(14, 3.8 * len(found_results)))
+  for row, (_, data) in zip(axes, found_results):
+    s, c, tasks = data['summary'], data['config'], data['tasks']
+    groups = [('recurring', s['base_accuracy'], s['recurring_accuracy']),
+              ('held-out', s['heldout_base_accuracy'], s['heldout_library_accuracy'])]
+    if s.get('heldout_round2_base_accuracy') is not None:
+      groups.append(('held-out, round 2', s['heldout_round2_base_accuracy'],
+                     s['heldout_round2_library_accuracy']))
+    x = np.arange(len(groups))
+    for offset, index, label, color in ((-0.2, 1, 'base', 'tab:gray'),
+                                        (0.2, 2, 'library grafted', 'tab:green')):
+      values = [100 * (g[index] or 0) for g in groups]
+      bars = row[0].bar(x + offset, values, 0.4, color=color, label=label)
+      row[0].bar_label(bars, fmt='%.0f%%', fontsize=7)
+    row[0].set_xticks(x, [g[0] for g in groups])
+    row[0].set_ylim(0, 105)
+    row[0].set_ylabel('accuracy (%)')
+    row[0].legend(fontsize=7)
+    row[0].set_title(f"{c.get('task_set') or c.get('tasks')}: {c.get('model')}, budget "
+                     f"{c.get('budget')} tokens, {c.get('attempts')} attempt(s)", fontsize=9)
+
+    for i, phase in enumerate(('base', 'library')):
+      mean, count = decode_tokens_per_solved(tasks, phase)
+      bars = row[1].bar([i], [mean], color=('tab:gray', 'tab:green')[i])
+      row[1].bar_label(bars, labels=[f'{mean:.1f}\n({count} solved)'], fontsize=7)
+    row[1].set_xticks([0, 1], ['base', 'library grafted'])
+    row[1].set_ylabel('decode tokens per solved problem')
+    row[1].set_ylim(bottom=0)
+    factors = [('tokens', s.get('token_factor')), ('FLOPs', s.get('flops_factor')),
+               ('energy (wall time)', s.get('energy_factor'))]
+    bars = row[2].bar(range(3), [f or 0 for _, f in factors], color='tab:purple')
+    row[2].bar_label(bars, labels=['n/a' if f is None else f'{f:.3g}x' for _, f in factors],
+                     fontsize=7)
+    row[2].set_xticks(range(3), [n for n, _ in factors])
+    row[2].axhline(1.0, color='black', lw=0.8, ls='--')
+    row[2].set_ylabel('base / library, never-solved problems')
+    row[2].set_title(f"{s['never_solved_answered']}/{s['never_solved']} never solved answered; "
+                     f"grafts exact {s.get('graft_exact_equal')}/{s.get('graft_exact_checked')}",
+                     fontsize=9)
+  fig.suptitle('Verified-knowledge flywheel: verify once, deposit as KV, graft on recurrence')
+  return _save(fig, path)
+
+
 # --------------------------------------------------------------------------------------------
 # (h) the benchmark: our engines and the peers, against the machine's ceilings
 # --------------------------------------------------------------------------------------------
@@ -761,6 +820,7 @@ FIGURES: tuple[Figure, ...] = (
            widen_context),
     Figure('faults', ('faults',), lambda found, _: found['faults'], faults),
     Figure('bench', ('bench',), lambda found, _: found['bench'], bench),
+    Figure('flywheel', ('flywheel',), lambda found, _: found['flywheel'], flywheel),
 )
 
 

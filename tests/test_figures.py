@@ -92,8 +92,29 @@ def _bench_fixture(*, per_token_costs=True):
           'ratios': {'pinned_vs_default_prefill_tok_s': 1500 / 1800}}
 
 
+def _flywheel_fixture() -> dict:
+  """A made-up flywheel result in experiments/flywheel.py's shape: 3 recurring tasks (one
+  solved without the library, all with it) and 2 held-out problems."""
+  tasks = [{'id': f't{i}', 'split': 'recurring', 'base_correct': i == 0,
+            'base_decode_tokens': 40 if i else 12, 'deposited': True, 'source': 'solutions',
+            'library_correct': True, 'library_decode_tokens': 10, 'grafted_tokens': 30,
+            'graft_exact': True} for i in range(3)]
+  tasks += [{'id': f'h{i}', 'split': 'heldout', 'base_correct': False, 'base_decode_tokens': 40,
+             'deposited': False, 'source': None, 'library_correct': i == 0,
+             'library_decode_tokens': 20, 'grafted_tokens': 90, 'graft_exact': None}
+            for i in range(2)]
+  summary = {'base_accuracy': 1 / 3, 'recurring_accuracy': 1.0, 'heldout_base_accuracy': 0.0,
+             'heldout_library_accuracy': 0.5, 'never_solved': 2, 'never_solved_answered': 2,
+             'never_solved_base_tokens': 80, 'never_solved_library_decode_tokens': 20,
+             'token_factor': 4.0, 'flops_factor': 6.5, 'energy_factor': 3.0,
+             'graft_exact': True, 'graft_exact_checked': 3, 'graft_exact_equal': 3}
+  return {'config': {'model': 'tiny_gemma3', 'weights': 'random', 'dtype': 'float32',
+                     'task_set': 'arithmetic', 'budget': 40, 'attempts': 1, 'fixture': True},
+          'tasks': tasks, 'summary': summary}
+
+
 def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True,
-                    store=True, bench=True) -> None:
+                    store=True, bench=True, flywheel=True) -> None:
   results.mkdir(parents=True, exist_ok=True)
   if sweeps:
     for rope_mode in ('float', 'quarter_turn', 'none'):
@@ -133,6 +154,9 @@ def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True
                         'lost': 0}}, 'faults')
   if bench:
     _write(results / 'bench_tiny_gemma3_float32.json', _bench_fixture(), 'bench')
+  if flywheel:
+    _write(results / 'flywheel_tiny_gemma3_float32_arithmetic.json', _flywheel_fixture(),
+           'flywheel')
   if rope:  # a real (tiny) rope_float analysis, computed here, not made up
     result = rope_float.analyze(max_position=256, dtypes=['float32'], offsets=[0, 1, 64],
                                 grid_points=8, vectors=1)
@@ -251,7 +275,7 @@ def _ceiling_lines(ax) -> list[float]:
 
 def test_bench_figure_draws_skipped_systems_ceilings_and_ttft(tmp_path, monkeypatch):
   results = tmp_path / 'results'
-  _write_fixtures(results, sweeps=False, graft=False, rope=False, store=False)
+  _write_fixtures(results, sweeps=False, graft=False, rope=False, store=False, flywheel=False)
   drawn, fig = _draw_bench_only(results, tmp_path / 'figures', monkeypatch)
   png = tmp_path / 'figures' / 'bench.png'
   assert drawn['bench'] == png
@@ -342,3 +366,14 @@ def test_malformed_bench_results_are_skipped_with_a_reason(tmp_path, caplog):
 
 if __name__ == '__main__':
   pytest.main([__file__])
+
+
+def test_flywheel_figure_draws_accuracy_tokens_per_solved_and_factors(tmp_path):
+  _write(tmp_path / 'flywheel.json', _flywheel_fixture(), 'flywheel')
+  fig_path = figures.flywheel([(tmp_path / 'flywheel.json', _flywheel_fixture())],
+                              tmp_path / 'flywheel.png')
+  assert fig_path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert figures.flywheel([], tmp_path / 'none.png') is None
+  tasks = _flywheel_fixture()['tasks']
+  assert figures.decode_tokens_per_solved(tasks, 'base') == (12.0, 1)  # t0 only
+  assert figures.decode_tokens_per_solved(tasks, 'library') == (12.5, 4)  # 3 x 10 and 20
