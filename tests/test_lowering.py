@@ -126,8 +126,8 @@ def test_triton_precision_marker_means_what_we_think():
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_mosaic_kernel_ir(dtype):
   """The 270M's kernel for tpu: a Mosaic module with the tile axis last and 'arbitrary',
-  float32-precision matmuls, and the cache walked in 512-slot tiles (2 on the local ring of
-  1024 slots, 8 on the 4096-slot global cache)."""
+  float32-precision matmuls, the call's 256 rows in 8 query blocks, and the cache walked in
+  512-slot tiles (2 on the local ring of 1024 slots, 8 on the 4096-slot global cache)."""
   step = _get('gemma3_270m', 'tpu', 'pallas', dtype)['step']
   text = step.as_text()
   assert 'kernel_name = "gemma_pallas_attention"' in text
@@ -143,7 +143,7 @@ def test_mosaic_kernel_ir(dtype):
     matmuls = [line for line in ir.splitlines() if 'tpu.matmul' in line]
     assert len(matmuls) == 2 and all('#tpu.contract_precision<fp32>' in m for m in matmuls)
     bounds.update(re.findall(r'iteration_bounds = array<i64: ([\d, ]+)>', ir))
-  assert bounds == {'1, 1, 1, 2', '1, 1, 1, 8'}
+  assert bounds == {'1, 1, 8, 2', '1, 1, 8, 8'}
 
 
 def test_tiny_head_dim_refused_by_mosaic_not_by_triton():
@@ -189,12 +189,12 @@ def test_pallas_engine_uses_target_platform_blocks():
   its local ring (rounded to whole tiles) are the target's, not the host's."""
   config = CONFIGS['gemma3_270m']
   pinned = _pinned(attention='pallas')
-  for platform, kernel_platform, ring in (('tpu', 'tpu', 1024), ('cuda', 'gpu', 576)):
+  for platform, kernel_platform, ring in (('tpu', 'tpu', 1024), ('cuda', 'gpu', 768)):
     engine = lowering.abstract_engine(config, pinned, platform)
     assert engine._attention_fn.platform == kernel_platform
     assert not engine._attention_fn.interpret
     assert engine._kernel_blocks['256']['platform'] == kernel_platform
-    assert engine._local_slots == ring  # 512 + 16 - 1 = 527 rounded up to the tile
+    assert engine._local_slots == ring  # 512 + 256 - 1 = 767 rounded up to the tile
 
 
 def test_mosaic_gpu_lowering_available():
