@@ -23,6 +23,9 @@ from graft.store import Store, StoreError
 REPO = pathlib.Path(__file__).resolve().parents[1]
 B = 8
 CONFIG = EngineConfig(block_size=B, cache_len=512)
+# 8-slot attention tiles: the local ring is W + B - 1 = 15 slots rounded up to 16 (the default
+# 256-slot tiles would hold these whole contexts in the ring).
+SMALL_RING = EngineConfig(block_size=B, cache_len=512, attention_tile=8)
 TINY_FLAGS = ['--model=tiny_gemma3', '--weights=random:0', f'--block_size={B}',
               '--cache_len=512']
 
@@ -159,9 +162,9 @@ def test_a_query_shorter_than_a_stored_block_uses_its_first_rows():
 
 
 def test_a_graft_reads_only_global_rows_of_blocks_behind_the_ring(tmp_path):
-  eng = engine()
+  eng = engine(config=SMALL_RING)
   store = Store('memory://', eng)
-  library = tokens(40 * B, 12)  # far past the local ring (W + B - 1 = 15 slots)
+  library = tokens(40 * B, 12)  # far past the local ring (16 slots)
   store.put(library)
   reads = []
   original = store.kv.read_many
@@ -271,7 +274,7 @@ def test_an_object_copied_under_another_key_or_from_another_store_is_refused():
 
 
 def test_bytes_a_graft_does_not_read_cannot_harm_it_and_verify_still_finds_them():
-  eng = engine()
+  eng = engine(config=SMALL_RING)
   store = Store('memory://', eng)
   library = tokens(6 * B, 15)
   store.put(library)
