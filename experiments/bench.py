@@ -30,7 +30,8 @@ from absl import app, flags, logging
 
 from experiments import ceilings, common, peers, samples
 from gemma_jax import cost
-from graft import artifact, fingerprint
+from graft.store import artifact
+from graft.engine import fingerprint
 
 FLAGS = flags.FLAGS
 

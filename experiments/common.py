@@ -3,7 +3,10 @@
 Convention: every entry point defines its flags in a `define_flags()` called only under
 `if __name__ == '__main__'`, so every module imports as a library (the main job and the tests
 import several). Model flags (--model, --weights, --dtype) and engine flags (--engine,
---attention, --block_size, --cache_len, --mesh, --layout) come from here.
+--attention, --rows_per_call, --cache_len, --mesh, --mesh_layout; --block_size and --layout
+are their older names) come from here. Defining the model flags also snapshots the code state
+the process runs (`provenance`), so an entry point records the commit it started from; a
+library import runs no git.
 
 Results are written by `write_result`: the JSON gets its schema tag (analysis/results.py), the
 code state it was made from (`provenance`) and is written atomically (gemma_jax.files). An
@@ -14,7 +17,6 @@ entry point whose --output is not given writes results/<kind>_<config parts>.jso
 from __future__ import annotations
 
 import functools
-import json
 import os
 import statistics
 import subprocess
@@ -26,7 +28,7 @@ from absl import flags, logging
 from analysis import results as results_schema
 from gemma_jax import files, sharding, weights
 from gemma_jax.attention import IMPLEMENTATIONS
-from graft.engine import MODES, Engine, EngineConfig
+from graft.engine import PLANS, Engine, EngineConfig
 
 FLAGS = flags.FLAGS
 
@@ -43,6 +45,7 @@ _OUTPUT_PATHS = ('results/', 'manifests/', 'figures/')
 
 
 def define_model_flags(model: str = 'gemma3_270m', weights_spec: str = 'embedded') -> None:
+  provenance()  # the code state as the entry point starts
   flags.DEFINE_string('model', model, 'Model config name (gemma_jax.config).')
   flags.DEFINE_string('weights', weights_spec,
                       "'embedded', 'random:SEED', or a checkpoint path (GGUF file, Orbax "
@@ -50,20 +53,23 @@ def define_model_flags(model: str = 'gemma3_270m', weights_spec: str = 'embedded
   flags.DEFINE_enum('dtype', 'float32', sorted(weights.DTYPES), 'Parameter/activation dtype.')
 
 
-def define_engine_flags(engine_default: str = 'pinned', cache_len: int = 4096) -> None:
-  flags.DEFINE_enum('engine', engine_default, MODES,
-                    'pinned: fixed reduction orders, byte-exact; blocked: the first pinned '
-                    'design (fixed-shape blocks); default: the plain fast path.')
+def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096) -> None:
+  flags.DEFINE_enum('engine', engine_default or EngineConfig.mode, list(PLANS),
+                    'The engine mode (graft.engine.plans): pinned: fixed reduction orders, '
+                    'byte-exact; blocked: the first pinned design (fixed-shape blocks); '
+                    'default: the plain fast path.')
   flags.DEFINE_enum('attention', None, list(IMPLEMENTATIONS),
                     "Attention implementation (default: the engine mode's, tiled for pinned).")
-  flags.DEFINE_integer('block_size', None,
+  flags.DEFINE_integer('rows_per_call', None,
                        'pinned: the most token rows per transformer call (default 256); '
                        'blocked: the rows of every call (default 16).')
+  flags.DEFINE_alias('block_size', 'rows_per_call')
   flags.DEFINE_integer('cache_len', cache_len, 'KV slots: the most tokens a context holds.')
   flags.DEFINE_string('mesh', '', "Devices to run on: '' (one), or a mesh such as model:4 or "
                       'model:2,data:2 (on a CPU host the device count is set from it).')
-  flags.DEFINE_enum('layout', 'gather', list(sharding.LAYOUTS),
+  flags.DEFINE_enum('mesh_layout', 'gather', list(sharding.LAYOUTS),
                     'Mesh layout: gather (no contraction split) or split (Megatron).')
+  flags.DEFINE_alias('layout', 'mesh_layout')
 
 
 def engine_flag_args() -> list[str]:
@@ -71,10 +77,10 @@ def engine_flag_args() -> list[str]:
   args = [f'--engine={FLAGS.engine}', f'--cache_len={FLAGS.cache_len}']
   if FLAGS.attention is not None:
     args.append(f'--attention={FLAGS.attention}')
-  if FLAGS.block_size is not None:
-    args.append(f'--block_size={FLAGS.block_size}')
+  if FLAGS.rows_per_call is not None:
+    args.append(f'--rows_per_call={FLAGS.rows_per_call}')
   if FLAGS.mesh:
-    args += [f'--mesh={FLAGS.mesh}', f'--layout={FLAGS.layout}']
+    args += [f'--mesh={FLAGS.mesh}', f'--mesh_layout={FLAGS.mesh_layout}']
   return args
 
 
@@ -89,9 +95,9 @@ def load_model() -> weights.LoadedModel:
 
 def engine_config(**overrides) -> EngineConfig:
   """The EngineConfig the engine flags describe (with `overrides`)."""
-  values = dict(mode=FLAGS.engine, attention=FLAGS.attention, block_size=FLAGS.block_size,
-                cache_len=FLAGS.cache_len, mesh=FLAGS.mesh, layout=FLAGS.layout,
-                xla_flags=os.environ.get('XLA_FLAGS', ''))
+  values = dict(mode=FLAGS.engine, attention=FLAGS.attention, rows_per_call=FLAGS.rows_per_call,
+                cache_len=FLAGS.cache_len, mesh=FLAGS.mesh, mesh_layout=FLAGS.mesh_layout,
+                xla_flags=sharding.xla_flags())
   values.update(overrides)
   return EngineConfig(**values)
 
@@ -106,8 +112,8 @@ def model_config_json() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def provenance() -> dict:
-  """The code a result was made from, read once when this module is imported (the process
-  runs the code as it was then): `git_commit` is the commit only when the tracked and
+  """The code a result was made from, read once (when an entry point defines its flags, or at
+  the first result written): `git_commit` is the commit only when the tracked and
   untracked source files equal it; otherwise it is None, `git_base_commit` names the commit
   the changes sit on and `git_modified_files` lists them (a dirty tree is never recorded as a
   commit). Changes under results/, manifests/ and figures/ do not count."""
@@ -130,9 +136,6 @@ def _entry_point() -> str:
   main = sys.modules.get('__main__')
   spec = getattr(main, '__spec__', None)
   return spec.name if spec and spec.name else os.path.basename(sys.argv[0])
-
-
-provenance()  # snapshot the code state as the process starts
 
 
 def default_output(kind: str, *parts) -> str:
@@ -160,39 +163,3 @@ def median_seconds(fn, repeats: int) -> float:
     fn()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
-
-
-def jsonl_records(path: str) -> list[tuple[int, dict]]:
-  """(line number, object) of every non-empty line of a JSONL file; a line that is not a JSON
-  object, an unreadable or empty file raise ValueError naming the file and line."""
-  try:
-    with open(path) as f:
-      lines = f.readlines()
-  except OSError as e:
-    raise ValueError(f'{path}: cannot be read ({e})') from None
-  records = []
-  for number, line in enumerate(lines, 1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ValueError(f'{path}:{number}: not valid JSON ({e})') from None
-    if not isinstance(record, dict):
-      raise ValueError(f'{path}:{number}: expected a JSON object')
-    records.append((number, record))
-  if not records:
-    raise ValueError(f'{path} holds no records')
-  return records
-
-
-def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
-  """Records of a JSONL file, each required to hold non-empty strings under `fields`."""
-  out = []
-  for number, record in jsonl_records(path):
-    if not all(isinstance(record.get(k), str) and record[k] for k in fields):
-      names = ', '.join(f'"{k}"' for k in fields)
-      raise ValueError(f'{path}:{number}: expected an object with non-empty string fields '
-                       f'{names}')
-    out.append(record)
-  return out

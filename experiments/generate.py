@@ -8,6 +8,7 @@ from __future__ import annotations
 from absl import app, flags
 
 from experiments import common
+from experiments.texts import continue_text
 
 FLAGS = flags.FLAGS
 
@@ -21,16 +22,6 @@ def define_flags() -> None:
   flags.DEFINE_integer('seed', 0, 'Seed of the sampler (used when --temperature > 0).')
   common.define_model_flags()
   common.define_engine_flags()
-
-
-def continue_text(engine, prompt: str, max_new_tokens: int, temperature: float = 0.0,
-                  seed: int = 0) -> str:
-  if not prompt:
-    raise ValueError('--prompt is empty: there is nothing to continue')
-  tokenizer = engine.loaded.tokenizer
-  seq, _ = engine.prefill(tokenizer.encode(prompt), logits='last')
-  _, new_tokens = engine.generate(seq, max_new_tokens, temperature=temperature, seed=seed)
-  return tokenizer.decode(new_tokens)
 
 
 def main(argv):

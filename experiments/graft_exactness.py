@@ -16,7 +16,7 @@ prefix ending mid-block with another (their shared blocks stored once) and libra
 never deposited but diverge mid-block from one that was (the store gives the shared block's
 first rows); see experiments/samples.py `with_shared_prefixes`. Rows add `grafted_tokens`,
 `deposited` and `shares`.
-With --mesh=model:4 (or model:2,data:2; --layout=gather|split) the engine runs on a device mesh
+With --mesh=model:4 (or model:2,data:2; --mesh_layout=gather|split) the engine runs on a device mesh
 (gemma_jax/sharding.py); on a CPU host the device count is set from the mesh.
 With --batch_slots=N the pinned engine serves N samples per call, one per batch slot
 (`Engine.extend_batch`): fresh and graft sides each run batched, so the rows also show batch
@@ -142,7 +142,7 @@ def main(argv):
         raise app.UsageError('--source=store deposits from another process: use a store it can '
                              'reach (file:///abs/path/, gs://...), not memory://')
       url = FLAGS.store or f'file://{scratch}/store/'
-      planned = samples.with_shared_prefixes(pairs, engine.engine_config.block_size,
+      planned = samples.with_shared_prefixes(pairs, engine.engine_config.rows_per_call,
                                              seed=FLAGS.seed)
       pairs = [p.sample for p in planned]
       deposit(url, [p.sample.library for p in planned if p.deposited], scratch)
@@ -165,7 +165,7 @@ def main(argv):
       FLAGS.attention or '',
       'store' if FLAGS.source == 'store' else '',
       f'batch{FLAGS.batch_slots}' if FLAGS.batch_slots > 1 else '',
-      FLAGS.mesh.replace(':', '').replace(',', '_') + f'_{FLAGS.layout}' if FLAGS.mesh else '')
+      FLAGS.mesh.replace(':', '').replace(',', '_') + f'_{FLAGS.mesh_layout}' if FLAGS.mesh else '')
   written = common.write_result(output, 'graft_exactness',
                                 {'config': config, 'samples': rows, 'summary': summary})
   if FLAGS.manifest:

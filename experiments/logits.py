@@ -9,10 +9,10 @@ vocabulary) and `argmax_{i}` (int32 argmax at every position).
 
 from __future__ import annotations
 
-import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 
 from experiments import common
+from experiments.texts import text_logits
 from gemma_jax import files
 
 FLAGS = flags.FLAGS
@@ -27,19 +27,7 @@ def define_flags() -> None:
 
 
 def read_texts(path: str) -> list[str]:
-  return [record['text'] for record in common.read_jsonl(path, ('text',))]
-
-
-def text_logits(engine, texts: list[str]) -> dict[str, np.ndarray]:
-  arrays = {}
-  for i, text in enumerate(texts):
-    ids = engine.loaded.tokenizer.encode(text)
-    _, logits = engine.prefill(ids, logits='all')
-    arrays[f'ids_{i}'] = np.asarray(ids, np.int32)
-    arrays[f'last_{i}'] = logits[-1].astype(np.float32)
-    arrays[f'argmax_{i}'] = np.argmax(logits, axis=-1).astype(np.int32)
-    logging.info('text %d/%d: %d tokens', i + 1, len(texts), len(ids))
-  return arrays
+  return [record['text'] for record in files.read_jsonl(path, ('text',))]
 
 
 def main(argv):

@@ -27,10 +27,13 @@ import numpy as np
 from absl import app, flags
 
 from analysis import figures
-from experiments import common, flywheel, generate, logits, replay, samples, tasks
+from experiments import common, samples
+from experiments.texts import continue_text, text_logits
+from graft import replay
+from graft.knowledge import flywheel, tasks
 from gemma_jax import compare, files
 from graft import exactness
-from graft.library import Library
+from graft.knowledge.library import Library
 from graft.store import Store
 
 FLAGS = flags.FLAGS
@@ -75,9 +78,9 @@ def store_demo(engine, libraries) -> list[str]:
     for name, context in [('library 0', libraries[0]), ('library 1', libraries[1]),
                           ('diverging text', diverging)]:
       ctx, match = store.graft(context)
-      _, grafted = engine.extend(ctx, context[match.tokens:] + query, logits='last')
-      _, fresh = engine.prefill(context + query, logits='last')
-      equal = compare.sha256_bytes(grafted) == compare.sha256_bytes(fresh)
+      grafted, _ = exactness.graft_logits(engine, ctx, context, query, rows=1)
+      equal = (compare.sha256_bytes(grafted)
+               == exactness.fresh_sha256(engine, context, query, rows=1))
       print(f'{name}: {match.tokens}/{len(context)} tokens grafted from the store, '
             f'SHA-256 equal to fresh: {equal}')
       if not equal:
@@ -118,10 +121,10 @@ def main(argv):
 
   step('1. generation')
   prompt = DEMO_TEXTS[0]
-  print(prompt + generate.continue_text(engine, prompt, 24))
+  print(prompt + continue_text(engine, prompt, 24))
 
   step('2. logits')
-  arrays = logits.text_logits(engine, DEMO_TEXTS)
+  arrays = text_logits(engine, DEMO_TEXTS)
   for i, text in enumerate(DEMO_TEXTS):
     top = loaded.tokenizer.decode([int(arrays[f'argmax_{i}'][-1])])
     print(f'{len(arrays[f"ids_{i}"]):3d} tokens, next-token argmax {top!r} after {text[:40]!r}')

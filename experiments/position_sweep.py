@@ -53,7 +53,9 @@ from experiments import common, samples
 from gemma_jax import compare, rope as rope_lib
 from gemma_jax import weights
 from gemma_jax.config import BOS_ID, get_config
-from graft import artifact, fingerprint, shift
+from graft.store import artifact
+from graft.engine import fingerprint
+from graft import shift
 from graft.engine import Engine, EngineConfig
 
 # Offsets δ measured by default: every small δ where a rounding coincidence could make a shift
@@ -335,7 +337,7 @@ def main(argv):
   logging.info('loading %s (%s) weights=%s dtype=%s rope=%s', label, FLAGS.model, FLAGS.weights,
                FLAGS.dtype, FLAGS.rope)
   loaded = weights.load(config, FLAGS.weights, FLAGS.dtype)
-  block_size = FLAGS.block_size or EngineConfig(mode=FLAGS.engine).block_size
+  block_size = FLAGS.rows_per_call or EngineConfig(mode=FLAGS.engine).rows_per_call
   cache_len = FLAGS.cache_len or auto_cache_len(library_len, query_len, block_size)
   engine_config = common.engine_config(cache_len=cache_len)
   engines = build_engines(loaded, engine_config, methods)

@@ -19,17 +19,12 @@ committed manifest whose environment matches this machine (`select`).
 
 from __future__ import annotations
 
-import glob
 import json
 import sys
-import tempfile
 
-from absl import app, flags, logging
+from absl import app, flags
 
-from gemma_jax import weights
-from graft import exactness, fingerprint
-from graft.artifact import differences
-from graft.engine import Engine, EngineConfig
+from graft.replay import records, replay, select
 
 FLAGS = flags.FLAGS
 
@@ -38,109 +33,6 @@ def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_string('manifest', None, 'Manifest JSON to replay.', required=True)
   flags.DEFINE_integer('limit', 0, 'Replay only the first N samples (0: all).')
-
-
-HASHES = ('fresh_sha256', 'graft_sha256', 'continuation_sha256')
-# What of the environment decides the bits of a CPU run besides the engine config.
-_MACHINE_FIELDS = ('backend', 'machine', 'cpu_features', 'cpu_model', 'jax', 'jaxlib')
-
-
-def made_on_this_kind_of_machine(manifest: dict) -> bool:
-  """Whether the manifest's recorded environment is this machine's (fields a manifest predates,
-  such as cpu_model, are not compared)."""
-  recorded = manifest['engine_fingerprint'].get('environment', {})
-  here = fingerprint.environment()
-  return all(recorded[k] == here[k] for k in _MACHINE_FIELDS if k in recorded)
-
-
-def select(pattern: str) -> str:
-  """The manifest matching `pattern` (a path or a glob) that was made on this kind of machine;
-  raises FileNotFoundError, listing the candidates' environments, when there is none."""
-  paths = sorted(glob.glob(pattern))
-  if not paths:
-    raise FileNotFoundError(f'no manifest matches {pattern}')
-  if len(paths) == 1 and not glob.has_magic(pattern):
-    return paths[0]
-  for path in paths:
-    with open(path) as f:
-      if made_on_this_kind_of_machine(json.load(f)):
-        return path
-  here = {k: fingerprint.environment()[k] for k in ('cpu_model', 'cpu_features')}
-  raise FileNotFoundError(
-      f'none of {paths} was made on a machine like this one ({here}); make one here with '
-      'python -m experiments.graft_exactness --samples=4 --continuation_tokens=8 '
-      '--manifest=manifests/<name>.json')
-
-
-def _engine(manifest: dict) -> tuple[Engine, Engine]:
-  """Two separately constructed engines of the manifest's model and configuration, after
-  checking that this machine loads the same model."""
-  config = manifest['config']
-  loaded = weights.load(config['model'], config['weights'], config['dtype'])
-  # Manifests made before the config was named EngineConfig hold it under 'pinned'.
-  engine_config = EngineConfig.from_dict(config.get('engine_config') or config['pinned'])
-  engine, writer = Engine(loaded, engine_config), Engine(loaded, engine_config)
-  if engine.model_fingerprint['sha256'] != manifest['model_fingerprint']['sha256']:
-    raise ValueError('this machine loads a different model than the manifest was made with: '
-                     + '; '.join(differences(manifest['model_fingerprint'],
-                                              engine.model_fingerprint)))
-  environment = differences(manifest['engine_fingerprint'].get('environment'),
-                            engine.fingerprint['environment'])
-  if environment:
-    logging.warning('engine environment differs from the manifest: %s', '; '.join(environment))
-  return engine, writer
-
-
-def records(manifest: dict) -> list[dict]:
-  """What a manifest records one hash set each for: samples or answers."""
-  return manifest['answers'] if manifest.get('kind') == 'flywheel' else manifest['samples']
-
-
-def replay(manifest: dict, limit: int = 0) -> list[str]:
-  """Recomputes the manifest's records; returns a line per differing one (empty: all equal)."""
-  if manifest.get('kind') == 'flywheel':
-    return replay_answers(manifest, limit)
-  config = manifest['config']
-  engine, writer = _engine(manifest)
-  chosen = manifest['samples'][:limit or None]
-  failures = []
-  with tempfile.TemporaryDirectory() as scratch:
-    for i, record in enumerate(chosen):
-      graft = exactness.artifact_graft(writer, engine, f'{scratch}/sample_{i:03d}')
-      row = exactness.check_sample(engine, graft, record['library'], record['query'],
-                                   continuation_tokens=config['continuation_tokens'])
-      differing = [h for h in HASHES if row[h] != record[h]]
-      status = 'ok' if not differing else 'DIFFERS: ' + ', '.join(differing)
-      logging.info('sample %d/%d (library %d, query %d tokens): %s', i + 1, len(chosen),
-                   len(record['library']), len(record['query']), status)
-      if differing:
-        failures.append(f'sample {i}: ' + ', '.join(
-            f'{h} {row[h][:16]}.. != recorded {record[h][:16]}..' for h in differing))
-  return failures
-
-
-def replay_answers(manifest: dict, limit: int = 0) -> list[str]:
-  """A flywheel manifest: every answer decoded again from a fresh computation of its whole
-  prompt (a grafted answer is byte-equal to that, so the recorded hashes must reproduce)."""
-  from experiments.flywheel import Asker  # the decoding the run used
-  engine, _ = _engine(manifest)
-  asker = Asker(engine, manifest['budget'])
-  chosen = manifest['answers'][:limit or None]
-  failures = []
-  for i, record in enumerate(chosen):
-    ctx, _ = engine.prefill(record['prompt'], logits='last')
-    decoded = engine.decode(ctx, manifest['budget'], temperature=record['temperature'],
-                            seed=record['seed'], stop=asker.stop)
-    differing = [name for name, ok in (('tokens', decoded.tokens == record['tokens']),
-                                       ('logits_sha256',
-                                        decoded.logits_sha256 == record['logits_sha256']))
-                 if not ok]
-    logging.info('answer %d/%d (%s %s %s): %s', i + 1, len(chosen), record['id'],
-                 record['split'], record['phase'],
-                 'ok' if not differing else 'DIFFERS: ' + ', '.join(differing))
-    if differing:
-      failures.append(f'answer {i} ({record["id"]} {record["phase"]}): ' + ', '.join(differing))
-  return failures
 
 
 def main(argv):

@@ -93,7 +93,7 @@ def draw(tokenizer, count: int, *, seed: int, window: int) -> list[Sample]:
 
 def read_jsonl(path: str, tokenizer) -> list[Sample]:
   """One {"library": text, "query": text} per line; the library gets BOS, the query does not."""
-  from experiments.common import read_jsonl as read_records
+  from gemma_jax.files import read_jsonl as read_records
   return [Sample(library=tuple(tokenizer.encode(r['library'])),
                  query=tuple(tokenizer.encode(r['query'], add_bos=False)))
           for r in read_records(path, ('library', 'query'))]

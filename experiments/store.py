@@ -23,6 +23,7 @@ import sys
 from absl import app, flags, logging
 
 from experiments import common
+from gemma_jax import files
 from graft.store import Store
 
 FLAGS = flags.FLAGS
@@ -43,7 +44,7 @@ def define_flags() -> None:
 def read_contexts(path: str, tokenizer) -> list[list[int]]:
   """Token ids of each line: {"text": ...} with BOS, or {"tokens": [...]} as given."""
   contexts = []
-  for number, record in common.jsonl_records(path):
+  for number, record in files.jsonl_records(path):
     if isinstance(record.get('text'), str) and record['text']:
       contexts.append(tokenizer.encode(record['text']))
     elif (isinstance(record.get('tokens'), list) and record['tokens']

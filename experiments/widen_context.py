@@ -33,7 +33,6 @@ import shutil
 import statistics
 import tempfile
 import time
-import urllib.parse
 
 from absl import app, flags, logging
 import jax
@@ -41,7 +40,9 @@ import numpy as np
 
 from experiments import ceilings, common, samples
 from gemma_jax import compare, files
+from graft import exactness
 from graft.store import Store
+from graft.store.kvstore import local_directory
 
 FLAGS = flags.FLAGS
 PAPER_TOKENS = 2_854_766  # the paper's usable context (arXiv 2607.14431)
@@ -70,13 +71,6 @@ def device_bytes() -> int:
   """Bytes of every live jax array (on this process's devices)."""
   gc.collect()
   return sum(a.nbytes for a in jax.live_arrays())
-
-
-def local_directory(url: str) -> str | None:
-  """The directory of a file:// store (None for any other driver): only for measuring the disk
-  and evicting its pages from the OS cache, never for reading the store."""
-  parsed = urllib.parse.urlparse(url)
-  return urllib.parse.unquote(parsed.path) if parsed.scheme == 'file' else None
 
 
 def evict_page_cache(directory: str) -> None:
@@ -125,7 +119,7 @@ def serve(store: Store, engine, deposited, queries: int, query_tokens: int, samp
     start = time.perf_counter()
     ctx, match = store.graft(library)
     grafted = time.perf_counter()
-    _, logits = engine.extend(ctx, library[match.tokens:] + query, logits='last', consume=True)
+    logits, _ = exactness.graft_logits(engine, ctx, library, query, rows=1, consume=True)
     done = time.perf_counter()
     row = {'query': q, 'library': index, 'grafted_tokens': match.tokens,
            'tier': 'backing' if store.counters['backing_reads'] > reads else 'host',
@@ -133,8 +127,7 @@ def serve(store: Store, engine, deposited, queries: int, query_tokens: int, samp
            'backing_bytes': store.counters['backing_bytes'] - read_bytes,
            'sha256': compare.sha256_bytes(logits)}
     if q < sampled:
-      _, fresh = engine.prefill(library + query, logits='last')
-      row['fresh_sha256'] = compare.sha256_bytes(fresh)
+      row['fresh_sha256'] = exactness.fresh_sha256(engine, library, query, rows=1)
       row['equal'] = row['fresh_sha256'] == row['sha256']
     rows.append(row)
     logging.info('query %d/%d: library %d from %s, ttft %.3f s%s', q + 1, queries, index,
@@ -150,7 +143,7 @@ def misses(store: Store, engine, libraries, count: int, query_tokens: int) -> li
     library, query = list(library[:-query_tokens]), list(library[-query_tokens:])
     start = time.perf_counter()
     ctx, match = store.graft(library)
-    if match.tokens >= store.block_size:  # a few common first tokens at most
+    if match.tokens >= store.block_tokens:  # a few common first tokens at most
       raise ValueError(f'a held-out library has {match.tokens} stored tokens')
     engine.extend(ctx, library[match.tokens:] + query, logits='last', consume=True)
     out.append(time.perf_counter() - start)

@@ -24,13 +24,9 @@ from flax import nnx
 
 from gemma_jax import kv_state as kvs
 from gemma_jax import rope
-from gemma_jax import sharding
 from gemma_jax.config import LayerSpec, TransformerConfig
 from gemma_jax.layers import Dense, RMSNorm
-
-# A finite "minus infinity": exp(MASKED - max) is exactly 0 in float32, and a row with every slot
-# masked (a padding row) stays finite instead of turning into NaN.
-MASKED = -2.3819763e38
+from gemma_jax.numerics import MASKED, XLA, Numerics
 
 
 def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
@@ -48,7 +44,7 @@ class AttendFn(Protocol):
 
   def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                k_pos: jax.Array, *, window: int | None, softcap: float | None,
-               scores: Callable | None = None) -> jax.Array:
+               scores: Callable | None = None, numerics: Numerics = XLA) -> jax.Array:
     ...
 
   def blocks(self, head_dims: tuple[int, ...], dtype) -> dict:
@@ -67,14 +63,16 @@ def dot_logits(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
-           window: int | None, softcap: float | None, scores: Callable | None = None) -> jax.Array:
+           window: int | None, softcap: float | None, scores: Callable | None = None,
+           numerics: Numerics = XLA) -> jax.Array:
   """Reference attention. q [B, T, N, H] (already scaled), k, v [B, S, K, H], q_pos [B, T],
   k_pos [B, S] -> [B, T, N, H] in v's dtype. `scores` computes the logits from (q, k, q_pos,
   k_pos) in place of `dot_logits` (a RoPE mode's score function, e.g. the quarter-turn control's).
 
   Everything runs in float32 (bfloat16 inputs are widened exactly first): XLA:CPU's bfloat16
   dot with a float32 result is an order of magnitude slower than widening, and float32 softmax
-  is what every Gemma reference does."""
+  is what every Gemma reference does. XLA's own reductions whatever `numerics` says."""
+  del numerics
   batch, num_tokens, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
   q = q.reshape(batch, num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -90,9 +88,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
 
 @dataclasses.dataclass(frozen=True)
 class XlaAttention:
-  """`attend` as an AttendFn: XLA's own reductions, no blocks of its own."""
+  """`attend` as an AttendFn: XLA's own reductions whatever the numerics, no blocks of its
+  own."""
 
-  def __call__(self, q, k, v, q_pos, k_pos, *, window, softcap, scores=None):
+  def __call__(self, q, k, v, q_pos, k_pos, *, window, softcap, scores=None, numerics=XLA):
     return attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, scores=scores)
 
   def blocks(self, head_dims, dtype) -> dict:
@@ -163,44 +162,54 @@ class Attention(nnx.Module):
     self.kv_proj = (Dense((d,), (2, k, h), dtype=dtype, rngs=rngs)
                     if owns_kv and not spec.k_eq_v else None)
 
-  def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    return rope.apply_rope(x, positions, base=self.spec.rope_base, scale=self.spec.rope_scale,
-                           rotary_fraction=self.spec.rotary_fraction, mode=self.config.rope_mode)
+  def rope_key(self) -> tuple:
+    """What decides this layer's rotation angles besides the positions (layers that share it
+    share one sin/cos table per call)."""
+    return (self.spec.head_dim, self.spec.rope_base, self.spec.rope_scale,
+            self.spec.rotary_fraction)
 
-  def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The cache entries of new tokens: normed K (rotated unless the config caches keys before
-    RoPE) and normed V, each [B, T, K, H]."""
+  def angles(self, positions: jax.Array, numerics: Numerics):
+    """(sin, cos) [B, T, H/2] of this layer's RoPE at positions [B, T] (None: no rotation)."""
+    return rope.sin_cos(positions, self.spec.head_dim, base=self.spec.rope_base,
+                        scale=self.spec.rope_scale, rotary_fraction=self.spec.rotary_fraction,
+                        mode=self.config.rope_mode, numerics=numerics)
+
+  def keys_values(self, x: jax.Array, angles, numerics: Numerics) -> tuple[jax.Array, jax.Array]:
+    """The cache entries of new tokens: normed K (turned by `angles` unless the config caches
+    keys before RoPE) and normed V, each [B, T, K, H]."""
     if self.k_proj is not None:
-      k = v = self.k_proj(x)
+      k = v = self.k_proj(x, numerics)
     else:
-      kv = self.kv_proj(x)  # [B, T, 2, K, H]
+      kv = self.kv_proj(x, numerics)  # [B, T, 2, K, H]
       k, v = kv[:, :, 0], kv[:, :, 1]
     if self.key_norm is not None:
-      k = self.key_norm(k)
+      k = self.key_norm(k, numerics)
     if self.value_norm is not None:
-      v = self.value_norm(v)
-    return (k if self.config.kv_cache_pre_rope else self._rope(k, positions)), v
+      v = self.value_norm(v, numerics)
+    return (k if self.config.kv_cache_pre_rope else rope.rotate_heads(k, angles, numerics)), v
 
-  def __call__(self, x: jax.Array, positions: jax.Array, cache: kvs.LayerKV, start: jax.Array,
-               attention_fn: AttendFn) -> tuple[jax.Array, kvs.LayerKV]:
-    """x [B, T, D], positions [B, T] -> ([B, T, D], the layer cache after this call's write).
-    For a KV-shared layer `cache` is the source layer's, already updated, and is returned as is."""
-    q = self.q_proj(x)
+  def __call__(self, x: jax.Array, positions: jax.Array, angles, cache: kvs.LayerKV,
+               start: jax.Array, attention_fn: AttendFn,
+               numerics: Numerics) -> tuple[jax.Array, kvs.LayerKV]:
+    """x [B, T, D], positions [B, T], `angles` this layer's RoPE (sin, cos) at them (`angles()`)
+    -> ([B, T, D], the layer cache after this call's write). For a KV-shared layer `cache` is
+    the source layer's, already updated, and is returned as is."""
+    q = self.q_proj(x, numerics)
     if self.query_norm is not None:
-      q = self.query_norm(q)
-    q = self._rope(q, positions)
+      q = self.query_norm(q, numerics)
+    q = rope.rotate_heads(q, angles, numerics)
     if self.config.query_pre_attn_scalar is not None:
       q = q * jnp.asarray(self.config.query_pre_attn_scalar ** -0.5, q.dtype)
     if self.owns_kv:
-      k, v = self.keys_values(x, positions)
+      k, v = self.keys_values(x, angles, numerics)
       cache = kvs.write(cache, k, v, positions, start)
     keys = cache.k
     if self.config.kv_cache_pre_rope:  # every slot rotated by its own position (empty: masked)
-      keys = self._rope(keys, cache.positions)
+      keys = rope.rotate_heads(keys, self.angles(cache.positions, numerics), numerics)
     mode = rope.get_mode(self.config.rope_mode)
     scores = mode.scores(self.spec.rotary_fraction) if mode.scores else None
     encoded = attention_fn(q, keys, cache.v, positions, cache.positions,
                            window=self.spec.window, softcap=self.config.attn_logits_softcap,
-                           scores=scores)
-    return self.o_proj(sharding.gather_contraction(encoded)), cache
+                           scores=scores, numerics=numerics)
+    return self.o_proj(numerics.whole(encoded), numerics), cache
 

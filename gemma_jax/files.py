@@ -1,4 +1,5 @@
-"""Atomic, durable local writes: the one writer behind every JSON, NPZ, figure and cache entry.
+"""Atomic, durable local writes (the one writer behind every JSON, NPZ, figure and cache entry),
+and the one JSONL reader.
 
 A reader must see the old file or the whole new one, never half of one, even after a crash or
 when two runs write the same name at once. So every write goes to a fresh hidden staging name
@@ -123,3 +124,39 @@ def atomic_directory(path: str) -> Iterator[str]:
     shutil.rmtree(staging, ignore_errors=True)
     raise
   fsync_directory(parent)
+
+
+def jsonl_records(path: str) -> list[tuple[int, dict]]:
+  """(line number, object) of every non-empty line of a JSONL file; a line that is not a JSON
+  object, an unreadable or empty file raise ValueError naming the file and line."""
+  try:
+    with open(path) as f:
+      lines = f.readlines()
+  except OSError as e:
+    raise ValueError(f'{path}: cannot be read ({e})') from None
+  records = []
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f'{path}:{number}: not valid JSON ({e})') from None
+    if not isinstance(record, dict):
+      raise ValueError(f'{path}:{number}: expected a JSON object')
+    records.append((number, record))
+  if not records:
+    raise ValueError(f'{path} holds no records')
+  return records
+
+
+def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
+  """Records of a JSONL file, each required to hold non-empty strings under `fields`."""
+  out = []
+  for number, record in jsonl_records(path):
+    if not all(isinstance(record.get(k), str) and record[k] for k in fields):
+      names = ', '.join(f'"{k}"' for k in fields)
+      raise ValueError(f'{path}:{number}: expected an object with non-empty string fields '
+                       f'{names}')
+    out.append(record)
+  return out

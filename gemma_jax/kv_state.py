@@ -167,25 +167,33 @@ def expected_positions(start: int, num_tokens: int, slots: int) -> np.ndarray:
   return (start + index).astype(np.int32)
 
 
-def from_leaves(leaves: dict[str, np.ndarray], empty: KVState, cache_layers: tuple[int, ...],
-                num_tokens: int) -> KVState:
-  """The KV state holding `leaves` (as to_leaves writes them) in the slots of `empty`, whose
-  buffers give the shapes and dtype; raises ValueError when a leaf does not fit them."""
-  layers = []
-  for layer_index, layer in zip(cache_layers, empty.layers):
+def rows_from_leaves(leaves: dict[str, np.ndarray], cache_layers: tuple[int, ...],
+                     num_tokens: int, start_position: int) -> list['KVRows']:
+  """The rows that leaves, as to_leaves writes them, hold for `num_tokens` tokens from
+  `start_position`: [0, n - S) from the layers that keep every token (the others read None
+  there), [n - S, n) from every layer (S: the smallest ring). Raises ValueError when a leaf is
+  missing or does not hold at most n slots."""
+  stored = []
+  for layer_index in cache_layers:
     k_name, v_name, p_name = leaf_names(layer_index)
+    if not {k_name, v_name, p_name} <= set(leaves):
+      raise ValueError(f'layer {layer_index} has no stored K, V or positions')
     k, v, positions = leaves[k_name], leaves[v_name], leaves[p_name]
-    stored = k.shape[0]
-    want = (min(num_tokens, layer.num_slots),) + tuple(layer.k.shape[2:])
-    if k.shape != want or v.shape != want or positions.shape != want[:1]:
+    if not 0 < k.shape[0] <= num_tokens or v.shape != k.shape or positions.shape != k.shape[:1]:
       raise ValueError(f'layer {layer_index}: stored K {k.shape}, V {v.shape}, positions '
-                       f'{positions.shape} do not fit {num_tokens} tokens in the engine\'s cache '
-                       f'{tuple(layer.k.shape[1:])}')
-    layers.append(LayerKV(
-        k=layer.k.at[0, :stored].set(jnp.asarray(k, layer.k.dtype)),
-        v=layer.v.at[0, :stored].set(jnp.asarray(v, layer.v.dtype)),
-        positions=layer.positions.at[0, :stored].set(jnp.asarray(positions, jnp.int32))))
-  return KVState(layers=tuple(layers), fill=jnp.full(empty.fill.shape, num_tokens, jnp.int32))
+                       f'{positions.shape} do not hold {num_tokens} tokens')
+    stored.append((k, v, positions))
+  cuts = sorted({num_tokens - k.shape[0] for k, _, _ in stored} | {0, num_tokens})
+  rows = []
+  for lo, hi in zip(cuts, cuts[1:]):
+    index = np.arange(lo, hi)
+    held = [num_tokens - k.shape[0] <= lo for k, _, _ in stored]
+    slot = [index % k.shape[0] for k, _, _ in stored]
+    rows.append(KVRows(lo, tuple(k[s] if h else None for (k, _, _), s, h in zip(stored, slot, held)),
+                       tuple(v[s] if h else None for (_, v, _), s, h in zip(stored, slot, held)),
+                       tuple(p[s] if h else (start_position + index).astype(np.int32)
+                             for (_, _, p), s, h in zip(stored, slot, held))))
+  return rows
 
 
 def shift_positions(kv: KVState, delta: int) -> KVState:

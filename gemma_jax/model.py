@@ -7,6 +7,9 @@ of (params, config, tokens, positions, KV state):
     hidden, kv = forward(params, config, tokens, positions, kv)   # hidden after the final norm
     logits = compute_logits(params, config, hidden)              # float32 [B, T, V]
 
+Both take the attention implementation and the `Numerics` value that decide their arithmetic
+(defaults: XLA attention, XLA's numerics); nothing else decides a bit.
+
 Logits are a separate call so that an engine computes them only for the rows it needs: the tied
 262,144 x D embedding makes them the most expensive matmul of a small model.
 """
@@ -22,18 +25,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemma_jax import kv_state as kvs
-from gemma_jax import layers
-from gemma_jax import rope
-from gemma_jax import sharding
 from gemma_jax.attention import AttendFn, Attention, attend
 from gemma_jax.config import TransformerConfig
-from gemma_jax.layers import (Dense, FeedForward, RMSNorm, fusion_barrier, gelu_tanh, init_param,
-                              materialize)
+from gemma_jax.layers import Dense, FeedForward, RMSNorm, init_param
+from gemma_jax.numerics import XLA, Numerics
 
 Params = dict[str, Any]  # nested dict of arrays, keyed like the NNX state
 
-# Version of the parameter tree's names and layouts; caches of converted params key on it.
-PARAMS_LAYOUT = 2
+# Version of the parameter tree's names and array layouts; caches of converted params key on it.
+PARAMS_TREE_VERSION = 2
 
 
 class Embedder(nnx.Module):
@@ -55,44 +55,43 @@ class Embedder(nnx.Module):
       self.per_layer_projection_norm = RMSNorm(p, offset=config.norm_scale_offset,
                                                eps=config.rms_norm_eps, dtype=dtype, rngs=rngs)
 
-  def encode(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+  def encode(self, tokens: jax.Array,
+             numerics: Numerics) -> tuple[jax.Array, jax.Array | None]:
     """tokens [B, T] -> (x [B, T, D], per-layer inputs [B, T, L, P] or None)."""
     table = self.input_embedding[...]
     # sqrt(D) is rounded to the activation dtype first, as the reference does (in bfloat16,
     # sqrt(640) = 25.298 becomes 25.25).
-    x = fusion_barrier(
+    x = numerics.barrier(
         table[tokens] * jnp.asarray(math.sqrt(self.config.embed_dim), table.dtype))
     if not self.config.per_layer_embed_dim:
       return x, None
     ple_table = self.per_layer_embeddings[...]
     by_token = ple_table[tokens] * jnp.asarray(
         math.sqrt(self.config.per_layer_embed_dim), ple_table.dtype)
-    by_context = self.per_layer_model_projection(x) * jnp.asarray(
+    by_context = self.per_layer_model_projection(x, numerics) * jnp.asarray(
         self.config.embed_dim ** -0.5, x.dtype)
-    by_context = self.per_layer_projection_norm(by_context)
-    by_token = materialize(by_token)
-    return x, materialize((by_context + by_token) * jnp.asarray(2.0 ** -0.5, x.dtype))
+    by_context = self.per_layer_projection_norm(by_context, numerics)
+    by_token = numerics.materialize(by_token)
+    return x, numerics.materialize((by_context + by_token) * jnp.asarray(2.0 ** -0.5, x.dtype))
 
-  def decode(self, hidden: jax.Array) -> jax.Array:
+  def decode(self, hidden: jax.Array, numerics: Numerics,
+             output_table: jax.Array | None = None) -> jax.Array:
     """hidden [B, T, D] -> logits [B, T, V] in float32, soft-capped where the family does.
+    output_table: the [D, V] float32 table of numerics whose `output_table` is 'transposed'.
 
-    One 2D matmul on float32 operands (bfloat16 ones are widened exactly): on XLA:CPU a 3D
-    einsum, or a bfloat16 dot with a float32 result, is 25-40x slower here (measured 350 ms vs
-    9 ms for the 270M's head in bfloat16)."""
+    Float32 operands (bfloat16 ones are widened exactly): on XLA:CPU a 3D einsum, or a bfloat16
+    dot with a float32 result, is 25-40x slower (docs/determinism.md)."""
     table = self.input_embedding[...].astype(jnp.float32)  # [V, D]
+    if numerics.output_table == 'transposed':
+      if output_table is None:
+        raise ValueError(f'the {numerics.name} numerics read a transposed output table')
+      table = output_table
     rows = hidden.reshape(-1, hidden.shape[-1]).astype(jnp.float32)
-    if rows.shape[0] == 1 and layers.current_fixed_order() is not None:
-      # One row under the pinned numerics: the matrix-vector form table @ row, which XLA:CPU
-      # streams the table through faster than row @ table.T (measured 45-48 ms vs 55-58 ms for
-      # the 270M's 0.67 GB table in float32). (Not for the other engines, whose recorded bits
-      # come from row @ table.T.)
-      logits = (table @ rows[0])[None]
-    else:
-      logits = rows @ table.T
-    logits = logits.reshape(hidden.shape[:-1] + (table.shape[0],))
+    logits = numerics.logits(table, rows)
+    logits = logits.reshape(hidden.shape[:-1] + (logits.shape[-1],))
     cap = self.config.final_logit_softcap
     if cap is not None:
-      logits = jnp.tanh(logits / cap) * cap
+      logits = numerics.softcap(logits, cap)
     return logits
 
 
@@ -119,18 +118,19 @@ class Block(nnx.Module):
     self.skip_scale = (init_param(rngs, (1,), dtype, std=0.1, mean=1.0)
                        if config.use_skip_scale else None)
 
-  def __call__(self, x, positions, cache, start, per_layer_input, attention_fn):
-    attn_out, cache = self.attn(self.pre_attention_norm(x), positions, cache, start, attention_fn)
-    # (fusion_barrier, materialize: identities unless the engine traces with fixed reduction
-    # orders; see gemma_jax.layers.)
-    x = fusion_barrier(x + self.post_attention_norm(attn_out))
-    x = fusion_barrier(x + self.post_ffw_norm(self.mlp(self.pre_ffw_norm(x))))
+  def __call__(self, x, positions, angles, cache, start, per_layer_input, attention_fn,
+               numerics: Numerics):
+    n = numerics
+    attn_out, cache = self.attn(self.pre_attention_norm(x, n), positions, angles, cache, start,
+                                attention_fn, n)
+    x = n.barrier(x + self.post_attention_norm(attn_out, n))
+    x = n.barrier(x + self.post_ffw_norm(self.mlp(self.pre_ffw_norm(x, n), n), n))
     if per_layer_input is not None:
-      gated = gelu_tanh(self.per_layer_input_gate(x)) * per_layer_input
-      x = fusion_barrier(x + self.post_per_layer_input_norm(
-          self.per_layer_projection(sharding.gather_contraction(gated))))
+      gated = n.gelu(self.per_layer_input_gate(x, n)) * per_layer_input
+      x = n.barrier(x + self.post_per_layer_input_norm(
+          self.per_layer_projection(n.whole(gated), n), n))
     if self.skip_scale is not None:
-      x = fusion_barrier(x * self.skip_scale[...])
+      x = n.barrier(x * self.skip_scale[...])
     return x, cache
 
 
@@ -145,17 +145,19 @@ class Transformer(nnx.Module):
                               eps=config.rms_norm_eps, dtype=dtype, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, kv: kvs.KVState,
-               attention_fn: AttendFn = attend) -> tuple[jax.Array, kvs.KVState]:
+               attention_fn: AttendFn = attend,
+               numerics: Numerics = XLA) -> tuple[jax.Array, kvs.KVState]:
     """tokens, positions [B, T] (position EMPTY marks a padding row) -> (hidden [B, T, D] after
     the final norm, the KV state with these tokens written)."""
-    # A run-time zero for layers.materialize (fill is never negative; the compiler cannot know).
-    if layers.current_fixed_order() is None:
-      return self._forward(tokens, positions, kv, attention_fn)
-    with layers.opaque_zero((kv.fill[0] < 0).astype(jnp.uint32)), rope.shared_sin_cos():
-      return self._forward(tokens, positions, kv, attention_fn)
-
-  def _forward(self, tokens, positions, kv, attention_fn):
-    x, per_layer_inputs = self.embedder.encode(tokens)
+    # The run-time zero of numerics.materialize: fill is never negative; the compiler cannot
+    # know that.
+    numerics = numerics.with_zero((kv.fill[0] < 0).astype(jnp.uint32))
+    x, per_layer_inputs = self.embedder.encode(tokens, numerics)
+    # Each layer's RoPE angles, computed once per call for the layers that share them.
+    angles = {}
+    for block in self.layers:
+      if block.attn.rope_key() not in angles:
+        angles[block.attn.rope_key()] = block.attn.angles(positions, numerics)
     # Row 0's sequence index: padding rows before the first real token (an engine aligning its
     # calls to the sequence) sit at the indices just before kv.fill.
     start = kv.fill - jnp.argmax(positions != kvs.EMPTY, axis=1).astype(jnp.int32)
@@ -164,9 +166,10 @@ class Transformer(nnx.Module):
     for i, block in enumerate(self.layers):
       j = cache_index[self.config.kv_sources[i]]
       per_layer = None if per_layer_inputs is None else per_layer_inputs[:, :, i]
-      x, caches[j] = block(x, positions, caches[j], start, per_layer, attention_fn)
+      x, caches[j] = block(x, positions, angles[block.attn.rope_key()], caches[j], start,
+                           per_layer, attention_fn, numerics)
     fill = kv.fill + jnp.sum(positions != kvs.EMPTY, axis=1, dtype=jnp.int32)
-    return self.final_norm(x), kvs.KVState(layers=tuple(caches), fill=fill)
+    return self.final_norm(x, numerics), kvs.KVState(layers=tuple(caches), fill=fill)
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,9 +198,11 @@ def bind(params: Params, config: TransformerConfig) -> Transformer:
 
 
 def forward(params: Params, config: TransformerConfig, tokens: jax.Array, positions: jax.Array,
-            kv: kvs.KVState, attention_fn: AttendFn = attend) -> tuple[jax.Array, kvs.KVState]:
-  return bind(params, config)(tokens, positions, kv, attention_fn)
+            kv: kvs.KVState, attention_fn: AttendFn = attend,
+            numerics: Numerics = XLA) -> tuple[jax.Array, kvs.KVState]:
+  return bind(params, config)(tokens, positions, kv, attention_fn, numerics)
 
 
-def compute_logits(params: Params, config: TransformerConfig, hidden: jax.Array) -> jax.Array:
-  return bind(params, config).embedder.decode(hidden)
+def compute_logits(params: Params, config: TransformerConfig, hidden: jax.Array,
+                   numerics: Numerics = XLA, output_table: jax.Array | None = None) -> jax.Array:
+  return bind(params, config).embedder.decode(hidden, numerics, output_table)

@@ -20,8 +20,6 @@ experiments:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from typing import Callable
 
@@ -29,11 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma_jax.numerics import XLA, Numerics
+
 
 def timescales(head_dim: int, base: float) -> jax.Array:
-  """[H/2] float32: base^(2i/H), the reference's per-pair timescale."""
-  fraction = 2.0 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
-  return jnp.asarray(base, jnp.float32) ** fraction
+  """[H/2] float32: base^(2i/H), the reference's per-pair timescale (XLA's pow)."""
+  return XLA.timescales(head_dim, base)
 
 
 def num_rotated_pairs(head_dim: int, rotary_fraction: float) -> int:
@@ -41,23 +40,21 @@ def num_rotated_pairs(head_dim: int, rotary_fraction: float) -> int:
 
 
 def rotation_angles(positions: jax.Array, head_dim: int, *, base: float, scale: float = 1.0,
-                    rotary_fraction: float = 1.0) -> jax.Array:
+                    rotary_fraction: float = 1.0, numerics: Numerics = XLA) -> jax.Array:
   """[..., H/2] float32 angles for integer positions [...]; unrotated pairs get angle 0."""
-  angles = positions.astype(jnp.float32)[..., None] / timescales(head_dim, base)
-  if scale != 1.0:
-    angles = angles / jnp.float32(scale)
+  angles = numerics.angles(positions, head_dim, base, scale)
   rotated = num_rotated_pairs(head_dim, rotary_fraction)
   if rotated < head_dim // 2:
     angles = jnp.where(jnp.arange(head_dim // 2) < rotated, angles, 0.0)
   return angles
 
 
-def quarter_turn_sin_cos(positions: jax.Array, head_dim: int, *, rotary_fraction: float = 1.0,
-                         **unused):
+def quarter_turn_sin_cos(positions: jax.Array, head_dim: int, numerics: Numerics = XLA, *,
+                         rotary_fraction: float = 1.0, **unused):
   """Exact sin/cos for angles (position * m_i) * pi/2 with m_i = 1 + i mod 3 (a linear function
   of the position, so shifts compose exactly). Values are exactly 0, 1 or -1. (The base and
-  scale of a layer do not enter: `unused`.)"""
-  del unused
+  scale of a layer and the numerics do not enter.)"""
+  del numerics, unused
   half = head_dim // 2
   multiplier = 1 + jnp.arange(half, dtype=jnp.int32) % 3
   quarter = (positions.astype(jnp.int32)[..., None] * multiplier) % 4  # [..., H/2] in 0..3
@@ -68,59 +65,52 @@ def quarter_turn_sin_cos(positions: jax.Array, head_dim: int, *, rotary_fraction
   return sin, cos
 
 
-_SIN_COS: contextvars.ContextVar[dict | None] = contextvars.ContextVar('gemma_jax_rope_sin_cos',
-                                                                      default=None)
+def float_sin_cos(positions: jax.Array, head_dim: int, numerics: Numerics = XLA, *,
+                  base: float, scale: float = 1.0, rotary_fraction: float = 1.0):
+  """sin and cos [..., H/2] of the reference's float32 angles, computed by `numerics`."""
+  return numerics.sin_cos(rotation_angles(positions, head_dim, base=base, scale=scale,
+                                          rotary_fraction=rotary_fraction, numerics=numerics))
 
 
-@contextlib.contextmanager
-def shared_sin_cos():
-  """Within one model call, computes float RoPE's sin and cos once per (positions, head dim,
-  base, scale, fraction) and reuses them in every layer, each computed into its own buffer
-  (`layers.fusion_barrier`): XLA:CPU otherwise recomputes them inside every layer's fusions.
-  The values are the same either way (an elementwise function of the positions)."""
-  token = _SIN_COS.set({})
-  try:
-    yield
-  finally:
-    _SIN_COS.reset(token)
-
-
-def float_sin_cos(positions: jax.Array, head_dim: int, *, base: float, scale: float = 1.0,
-                  rotary_fraction: float = 1.0):
-  """sin and cos [..., H/2] of the reference's float32 angles (shared within a model call
-  under `shared_sin_cos`)."""
-  cache = _SIN_COS.get()
-  key = (id(positions), head_dim, base, scale, rotary_fraction)
-  if cache is not None and key in cache:
-    return cache[key][:2]
-  angles = rotation_angles(positions, head_dim, base=base, scale=scale,
-                           rotary_fraction=rotary_fraction)
-  sin, cos = jnp.sin(angles), jnp.cos(angles)
-  if cache is not None:
-    from gemma_jax.layers import fusion_barrier  # layers does not import rope; no cycle
-    sin, cos = fusion_barrier(sin), fusion_barrier(cos)
-    cache[key] = (sin, cos, positions)  # holding positions keeps its id unique
-  return sin, cos
+def sin_cos(positions: jax.Array, head_dim: int, *, base: float, scale: float = 1.0,
+            rotary_fraction: float = 1.0, mode: str = 'float',
+            numerics: Numerics = XLA) -> tuple[jax.Array, jax.Array] | None:
+  """sin and cos [..., H/2] of RoPE mode `mode` at integer positions [...] (None: the mode
+  does not rotate)."""
+  fn = get_mode(mode).sin_cos
+  if fn is None:
+    return None
+  return fn(positions, head_dim, numerics, base=base, scale=scale,
+            rotary_fraction=rotary_fraction)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, *, base: float, scale: float = 1.0,
-               rotary_fraction: float = 1.0, mode: str = 'float') -> jax.Array:
+               rotary_fraction: float = 1.0, mode: str = 'float',
+               numerics: Numerics = XLA) -> jax.Array:
   """Rotates x [B, T, N, H] by integer positions [B, T] as RoPE mode `mode` does; returns x's
   dtype."""
-  sin_cos = get_mode(mode).sin_cos
-  if sin_cos is None:
+  angles = sin_cos(positions, x.shape[-1], base=base, scale=scale,
+                   rotary_fraction=rotary_fraction, mode=mode, numerics=numerics)
+  return x if angles is None else rotate_heads(x, angles, numerics)
+
+
+def rotate_heads(x: jax.Array, angles: tuple[jax.Array, jax.Array] | None,
+                 numerics: Numerics = XLA) -> jax.Array:
+  """x [B, T, N, H] turned by (sin, cos) [B, T, H/2] (broadcast over heads; None: unturned);
+  returns x's dtype."""
+  if angles is None:
     return x
-  sin, cos = sin_cos(positions, x.shape[-1], base=base, scale=scale,
-                     rotary_fraction=rotary_fraction)
-  # [B, T, 1, H/2]: broadcast over heads
-  return rotate(x, sin[..., None, :], cos[..., None, :]).astype(x.dtype)
+  sin, cos = angles
+  return rotate(x, sin[..., None, :], cos[..., None, :], numerics).astype(x.dtype)
 
 
-def rotate(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+def rotate(x: jax.Array, sin: jax.Array, cos: jax.Array, numerics: Numerics = XLA) -> jax.Array:
   """Pair i of x [..., H] (dimensions i and i + H/2) turned by the angle whose sin and cos
   [..., H/2] broadcast against it; float32."""
   first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+  mul = numerics.product
+  return jnp.concatenate([mul(first, cos) - mul(second, sin), mul(second, cos) + mul(first, sin)],
+                         axis=-1)
 
 
 def quarter_turn_logits(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
@@ -148,8 +138,8 @@ def quarter_turn_logits(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax
 class RopeMode:
   """A RoPE mode: how positions rotate q and k, and what attention must do with them.
 
-  sin_cos: (positions, head_dim, *, base, scale, rotary_fraction) -> (sin, cos) [..., H/2], or
-    None for no rotation.
+  sin_cos: (positions, head_dim, numerics, *, base, scale, rotary_fraction) -> (sin, cos)
+    [..., H/2], or None for no rotation.
   scores: rotary_fraction -> a score function (q, k, q_pos, k_pos) -> logits replacing the
     plain q . k, or None for the plain dot.
   attention: the attention implementations (gemma_jax.attention.IMPLEMENTATIONS) that support

@@ -15,9 +15,9 @@ Two layouts (LAYOUTS), because where a contraction is split decides the bits:
            its part and an all-reduce adds the parts. The sum's order follows the device count,
            so results on 2 devices differ in their last bits from results on 1 or 4.
   gather   no contraction is ever split: row-parallel weights are replicated and the activation
-           entering them is gathered whole (`gather_contraction`, a sharding constraint the
-           model applies before every row-parallel projection); the vocabulary is replicated
-           too. More communication, but every dot sees the whole contraction on every mesh.
+           entering them is gathered whole (`Numerics.whole`, a sharding constraint the model
+           applies before every row-parallel projection, bound by the engine with
+           `numerics.on_mesh`); the vocabulary is replicated too. More communication, but every dot sees the whole contraction on every mesh.
 
 The KV state is sharded over KV heads ('model') where they divide, and over the batch
 ('data').
@@ -25,7 +25,6 @@ The KV state is sharded over KV heads ('model') where they divide, and over the 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
@@ -51,6 +50,12 @@ def parse_mesh(spec: str) -> dict[str, int]:
   return axes
 
 
+def xla_flags() -> str:
+  """$XLA_FLAGS, read here and nowhere else: it decides bits (an engine checks that its config's
+  flags are the process's; `set_host_devices` writes it)."""
+  return os.environ.get('XLA_FLAGS', '')
+
+
 def host_device_flag(axes: dict[str, int]) -> str:
   """The XLA flag that gives a CPU process as many devices as the mesh needs."""
   return f'--xla_force_host_platform_device_count={math.prod(axes.values())}'
@@ -59,7 +64,7 @@ def host_device_flag(axes: dict[str, int]) -> str:
 def set_host_devices(axes: dict[str, int]) -> None:
   """On a CPU host, asks XLA for the mesh's device count (before jax starts its backend)."""
   flag = host_device_flag(axes)
-  current = os.environ.get('XLA_FLAGS', '')
+  current = xla_flags()
   if flag not in current:
     kept = ' '.join(f for f in current.split()
                     if not f.startswith('--xla_force_host_platform_device_count'))
@@ -126,30 +131,3 @@ def kv_shardings(kv, mesh: Mesh):
     return NamedSharding(mesh, P(batch, *([None] * (leaf.ndim - 1))))
 
   return jax.tree.map(spec, kv)
-
-
-_GATHER: list[Mesh] = []  # the mesh whose 'gather' layout the model is being traced under
-
-
-@contextlib.contextmanager
-def gathered_contractions(mesh: Mesh | None):
-  """While tracing under the 'gather' layout, `gather_contraction` replicates activations."""
-  if mesh is None:
-    yield
-    return
-  _GATHER.append(mesh)
-  try:
-    yield
-  finally:
-    _GATHER.pop()
-
-
-def gather_contraction(x: jax.Array) -> jax.Array:
-  """x, about to be contracted by a row-parallel projection: whole on every device under the
-  'gather' layout (so the contraction is never split), unchanged otherwise."""
-  if not _GATHER:
-    return x
-  mesh = _GATHER[-1]
-  batch = 'data' if x.shape[0] % mesh.shape['data'] == 0 else None  # sequences stay apart
-  return jax.lax.with_sharding_constraint(
-      x, NamedSharding(mesh, P(batch, *([None] * (x.ndim - 1)))))

@@ -19,12 +19,11 @@ context, not the cache length:
    p = exp(s - max) and the tiles' row sums (pairwise trees) and p @ v products added in slot
    order. A masked score enters as an exact 0 (`where`), and a tile a row sees nothing of is not
    added at all (`where`), so reading tiles past the context changes no bit.
-3. The products that feed adds are passed through `layers.materialize` (no FMA contraction that
-   depends on how XLA fused them).
+3. The products that feed adds are passed through `numerics.materialize` (no FMA contraction
+   that depends on how XLA fused them), and exp and the soft-cap come from the numerics.
 
-Registered as attention 'tiled' in gemma_jax.attention.IMPLEMENTATIONS. Only the pinned
-engine's fixed reduction orders (gemma_jax.layers.fixed_order) make `materialize` more than an
-identity; under other engines it is a plain two-pass softmax over tiles.
+Registered as attention 'tiled' in gemma_jax.attention.IMPLEMENTATIONS. Under the XLA numerics
+`materialize` is an identity and this is a plain two-pass softmax over tiles.
 """
 
 from __future__ import annotations
@@ -35,14 +34,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from gemma_jax.layers import materialize, tree_sum
-
-MASKED = -2.3819763e38  # as gemma_jax.attention.MASKED
+from gemma_jax.numerics import MASKED, XLA, Numerics, tree_sum
 
 
 def tiled_attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
                  *, window: int | None, softcap: float | None, tile: int,
-                 max_tiles: int | None = None) -> jax.Array:
+                 max_tiles: int | None = None, numerics: Numerics = XLA) -> jax.Array:
   """q [B, T, N, H] (already scaled), k, v [B, S, K, H], q_pos [B, T], k_pos [B, S] ->
   [B, T, N, H] in v's dtype. S must be a multiple of `tile`; only the first `max_tiles` tiles
   are read (None: all), which the caller guarantees hold every slot a row of the call sees."""
@@ -72,16 +69,16 @@ def tiled_attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_p
   # One dot per tile, batched over tiles: q is broadcast so that XLA cannot merge the tiles into
   # one wide dot (whose bits, for few rows, differ from the per-tile ones).
   qb = jnp.broadcast_to(qr[:, :, None], (batch, num_kv_heads, n, padded_rows, head_dim))
-  s = jnp.einsum('bkjrh,bkjsh->bkjrs', qb, kt)  # [B, K, n, R, tile]
+  s = numerics.tile_scores(qb, kt)  # [B, K, n, R, tile]
   if softcap is not None:
-    s = materialize(jnp.tanh(s / softcap) * softcap)
+    s = numerics.materialize(numerics.softcap(s, softcap))
   visible = (kp >= 0) & (kp <= qp)
   if window is not None:
     visible &= (qp - kp) < window
   tile_max = jnp.max(jnp.where(visible, s, MASKED), axis=-1, keepdims=True)  # [B, K, n, R, 1]
   saw = tile_max > MASKED  # scores are finite, so a row that sees a slot has a larger max
   m = jnp.max(tile_max, axis=2, keepdims=True)  # the row's max over everything it sees (exact)
-  p = materialize(jnp.where(visible, jnp.exp(s - m), 0.0))
+  p = numerics.materialize(jnp.where(visible, numerics.exp(s - m), 0.0))
   pv = jnp.einsum('bkjrs,bkjsh->bkjrh', p, vt)  # [B, K, n, R, H]
   sums = tree_sum(p)  # [B, K, n, R, 1]
   # Tiles are added in slot order; a tile the row does not see leaves its sums as they were
@@ -91,7 +88,8 @@ def tiled_attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_p
   for j in range(n):
     l = jnp.where(saw[:, :, j], l + sums[:, :, j], l)
     acc = jnp.where(saw[:, :, j], acc + pv[:, :, j], acc)
-  out = acc / jnp.where(l > 0.0, l, 1.0)
+  # 1 / l once per row, then a multiply (what XLA makes of acc / l anyway; the spec says it).
+  out = acc * numerics.materialize(1.0 / jnp.where(l > 0.0, l, 1.0))
   out = out[:, :, :rows].reshape(batch, num_kv_heads, num_tokens, groups, head_dim)
   out = out.transpose(0, 2, 1, 3, 4).reshape(batch, num_tokens, num_heads, head_dim)
   return out.astype(v.dtype)
@@ -108,11 +106,12 @@ class TiledAttention:
   tile: int = DEFAULT_TILE
   max_tiles: int | None = None
 
-  def __call__(self, q, k, v, q_pos, k_pos, *, window, softcap, scores: Callable | None = None):
+  def __call__(self, q, k, v, q_pos, k_pos, *, window, softcap, scores: Callable | None = None,
+               numerics: Numerics = XLA):
     if scores is not None:
       raise ValueError('tiled attention computes the plain q . k only (see gemma_jax.rope.MODES)')
     return tiled_attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, tile=self.tile,
-                        max_tiles=self.max_tiles)
+                        max_tiles=self.max_tiles, numerics=numerics)
 
   def reading(self, max_tiles: int | None) -> 'TiledAttention':
     return dataclasses.replace(self, max_tiles=max_tiles)

@@ -63,7 +63,7 @@ def _load_embedded(config: TransformerConfig):
     raise ValueError(f'--weights=embedded is the Gemma 3 270M model; it cannot fill '
                      f'--model={config.name} (use random:SEED or a checkpoint path)')
   path = embedded_gguf_path()
-  key = f'gguf-{sha256_file(path)}-layout{model.PARAMS_LAYOUT}'
+  key = f'gguf-{sha256_file(path)}-layout{model.PARAMS_TREE_VERSION}'
   return param_cache.cached(key, lambda: gguf_io.load_gguf(path, config))
 
 

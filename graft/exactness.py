@@ -7,7 +7,9 @@ For a (library, query) pair:
          elsewhere: an artifact a separately constructed engine wrote to disk (`artifact_graft`),
          or the longest prefix a store holds (graft/store.py); the engine verifies and grafts it
          at its own positions, computes the rest of the library and the query, and continues.
-Equal means the SHA-256 of the two float32 query-logit arrays is the same.
+Equal means the SHA-256 of the two float32 query-logit arrays is the same. Every experiment that
+compares a graft with a fresh computation does it here (`fresh_logits`, `graft_logits`,
+`check_sample`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,35 @@ import time
 from typing import Callable
 
 from gemma_jax import compare
-from graft import artifact
+from graft.store import artifact
 from graft.engine import Context, Engine
 
 
+def fresh_logits(engine: Engine, prefix, query, rows: int | None = None):
+  """The fresh side: float32 logits of the query's last `rows` tokens (None: all of them) when
+  the engine computes prefix + query from scratch; and the context after them."""
+  ctx, logits = engine.extend(engine.empty(), list(prefix) + list(query),
+                              logits=len(query) if rows is None else rows)
+  return logits, ctx
+
+
+def fresh_sha256(engine: Engine, prefix, query, rows: int | None = None) -> str:
+  return compare.sha256_bytes(fresh_logits(engine, prefix, query, rows)[0])
+
+
+def graft_logits(engine: Engine, grafted: Context, prefix, query, rows: int | None = None, *,
+                 consume: bool = False):
+  """The graft side: `grafted` holds a prefix of `prefix` (all of it from an artifact; the
+  longest stored prefix from a store); the engine computes the rest and the query. Returns the
+  logits of the query's last `rows` tokens (None: all) and the context after them."""
+  rest = list(prefix[len(grafted.tokens):]) + list(query)
+  ctx, logits = engine.extend(grafted, rest, logits=len(query) if rows is None else rows,
+                              consume=consume)
+  return logits, ctx
+
+
 def fresh_run(engine: Engine, library, query, continuation_tokens: int):
-  ctx, logits = engine.extend(engine.empty(), list(library) + list(query), logits=len(query))
+  logits, ctx = fresh_logits(engine, library, query)
   _, continuation = engine.generate(ctx, continuation_tokens, stop_at_eos=False)
   return logits, continuation
 
@@ -41,8 +66,7 @@ def graft_run(engine: Engine, graft: Callable, library, query, continuation_toke
   it from an artifact; the longest stored prefix from a store); the engine computes the rest of
   the library and the query, then continues greedily."""
   grafted = graft(library)
-  rest = list(library[len(grafted.tokens):]) + list(query)
-  ctx, logits = engine.extend(grafted, rest, logits=len(query))
+  logits, ctx = graft_logits(engine, grafted, library, query)
   _, continuation = engine.generate(ctx, continuation_tokens, stop_at_eos=False)
   return logits, continuation, len(grafted.tokens)
 

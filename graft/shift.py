@@ -20,9 +20,10 @@ third method of experiments/position_sweep.py, `recompute`, measures exactly tha
 against fresh at 0; no graft), and `layer_divergence` here measures where the bits part
 (gemma_jax.compare.first_differing_layer names the first layer that differs).
 
-Slots never move: a token's slot is its ctxuence index (gemma_jax/kv_state.py), so a shifted
+Slots never move: a token's slot is its sequence index (gemma_jax/kv_state.py), so a shifted
 graft changes keys and positions in place and the query that follows lands in the same slots
-as in a fresh computation at the new positions.
+as in a fresh computation at the new positions. A shift maps rows to rows (`KVRows`);
+`Engine.graft` puts them in a context, as for every other graft.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from gemma_jax import kv_state as kvs
 from gemma_jax import rope
 from gemma_jax.config import TransformerConfig
 from gemma_jax.weights import LoadedModel
-from graft import artifact as artifact_lib
+from graft.store import artifact as artifact_lib
 from graft.engine import Context, Engine
 
 METHODS = ('rerotate', 'pre_rope', 'recompute')
@@ -102,65 +103,78 @@ def attention_keys(config: TransformerConfig, ctx: Context) -> list[jax.Array]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Shifts
+# Shifts: rows in, rows out (`Engine.graft` puts them in a context)
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_range(config: TransformerConfig, ctx: Context, delta: int) -> None:
-  if not ctx.tokens:
+def _check_range(config: TransformerConfig, rows: list[kvs.KVRows], delta: int) -> None:
+  if not rows or not rows[0].num_tokens:
     raise ShiftError('an empty context has nothing to shift')
-  start = ctx.next_position - len(ctx.tokens)
+  start = int(rows[0].positions[0][0]) - rows[0].start
+  end = start + rows[-1].start + rows[-1].num_tokens
   if start + delta < 0:
     raise ShiftError(f'a shift by {delta} moves the first token (position {start}) to '
                      f'{start + delta} < 0')
-  if ctx.next_position + delta > config.max_context:
+  if end + delta > config.max_context:
     raise ShiftError(f'a shift by {delta} moves the last token to position '
-                     f'{ctx.next_position + delta - 1}, past {config.name}\'s context of '
+                     f'{end + delta - 1}, past {config.name}\'s context of '
                      f'{config.max_context}')
 
 
-def rerotate(config: TransformerConfig, ctx: Context, delta: int) -> Context:
-  """The context moved by `delta` positions, its rotated keys rotated once more by `delta`
+def _moved(block: kvs.KVRows, delta: int, k=None) -> kvs.KVRows:
+  return kvs.KVRows(block.start, block.k if k is None else k, block.v,
+                    tuple((p + np.int32(delta)).astype(np.int32) for p in block.positions))
+
+
+def rerotate(config: TransformerConfig, rows: list[kvs.KVRows], delta: int) -> list[kvs.KVRows]:
+  """The rows moved by `delta` positions, their rotated keys rotated once more by `delta`
   (K-shift). Needs a config that caches rotated keys."""
   if config.kv_cache_pre_rope:
     raise ShiftError('rerotate shifts rotated keys; this config caches keys before RoPE '
                      '(use pre_rope)')
-  _check_range(config, ctx, delta)
-  layers = []
-  for layer_index, layer in zip(config.cache_layers, ctx.kv.layers):
-    # A negative delta may equal EMPTY (-1), so the filled slots travel as a separate mask.
-    filled = layer.positions != kvs.EMPTY
-    by_delta = jnp.full_like(layer.positions, delta)
-    layers.append(layer.replace(k=rotate_layer(config, layer_index, layer.k, by_delta, filled)))
-  kv = kvs.shift_positions(ctx.kv.replace(layers=tuple(layers)), delta)
-  return Context(kv=kv, tokens=ctx.tokens, next_position=ctx.next_position + delta)
+  _check_range(config, rows, delta)
+  out = []
+  for block in rows:
+    keys = []
+    for layer_index, k in zip(config.cache_layers, block.k):
+      if k is None:
+        keys.append(None)
+        continue
+      by_delta = jnp.full((1, k.shape[0]), delta, jnp.int32)
+      filled = jnp.ones((1, k.shape[0]), bool)
+      keys.append(np.asarray(rotate_layer(config, layer_index, jnp.asarray(k)[None], by_delta,
+                                          filled)[0]))
+    out.append(_moved(block, delta, tuple(keys)))
+  return out
 
 
-def move_positions(config: TransformerConfig, ctx: Context, delta: int) -> Context:
-  """The context moved by `delta` positions with its keys untouched: correct for a config that
+def move_positions(config: TransformerConfig, rows: list[kvs.KVRows],
+                   delta: int) -> list[kvs.KVRows]:
+  """The rows moved by `delta` positions with their keys untouched: correct for a config that
   caches keys before RoPE (attention rotates them by the moved positions)."""
   if not config.kv_cache_pre_rope:
     raise ShiftError('moving positions alone leaves rotated keys at their old angles; '
                      'pre_rope needs a config with kv_cache_pre_rope=True')
-  _check_range(config, ctx, delta)
-  return Context(kv=kvs.shift_positions(ctx.kv, delta), tokens=ctx.tokens,
-                 next_position=ctx.next_position + delta)
+  _check_range(config, rows, delta)
+  return [_moved(block, delta) for block in rows]
 
 
-def shift(engine: Engine, ctx: Context, delta: int, method: str) -> Context:
-  """`ctx` (computed by `engine`) moved by `delta` positions by `method` ('rerotate' or
-  'pre_rope'; the engine's model must cache keys accordingly)."""
+def shift(config: TransformerConfig, rows: list[kvs.KVRows], delta: int,
+          method: str) -> list[kvs.KVRows]:
+  """`rows` (computed under `config`) moved by `delta` positions by `method` ('rerotate' or
+  'pre_rope'; the config must cache keys accordingly)."""
   if method == 'rerotate':
-    return rerotate(engine.config, ctx, delta)
+    return rerotate(config, rows, delta)
   if method == 'pre_rope':
-    return move_positions(engine.config, ctx, delta)
+    return move_positions(config, rows, delta)
   raise ShiftError(f'unknown shift method {method!r}; expected one of {GRAFT_METHODS}')
 
 
 def graft_shifted(engine: Engine, art: artifact_lib.Artifact, delta: int,
                   method: str) -> Context:
   """A fresh context holding the artifact grafted at its own positions plus `delta`."""
-  return shift(engine, artifact_lib.graft(engine, art), delta, method)
+  rows = shift(engine.config, artifact_lib.rows(engine, art), delta, method)
+  return engine.graft(rows, art.tokens, art.start_position + delta)
 
 
 # ----------------------------------------------------------------------------------------------

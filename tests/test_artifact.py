@@ -13,12 +13,12 @@ import pytest
 
 from gemma_jax.compare import sha256_bytes
 from gemma_jax import weights
-from graft import artifact
-from graft.artifact import ArtifactError
+from graft.store import artifact
+from graft.store.artifact import ArtifactError
 from graft.engine import Engine, EngineConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PINNED = EngineConfig(block_size=8, cache_len=256, attention_tile=8)  # 8-slot tiles: see below
+PINNED = EngineConfig(rows_per_call=8, cache_len=256, attention_tile=8)  # 8-slot tiles: see below
 LIBRARY = [int(t) for t in np.random.default_rng(0).integers(3, 512, 41)]
 QUERY = [int(t) for t in np.random.default_rng(1).integers(3, 512, 9)]
 
@@ -54,7 +54,7 @@ def test_manifest_records_hashes_and_fingerprints(eng, saved):
   assert manifest['num_tokens'] == len(LIBRARY)
   assert manifest['model']['sha256'] == eng.model_fingerprint['sha256']
   assert manifest['engine']['sha256'] == eng.fingerprint['sha256']
-  assert manifest['engine']['engine_config']['block_size'] == 8
+  assert manifest['engine']['engine_config']['rows_per_call'] == 8
   assert manifest['leaves']['tokens']['sha256'] == sha256_bytes(np.asarray(LIBRARY, np.int32))
   # Layer 5 is global (every token stored); layer 0 is local, a ring of W + B - 1 = 15 slots
   # rounded up to whole 8-slot attention tiles.
@@ -80,9 +80,9 @@ def test_restore_in_a_fresh_process_is_byte_exact(eng, saved):
   script = f'''
 from gemma_jax.compare import sha256_bytes
 from gemma_jax import weights
-from graft import artifact
+from graft.store import artifact
 from graft.engine import Engine, EngineConfig
-eng = Engine(weights.load('tiny_gemma3', 'random:0'), EngineConfig(block_size=8, cache_len=256, attention_tile=8))
+eng = Engine(weights.load('tiny_gemma3', 'random:0'), EngineConfig(rows_per_call=8, cache_len=256, attention_tile=8))
 seq = artifact.graft(eng, artifact.load({str(saved)!r}, eng))
 print(sha256_bytes(eng.extend(seq, {QUERY!r}, logits='all')[1]))
 '''
@@ -105,8 +105,8 @@ def test_refuses_another_dtype(saved):
 
 
 def test_refuses_another_engine_configuration(eng, saved):
-  other = Engine(eng.loaded, EngineConfig(block_size=16, cache_len=256, attention_tile=8))
-  with pytest.raises(ArtifactError, match='block_size: the artifact has 8, expected 16'):
+  other = Engine(eng.loaded, EngineConfig(rows_per_call=16, cache_len=256, attention_tile=8))
+  with pytest.raises(ArtifactError, match='rows_per_call: the artifact has 8, expected 16'):
     artifact.load(str(saved), other)
 
 
@@ -202,10 +202,10 @@ def test_positions_must_follow_from_the_start_and_token_count(eng, tmp_path):
     artifact.load(str(path), eng)
 
 
-def test_refuses_an_artifact_of_another_layout_version(eng, saved, monkeypatch):
-  monkeypatch.setattr('graft.engine.LAYOUT_VERSION', 1)
+def test_refuses_an_artifact_of_another_slot_layout_version(eng, saved, monkeypatch):
+  monkeypatch.setattr('graft.engine._engine.SLOT_LAYOUT_VERSION', 1)
   old = Engine(eng.loaded, PINNED)
-  with pytest.raises(ArtifactError, match='layout_version: the artifact has 2, expected 1'):
+  with pytest.raises(ArtifactError, match='slot_layout_version: the artifact has 2, expected 1'):
     artifact.load(str(saved), old)
 
 

@@ -12,14 +12,14 @@ import pytest
 
 from gemma_jax import weights
 from gemma_jax.compare import sha256_bytes
-from graft import artifact
+from graft.store import artifact
 from graft.engine import Engine, EngineConfig
 
 
 @functools.lru_cache(maxsize=None)
 def engine(name='tiny_gemma3'):
   return Engine(weights.load(name, 'random:0', 'float32'),
-                EngineConfig(block_size=16, cache_len=512, attention_tile=16))
+                EngineConfig(rows_per_call=16, cache_len=512, attention_tile=16))
 
 
 def tokens(n, seed):
@@ -60,6 +60,6 @@ def test_batch_slots_refuse_bad_input():
     eng.extend_batch([eng.empty()] * 2, [[5]])
   with pytest.raises(ValueError, match='slot 0: 3 logit rows asked of 2 tokens'):
     eng.extend_batch([eng.empty()], [[5, 6]], logits=[3])
-  blocked = Engine(eng.loaded, EngineConfig(mode='blocked', block_size=8, cache_len=512))
-  with pytest.raises(ValueError, match='batch slots need the pinned engine'):
+  blocked = Engine(eng.loaded, EngineConfig(mode='blocked', rows_per_call=8, cache_len=512))
+  with pytest.raises(ValueError, match='batch slots need a plan'):
     blocked.extend_batch([blocked.empty()], [[5]])

@@ -7,9 +7,9 @@ import hashlib
 import numpy as np
 import pytest
 
-from experiments import faults
+from graft import faults
 from gemma_jax import weights
-from graft import blocks
+from graft.store import blocks
 from graft.engine import Engine, EngineConfig
 
 # Kinds that must be refused at least once in a CI-sized run (the others may find nothing to
@@ -22,7 +22,7 @@ ALWAYS_REFUSED = ('bitflip_header', 'truncate', 'empty', 'delete', 'rename', 'co
 @pytest.fixture(scope='module')
 def setup(tmp_path_factory):
   loaded = weights.load('tiny_gemma3', 'random:0', 'float32')
-  engine = Engine(loaded, EngineConfig(block_size=8, cache_len=512))
+  engine = Engine(loaded, EngineConfig(rows_per_call=8, cache_len=512))
   model_args = ['--model=tiny_gemma3', '--weights=random:0', '--block_size=8',
                 '--cache_len=512']
   world = faults.make_world(engine, np.random.default_rng(1), model_args)

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from experiments import tasks
+from graft.knowledge import tasks
 from gemma_jax import weights
-from graft import verifiers
+from graft.knowledge import verifiers
 from graft.engine import Engine, EngineConfig
-from graft.library import Entry, Library, LibraryError
+from graft.knowledge.library import Entry, Library, LibraryError
 from graft.store import Store
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def test_task_files_read_numbers_and_explicit_verifiers(tmp_path):
 
 @pytest.fixture(scope='module')
 def engine():
-  return Engine(weights.load('tiny_gemma3', 'random:0'), EngineConfig(block_size=8,
+  return Engine(weights.load('tiny_gemma3', 'random:0'), EngineConfig(rows_per_call=8,
                                                                       cache_len=1024))
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from gemma_jax.compare import sha256_bytes
 from gemma_jax import weights
-from graft import artifact
+from graft.store import artifact
 from graft.engine import Engine, EngineConfig
 
 
@@ -25,7 +25,7 @@ def engine(block_size=8, name='tiny_gemma3', dtype='float32', kind='pinned'):
   # Pinned: 16-slot attention tiles, so that the local rings (W + B - 1 = 15..23 slots rounded
   # up to tiles) wrap many times in these contexts, as the 270M's 768-slot rings do.
   tile = 16 if kind == 'pinned' else None
-  return Engine(loaded(name, 0, dtype), EngineConfig(mode=kind, block_size=block_size,
+  return Engine(loaded(name, 0, dtype), EngineConfig(mode=kind, rows_per_call=block_size,
                                                      cache_len=512, attention_tile=tile))
 
 

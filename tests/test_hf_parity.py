@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
-from experiments import hf_parity  # noqa: E402
+from experiments.peers import parity as hf_parity  # noqa: E402
 from gemma_jax import kv_state, model, weights  # noqa: E402
 from gemma_jax.config import get_config  # noqa: E402
 

@@ -23,7 +23,7 @@ import pytest
 
 from gemma_jax import config as gcfg
 from gemma_jax.kernels import default_block_config
-from graft import lowering
+from graft.engine import lowering
 from graft.engine import EngineConfig
 
 PLATFORMS = ('cuda', 'tpu')
@@ -40,7 +40,7 @@ CONFIGS = {
 
 
 def _pinned(**kw) -> EngineConfig:
-  return EngineConfig(xla_flags=lowering.host_xla_flags(), **kw)
+  return EngineConfig(**kw)
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,6 +12,7 @@ from gemma_jax import kv_state as kvs
 from gemma_jax import model
 from gemma_jax.attention import attention_mask
 from gemma_jax.layers import RMSNorm
+from gemma_jax.numerics import XLA
 from flax import nnx
 
 
@@ -65,14 +66,14 @@ def test_rmsnorm_golden_values_zero_centred_and_direct():
   for offset, scale in [(1.0, 0.5), (0.0, 1.5)]:
     norm = RMSNorm(4, offset=offset, eps=1e-6, dtype=jnp.float32, rngs=nnx.Rngs(0))
     norm.scale[...] = jnp.full((4,), scale, jnp.float32)
-    np.testing.assert_allclose(norm(x), np.array([[1, 2, 3, 4]]) / rms * 1.5, rtol=1e-6)
+    np.testing.assert_allclose(norm(x, XLA), np.array([[1, 2, 3, 4]]) / rms * 1.5, rtol=1e-6)
 
 
 def test_embedding_scale_is_rounded_to_the_activation_dtype():
   cfg = C.get_config('tiny_gemma3').replace(embed_dim=640)
   params = jax.tree.map(jnp.zeros_like, model.abstract_params(cfg, jnp.bfloat16))
   params['embedder']['input_embedding'] = jnp.ones((cfg.vocab_size, 640), jnp.bfloat16)
-  x, _ = model.bind(params, cfg).embedder.encode(jnp.array([[5]]))
+  x, _ = model.bind(params, cfg).embedder.encode(jnp.array([[5]]), XLA)
   assert float(x[0, 0, 0]) == 25.25  # sqrt(640) = 25.298 rounds to 25.25 in bfloat16
 
 

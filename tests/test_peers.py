@@ -3,13 +3,12 @@ google-deepmind's `gemma` library, float GGUFs through llama.cpp. Each needs an 
 not make (a Python 3.12 environment; a llama.cpp build), so each test says which it needs when
 it is absent; where installed, the numbers must agree."""
 
-import os
 import tempfile
 
 import numpy as np
 import pytest
 
-from experiments import hf_parity
+from experiments.peers import parity as hf_parity
 from experiments.peers import deepmind
 from gemma_jax import weights
 

@@ -20,7 +20,7 @@ from graft.engine import Engine, EngineConfig
 def engine(name, block_size, cache_len):
   source = 'embedded' if name == 'gemma3_270m' else 'random:0'
   return Engine(weights.load(name, source, 'float32'),
-                EngineConfig(block_size=block_size, cache_len=cache_len))
+                EngineConfig(rows_per_call=block_size, cache_len=cache_len))
 
 
 def three_ways(eng, tokens, split):

@@ -26,8 +26,9 @@ import pytest
 from analysis import figures, results
 from experiments import position_sweep as ps
 from gemma_jax import compare, rope, weights
+from gemma_jax import kv_state as kvs
 from graft import shift
-from graft.engine import Context, Engine, EngineConfig
+from graft.engine import Engine, EngineConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY, QUERY, BLOCK = 24, 6, 8  # the library crosses tiny_gemma3's 8-token window three times
@@ -37,7 +38,7 @@ LIBRARY, QUERY, BLOCK = 24, 6, 8  # the library crosses tiny_gemma3's 8-token wi
 def engines(rope_mode='float'):
   loaded = shift.with_config(weights.load('tiny_gemma3', 'random:0', 'float32'),
                              rope_mode=rope_mode)
-  pinned = EngineConfig(block_size=BLOCK, cache_len=ps.auto_cache_len(LIBRARY, QUERY, BLOCK))
+  pinned = EngineConfig(rows_per_call=BLOCK, cache_len=ps.auto_cache_len(LIBRARY, QUERY, BLOCK))
   return ps.build_engines(loaded, pinned, shift.METHODS)
 
 
@@ -145,30 +146,31 @@ def test_rerotate_by_zero_changes_at_most_the_sign_of_zeros():
   # has whole key dimensions of zeros) can come back +0.0; every other element is unchanged.
   std = engines()['standard']
   seq, _ = std.prefill(tokens(LIBRARY), logits='none')
-  layer = seq.kv.layers[0]
-  k = layer.k.at[0, 0, 0, :2].set(-0.0).at[0, 0, 0, 8].set(-1.0)  # pair 0: (-0, -1)
-  seq = Context(kv=seq.kv.replace(layers=(layer.replace(k=k),) + seq.kv.layers[1:]),
-                tokens=seq.tokens, next_position=seq.next_position)
-  moved = shift.rerotate(std.config, seq, 0)
-  before, after = np.asarray(seq.kv.layers[0].k), np.asarray(moved.kv.layers[0].k)
+  rows = kvs.take_rows(seq.kv, 0, LIBRARY)
+  k0 = rows.k[0].copy()
+  k0[0, 0, :2], k0[0, 0, 8] = -0.0, -1.0  # pair 0: (-0, -1)
+  rows = kvs.KVRows(rows.start, (k0,) + rows.k[1:], rows.v, rows.positions)
+  (moved,) = shift.rerotate(std.config, [rows], 0)
+  before, after = rows.k[0], moved.k[0]
   assert np.array_equal(before, after)  # as numbers
   flipped = np.signbit(before) != np.signbit(after)
-  assert flipped[0, 0, 0, 0] and np.all(before[flipped] == 0)
-  for a, b in zip(seq.kv.layers[1:], moved.kv.layers[1:]):
-    assert np.array_equal(a.k, b.k) and compare.sha256_bytes(a.v) == compare.sha256_bytes(b.v)
+  assert flipped[0, 0, 0] and np.all(before[flipped] == 0)
+  for a, b, va, vb in zip(rows.k[1:], moved.k[1:], rows.v, moved.v):
+    assert np.array_equal(a, b) and compare.sha256_bytes(va) == compare.sha256_bytes(vb)
 
 
 def test_shifts_refuse_the_wrong_engine_and_out_of_range_positions():
-  std, pre = engines()['standard'], engines()['pre_rope']
-  seq, _ = std.prefill(tokens(LIBRARY), logits='none')
+  std, pre = engines()['standard'].config, engines()['pre_rope'].config
+  seq, _ = engines()['standard'].prefill(tokens(LIBRARY), logits='none')
+  rows = [kvs.take_rows(seq.kv, 0, LIBRARY)]
   with pytest.raises(shift.ShiftError, match='before RoPE'):
-    shift.shift(pre, seq, 1, 'rerotate')
+    shift.shift(pre, rows, 1, 'rerotate')
   with pytest.raises(shift.ShiftError, match='kv_cache_pre_rope'):
-    shift.shift(std, seq, 1, 'pre_rope')
+    shift.shift(std, rows, 1, 'pre_rope')
   with pytest.raises(shift.ShiftError, match='< 0'):
-    shift.shift(std, seq, -1, 'rerotate')
+    shift.shift(std, rows, -1, 'rerotate')
   with pytest.raises(shift.ShiftError, match='context'):
-    shift.shift(std, seq, 4096 - LIBRARY + 1, 'rerotate')
+    shift.shift(std, rows, 4096 - LIBRARY + 1, 'rerotate')
 
 
 def test_entry_point_writes_the_documented_schema(tmp_path):

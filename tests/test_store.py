@@ -15,17 +15,17 @@ import pytest
 
 from gemma_jax import weights
 from gemma_jax.compare import sha256_bytes
-from graft import blocks
+from graft.store import blocks
 from graft.engine import Engine, EngineConfig
-from graft.kvstore import StoreUrlError
+from graft.store.kvstore import StoreUrlError
 from graft.store import Store, StoreError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 B = 8
-CONFIG = EngineConfig(block_size=B, cache_len=512)
+CONFIG = EngineConfig(rows_per_call=B, cache_len=512)
 # 8-slot attention tiles: the local ring is W + B - 1 = 15 slots rounded up to 16 (the default
 # 256-slot tiles would hold these whole contexts in the ring).
-SMALL_RING = EngineConfig(block_size=B, cache_len=512, attention_tile=8)
+SMALL_RING = EngineConfig(rows_per_call=B, cache_len=512, attention_tile=8)
 TINY_FLAGS = ['--model=tiny_gemma3', '--weights=random:0', f'--block_size={B}',
               '--cache_len=512']
 
@@ -60,7 +60,7 @@ def grafted_logits(store, context, query):
 
 
 def object_names(store):
-  return store.kv.list('objects/')
+  return store.backing.list('objects/')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -83,8 +83,8 @@ def test_block_keys_are_a_sha256_chain_over_a_canonical_encoding():
 def test_namespace_binds_model_dtype_and_engine():
   base = engine()
   others = [engine(seed=1), engine(dtype='bfloat16'),
-            engine(config=EngineConfig(block_size=16, cache_len=512)),
-            engine(config=EngineConfig(block_size=B, cache_len=256))]
+            engine(config=EngineConfig(rows_per_call=16, cache_len=512)),
+            engine(config=EngineConfig(rows_per_call=B, cache_len=256))]
   spaces = {blocks.namespace(e.model_fingerprint, e.fingerprint) for e in [base] + others}
   assert len(spaces) == 5
 
@@ -167,8 +167,8 @@ def test_a_graft_reads_only_global_rows_of_blocks_behind_the_ring(tmp_path):
   library = tokens(40 * B, 12)  # far past the local ring (16 slots)
   store.put(library)
   reads = []
-  original = store.kv.read_many
-  store.kv.read_many = lambda requests: reads.extend(requests) or original(requests)
+  original = store.backing.read_many
+  store.backing.read_many = lambda requests: reads.extend(requests) or original(requests)
   store.host = type(store.host)(0)  # no host tier: every block from the backing store
   logits, match = grafted_logits(store, library, [5])
   object_reads = [r for r in reads if r[0].startswith('objects/')]
@@ -212,29 +212,29 @@ def test_a_store_of_another_model_engine_or_dtype_is_refused_with_the_reason(tmp
     Store(url, engine(seed=1))
   with pytest.raises(StoreError, match="dtype: the store has 'float32', expected 'bfloat16'"):
     Store(url, engine(dtype='bfloat16'))
-  with pytest.raises(StoreError, match='block_size: the store has 8, expected 16'):
-    Store(url, engine(config=EngineConfig(block_size=16, cache_len=512)))
-  with pytest.raises(StoreError, match='pinned engine only'):
+  with pytest.raises(StoreError, match='rows_per_call: the store has 8, expected 16'):
+    Store(url, engine(config=EngineConfig(rows_per_call=16, cache_len=512)))
+  with pytest.raises(StoreError, match='byte-exact engine only'):
     Store(url, engine(config=EngineConfig(mode='default', cache_len=512)))
 
 
 def _corrupt(store, name, how):
-  data = store.kv.read(name)
+  data = store.backing.read(name)
   if how in ('flip', 'flip_local'):
     offset, length = blocks.header_span(data)
     data = bytearray(data)
     # Global layers' rows come first: 'flip' hits rows every graft reads, 'flip_local' the
     # last local layer's, which a graft far past the block does not read.
     data[offset + length + 10 if how == 'flip' else len(data) - 10] ^= 0x04
-    store.kv.write(name, bytes(data))
+    store.backing.write(name, bytes(data))
   elif how == 'truncate':
-    store.kv.write(name, data[:len(data) - 100])
+    store.backing.write(name, data[:len(data) - 100])
   elif how == 'delete':
-    store.kv.delete(name)
+    store.backing.delete(name)
   elif how == 'header':
     data = bytearray(data)
     data[20] ^= 0x01  # inside the JSON header
-    store.kv.write(name, bytes(data))
+    store.backing.write(name, bytes(data))
 
 
 @pytest.mark.parametrize('how', ['flip', 'truncate', 'delete', 'header'])
@@ -246,13 +246,13 @@ def test_a_bad_object_is_never_grafted_and_the_answer_is_still_exact(how):
   store.put(library)
   victim = store.lookup(library).entries[3]  # block 3 of 6
   _corrupt(store, f'objects/{victim["object"]}', how)
-  reader = Store(store.kv, eng)  # a reader that has cached nothing
+  reader = Store(store.backing, eng)  # a reader that has cached nothing
   logits, match = grafted_logits(reader, library, query)
   assert match.tokens == 3 * B  # the prefix ends before the bad block
   assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, library, query))
   (problem,) = reader.problems
   assert problem.key == victim['key'] and problem.reason
-  assert reader.kv.list('quarantine/')  # moved aside with its reason
+  assert reader.backing.list('quarantine/')  # moved aside with its reason
   assert reader.lookup(library).tokens == 3 * B  # a miss from now on, until it is rewritten
   assert reader.put(library)['blocks_written'] == 1  # the same block, rewritten
   assert reader.lookup(library).tokens == len(library)
@@ -266,8 +266,8 @@ def test_an_object_copied_under_another_key_or_from_another_store_is_refused():
   store.put(b)
   entry_a = store.lookup(a).entries[1]
   entry_b = store.lookup(b).entries[1]
-  store.kv.write(f'objects/{entry_a["object"]}', store.kv.read(f'objects/{entry_b["object"]}'))
-  reader = Store(store.kv, eng)
+  store.backing.write(f'objects/{entry_a["object"]}', store.backing.read(f'objects/{entry_b["object"]}'))
+  reader = Store(store.backing, eng)
   logits, match = grafted_logits(reader, a, [9])
   assert match.tokens == B and 'header' in reader.problems[0].reason
   assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, a, [9]))
@@ -280,7 +280,7 @@ def test_bytes_a_graft_does_not_read_cannot_harm_it_and_verify_still_finds_them(
   store.put(library)
   victim = store.lookup(library).entries[1]  # far behind the ring of the graft point
   _corrupt(store, f'objects/{victim["object"]}', 'flip_local')
-  reader = Store(store.kv, eng)
+  reader = Store(store.backing, eng)
   logits, match = grafted_logits(reader, library, [6])
   assert match.tokens == len(library) and not reader.problems  # every byte it used verified
   assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, library, [6]))
@@ -300,7 +300,7 @@ def test_verify_names_every_bad_object_and_gc_removes_what_no_entry_reaches(tmp_
   assert store.verify() == []
   victim = store.lookup(library).entries[1]
   _corrupt(store, f'objects/{victim["object"]}', 'flip')
-  store.kv.write(f'objects/{"ab" * 32}.{"cd" * 16}', b'an unpublished leftover')
+  store.backing.write(f'objects/{"ab" * 32}.{"cd" * 16}', b'an unpublished leftover')
   out = subprocess.run([sys.executable, '-m', 'experiments.store', 'verify', f'--store={url}',
                         *TINY_FLAGS], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, 'PYTHONPATH': str(REPO)}, timeout=600)
@@ -318,9 +318,9 @@ def test_the_index_can_be_rebuilt_from_the_objects_alone():
   store = Store('memory://', eng)
   library = tokens(5 * B + 2, 20)
   store.put(library)
-  for name in store.kv.list('index/'):
-    store.kv.delete(name)
-  fresh_reader = Store(store.kv, eng)
+  for name in store.backing.list('index/'):
+    store.backing.delete(name)
+  fresh_reader = Store(store.backing, eng)
   assert fresh_reader.lookup(library).tokens == 0
   assert fresh_reader.rebuild_index() == 6
   logits, match = grafted_logits(fresh_reader, library, [4, 5])
@@ -337,8 +337,8 @@ def test_hostile_entries_are_refused_not_followed():
   name = f'index/{entry["parent"]}/{entry["key"]}'
   for hostile in ({**entry, 'object': '../../etc/passwd'}, {**entry, 'tokens': 'abc'},
                   {**entry, 'object_bytes': 1 << 60}, [1, 2, 3], {**entry, 'start': -8}):
-    store.kv.write(name, json.dumps(hostile).encode())
-    reader = Store(store.kv, eng)
+    store.backing.write(name, json.dumps(hostile).encode())
+    reader = Store(store.backing, eng)
     assert reader.lookup(library).tokens == 0
     assert reader.problems
     store.put(library)  # rewrites the removed entry
@@ -379,22 +379,22 @@ def test_a_process_killed_mid_put_leaves_no_half_object_and_loses_nothing(tmp_pa
   store = Store(url, eng)
   earlier = tokens(3 * B, 40)
   store.put(earlier)
-  before = {name: store.kv.read(name) for name in store.kv.list('')}
+  before = {name: store.backing.read(name) for name in store.backing.list('')}
   path = tmp_path / 'in.jsonl'
   path.write_text(''.join(json.dumps({'tokens': tokens(30 * B, 41 + i)}) + '\n'
                           for i in range(20)))
   proc = _put_process(url, path)
   deadline = time.time() + 300
-  while len(store.kv.list('index/')) < len(before) + 3 and time.time() < deadline:
+  while len(store.backing.list('index/')) < len(before) + 3 and time.time() < deadline:
     time.sleep(0.05)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   for name, data in before.items():  # every earlier object and entry is intact
-    assert store.kv.read(name) == data
+    assert store.backing.read(name) == data
   reader = Store(url, eng)
   problems = reader.verify()
   assert all(p.reason.startswith('not published') for p in problems), problems
-  assert not any(name.startswith('objects/.') for name in reader.kv.list(''))
+  assert not any(name.startswith('objects/.') for name in reader.backing.list(''))
   # A second process reads and writes the same store: the earlier text grafts exactly.
   logits, match = grafted_logits(reader, earlier, [3, 4])
   assert match.tokens == len(earlier)

@@ -23,7 +23,7 @@ from gemma_jax.compare import sha256_bytes
 from gemma_jax import weights
 from graft.engine import Engine, EngineConfig
 loaded = weights.load('gemma3_270m', 'embedded')
-engine = Engine(loaded, EngineConfig(cache_len=256, xla_flags=os.environ.get('XLA_FLAGS', '')))
+engine = Engine(loaded, EngineConfig(cache_len=256))
 ids = loaded.tokenizer.encode('Byte-exact grafting needs the same bits on one core or many.')
 library, query = ids[:9], ids[9:]
 _, fresh = engine.extend(engine.empty(), ids, logits=len(query))

@@ -76,7 +76,7 @@ def measure(loaded, work) -> dict:
     return skipped('google-deepmind gemma needs its own Python 3.12 environment (gemma 4.0.1, '
                    'jax 0.12): bash experiments/peers/setup_peer_envs.sh, or set '
                    '$GEMMA_PEER_PYTHON')
-  from experiments import hf_parity
+  from experiments.peers import parity as hf_parity
   with tempfile.TemporaryDirectory() as directory:
     files = prepare(loaded, directory)
     speed = run(python, {**files, 'prompt_ids': work.prompt, 'decode_tokens': work.decode_tokens,

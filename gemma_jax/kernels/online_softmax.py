@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# The reference's finite "minus infinity" (gemma_jax.attention.MASKED): the initial running max.
-# Being finite keeps exp(m_old - m_new) finite for rows that have seen nothing.
-MASKED = -2.3819763e38
+# The initial running max is gemma_jax.numerics.MASKED: being finite keeps exp(m_old - m_new)
+# finite for rows that have seen nothing.
+from gemma_jax.numerics import MASKED
 
 # q [bq, H] . k [tile, H] contracting H; p [bq, tile] . v [tile, H] contracting the slots.
 _QK_DIMS = (((1,), (1,)), ((), ()))

@@ -327,7 +327,8 @@ class PallasAttention:
 
   def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                k_pos: jax.Array, *, window: int | None, softcap: float | None,
-               scores=None) -> jax.Array:
+               scores=None, numerics=None) -> jax.Array:
+    del numerics  # the kernel's own fixed order (gemma_jax/kernels/online_softmax.py)
     if scores is not None:
       raise ValueError('the Pallas kernel computes plain q . k scores; a RoPE mode with its own '
                        'score function needs attention=xla')

@@ -35,7 +35,7 @@ from gemma_jax import kv_state as kvs
 from gemma_jax.checkpoints import orbax_util
 from gemma_jax.compare import sha256_bytes
 from gemma_jax.files import atomic_directory
-from graft import fingerprint
+from graft.engine import fingerprint
 from graft.engine import Context, Engine
 
 FORMAT = 'kv-graft-artifact/2'
@@ -62,6 +62,10 @@ class Artifact:
   next_position: int
   leaves: dict[str, np.ndarray]  # kv_state.to_leaves plus 'tokens', as stored
   manifest: dict
+
+  @property
+  def start_position(self) -> int:
+    return self.next_position - len(self.tokens)
 
 
 def describe(leaves: dict[str, np.ndarray]) -> dict[str, dict]:
@@ -146,7 +150,7 @@ def _check_files(path: str, expected: dict[str, dict]) -> None:
 
 def differences(expected, actual, prefix='') -> list[str]:
   """Readable differences between two JSON-like values, e.g.
-  ['engine_config.block_size: the artifact has 8, expected 16']."""
+  ['engine_config.rows_per_call: the artifact has 8, expected 16']."""
   if isinstance(expected, dict) and isinstance(actual, dict):
     out = []
     for key in sorted(set(expected) | set(actual)):
@@ -243,11 +247,18 @@ def load(path: str, engine: Engine, *, timings: dict | None = None) -> Artifact:
                   next_position=int(manifest['next_position']), leaves=leaves, manifest=manifest)
 
 
+def rows(engine: Engine, artifact: Artifact) -> list[kvs.KVRows]:
+  """The artifact's KV as rows (`Engine.graft`'s input)."""
+  try:
+    return kvs.rows_from_leaves(artifact.leaves, engine.config.cache_layers,
+                                len(artifact.tokens), artifact.start_position)
+  except ValueError as e:
+    raise ArtifactError(f'the artifact does not fit this engine: {e}') from None
+
+
 def graft(engine: Engine, artifact: Artifact) -> Context:
   """A fresh context holding the artifact's KV state at its own positions."""
   try:
-    kv = kvs.from_leaves(artifact.leaves, engine.empty().kv, engine.config.cache_layers,
-                         len(artifact.tokens))
-  except (KeyError, ValueError) as e:
+    return engine.graft(rows(engine, artifact), artifact.tokens, artifact.start_position)
+  except ValueError as e:
     raise ArtifactError(f'the artifact does not fit this engine: {e}') from None
-  return Context(kv=kv, tokens=artifact.tokens, next_position=artifact.next_position)

@@ -15,13 +15,13 @@ import dataclasses
 import enum
 import hashlib
 import json
-import os
 import platform
 
 import jax
 import jaxlib
 import numpy as np
 
+from gemma_jax import sharding
 from gemma_jax.checkpoints import tree
 
 # CPU flags that can change which kernels XLA emits; the rest of /proc/cpuinfo does not matter.
@@ -106,16 +106,18 @@ def environment() -> dict:
       'machine': platform.machine(),
       'cpu_features': cpu_features() if jax.default_backend() == 'cpu' else [],
       'cpu_model': cpu_model() if jax.default_backend() == 'cpu' else '',
-      'xla_flags': os.environ.get('XLA_FLAGS', ''),
+      'xla_flags': sharding.xla_flags(),
   }
 
 
-def engine_fingerprint(engine_config, dtype: str, *, layout_version: int,
-                       kernel_blocks: dict | None = None) -> dict:
-  """Fingerprint of an engine: its config, dtype, layout version, kernel blocks and the
-  environment: {'sha256', and what went into it}."""
-  parts = {'engine_config': engine_config, 'dtype': dtype, 'layout_version': layout_version,
-           'environment': environment()}
+def engine_fingerprint(engine_config, dtype: str, *, slot_layout_version: int,
+                       kernel_blocks: dict | None = None, plan: dict | None = None) -> dict:
+  """Fingerprint of an engine: its config, dtype, slot layout version, kernel blocks, what its
+  plan records (numerics) and the environment: {'sha256', and what went into it}."""
+  parts = {'engine_config': engine_config, 'dtype': dtype,
+           'slot_layout_version': slot_layout_version, 'environment': environment()}
   if kernel_blocks:
     parts['kernel_blocks'] = kernel_blocks
+  if plan:
+    parts['plan'] = plan
   return {'sha256': digest(parts), **json.loads(canonical_json(parts))}

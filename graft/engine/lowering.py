@@ -25,13 +25,11 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import os
 import re
 
 import jax
 import jax.numpy as jnp
 
-from gemma_jax import kv_state as kvs
 from gemma_jax import model as gmodel
 from gemma_jax.config import TransformerConfig
 from gemma_jax.weights import LoadedModel
@@ -111,13 +109,14 @@ def abstract_inputs(engine: Engine) -> dict[str, tuple]:
   return {
       'step': (params, jax.ShapeDtypeStruct((1, rows), i32),
                jax.ShapeDtypeStruct((1, rows), i32), kv),
-      'logits': (params, jax.ShapeDtypeStruct((1, rows, config.embed_dim), engine.dtype),
+      'logits': (params, engine.output_table,
+                 jax.ShapeDtypeStruct((1, rows, config.embed_dim), engine.dtype),
                  jax.ShapeDtypeStruct((pinned.logits_rows,), i32)),
   }
 
 
 def _functions(engine: Engine) -> dict:
-  return {'step': engine.step_function(), 'logits': engine._head}
+  return {'step': engine.step_function(), 'logits': engine.head_function()}
 
 
 def lower_engine_functions(config: TransformerConfig, engine_config: EngineConfig, platform: str,
@@ -225,11 +224,6 @@ def kernel_ir(lowered: jax.stages.Lowered) -> list[tuple[str, str]]:
   return out
 
 
-def host_xla_flags() -> str:
-  """$XLA_FLAGS as the Engine checks it (a EngineConfig for lowering must carry it)."""
-  return os.environ.get('XLA_FLAGS', '')
-
-
 def summary(config_names=('tiny_gemma3', 'gemma3_270m'), platforms=('cuda', 'tpu'),
             dtype='float32') -> list[dict]:
   """One row per (config, platform, attention, function): the custom-call targets of the
@@ -237,7 +231,7 @@ def summary(config_names=('tiny_gemma3', 'gemma3_270m'), platforms=('cuda', 'tpu
   host's own compile of the same functions."""
   from gemma_jax import config as gcfg
   rows = []
-  pinned = EngineConfig(xla_flags=host_xla_flags())
+  pinned = EngineConfig()
   for name in config_names:
     for platform in platforms:
       for attention in ('xla', 'pallas'):

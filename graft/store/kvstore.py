@@ -15,6 +15,7 @@ processes.
 from __future__ import annotations
 
 import re
+import urllib.parse
 
 import tensorstore as ts
 
@@ -116,3 +117,10 @@ class KvStore:
     else:
       keys = self._kv.list().result()
     return sorted(k.decode() for k in keys)
+
+
+def local_directory(url: str) -> str | None:
+  """The directory of a file:// store (None for any other driver): only for measuring the disk
+  and evicting its pages from the OS cache, never for reading the store."""
+  parsed = urllib.parse.urlparse(url)
+  return urllib.parse.unquote(parsed.path) if parsed.scheme == 'file' else None

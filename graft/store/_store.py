@@ -56,11 +56,11 @@ from absl import logging
 import numpy as np
 
 from gemma_jax import kv_state as kvs
-from graft import blocks
-from graft.artifact import differences
-from graft.blocks import BlockError
+from graft.store import blocks
+from graft.store.artifact import differences
+from graft.store.blocks import BlockError
 from graft.engine import Context, Engine
-from graft.kvstore import KvStore, ShortValueError
+from graft.store.kvstore import KvStore, ShortValueError
 
 _DESCRIPTION = 'store.json'
 # Hashing runs in threads: hashlib releases the GIL on large buffers.
@@ -146,14 +146,14 @@ class Store:
                create: bool = True):
     """`url` is a kvstore URL, or an open KvStore (another view of the same storage: a memory://
     store is private to the KvStore that opened it; a wrapper that injects faults)."""
-    if engine.engine_config.mode not in ('pinned', 'blocked'):
-      raise StoreError('a store holds KV of a pinned engine only (byte-exact); this engine is '
+    if not engine.plan.byte_exact:
+      raise StoreError('a store holds KV of a byte-exact engine only; this engine is '
                        f'{engine.engine_config.mode!r}')
-    self.kv = url if isinstance(url, KvStore) else KvStore(url)
-    self.url = self.kv.url
+    self.backing = url if isinstance(url, KvStore) else KvStore(url)
+    self.url = self.backing.url
     self.engine = engine
-    self.layout = blocks.Layout.of(engine)
-    self.block_size = engine.engine_config.block_size
+    self.block_layout = blocks.BlockLayout.of(engine)
+    self.block_tokens = engine.engine_config.rows_per_call
     self.namespace = blocks.namespace(engine.model_fingerprint, engine.fingerprint)
     self.host = HostCache(host_cache_bytes)
     self.problems: list[Problem] = []
@@ -166,18 +166,18 @@ class Store:
 
   def description(self) -> dict:
     return {'format': blocks.STORE_FORMAT, 'namespace': self.namespace,
-            'block_size': self.block_size, 'model': self.engine.model_fingerprint,
+            'block_tokens': self.block_tokens, 'model': self.engine.model_fingerprint,
             'engine': self.engine.fingerprint}
 
   def _open(self, create: bool) -> None:
     mine = self.description()
-    data = self.kv.read(_DESCRIPTION)
+    data = self.backing.read(_DESCRIPTION)
     if data is None:
       if not create:
         raise StoreError(f'no store at {self.url} (no {_DESCRIPTION})')
-      if self.kv.write_if_absent(_DESCRIPTION, blocks.canonical(mine)):
+      if self.backing.write_if_absent(_DESCRIPTION, blocks.canonical(mine)):
         return
-      data = self.kv.read(_DESCRIPTION)  # another process created it first
+      data = self.backing.read(_DESCRIPTION)  # another process created it first
     try:
       theirs = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
@@ -208,7 +208,7 @@ class Store:
     todo = [w for w in wanted if w[1] not in self._entries]
     names = [f'index/{parent}/{key}' for parent, key, _ in todo]
     for (parent, key, start), name, data in zip(todo, names,
-                                                self.kv.read_many([(n, None) for n in names])):
+                                                self.backing.read_many([(n, None) for n in names])):
       if data is None:
         continue
       try:
@@ -216,7 +216,7 @@ class Store:
           raise BlockError(str(data))
         self._entries[key] = blocks.decode_entry(
             data, ns=self.namespace, parent=parent, key=key, expected_start=start,
-            layout=self.layout, vocab_size=self.engine.config.vocab_size)
+            layout=self.block_layout, vocab_size=self.engine.config.vocab_size)
       except BlockError as e:
         self.quarantine(key, name, str(e), entry_name=name, data=data)
     return [self._entries.get(key) for _, key, _ in wanted]
@@ -226,7 +226,7 @@ class Store:
 
   def _children(self, parent: str, start: int) -> list[dict]:
     keys = []
-    for name in self.kv.list(f'index/{parent}/'):
+    for name in self.backing.list(f'index/{parent}/'):
       key = name[len(f'index/{parent}/'):]
       if _HEX64.fullmatch(key):
         keys.append(key)
@@ -240,7 +240,7 @@ class Store:
     name = f'objects/{entry["object"]}'
     if not global_only:
       return name, None
-    wanted = _HEADER_PROBE + self.layout.global_bytes(len(entry['tokens']))
+    wanted = _HEADER_PROBE + self.block_layout.global_bytes(len(entry['tokens']))
     return name, (0, min(entry['object_bytes'], wanted))
 
   def _decode_object(self, entry: dict, global_only: bool, probe) -> dict[str, np.ndarray]:
@@ -264,7 +264,7 @@ class Store:
     if hashlib.sha256(header_bytes).hexdigest() != entry['header_sha256']:
       raise BlockError('the object\'s header does not match its index entry')
     header = blocks.decode_header(header_bytes, ns=self.namespace, expected_key=entry['key'],
-                                  layout=self.layout, vocab_size=self.engine.config.vocab_size)
+                                  layout=self.block_layout, vocab_size=self.engine.config.vocab_size)
     if (header['parent'], header['start'], header['tokens']) != (
         entry['parent'], entry['start'], entry['tokens']):
       raise BlockError('the object\'s header and its index entry disagree')
@@ -279,16 +279,16 @@ class Store:
       data = probe[data_start:]
     self.counters['backing_bytes'] += len(data) + data_start
     return blocks.decode_leaves(header, data, data_start, global_only=global_only,
-                                layout=self.layout)
+                                layout=self.block_layout)
 
   def _read_object(self, entry: dict, global_only: bool) -> dict[str, np.ndarray]:
     """The entry's object's leaves (global layers only, or all), verified; BlockError if bad."""
-    (probe,) = self.kv.read_many([self._request(entry, global_only)])
+    (probe,) = self.backing.read_many([self._request(entry, global_only)])
     return self._decode_object(entry, global_only, probe)
 
   def _read_range(self, name: str, start: int, stop: int) -> bytes:
     try:
-      data = self.kv.read(name, (start, stop))
+      data = self.backing.read(name, (start, stop))
     except ShortValueError:
       raise BlockError('the object is shorter than its header says (truncated)') from None
     if data is None:
@@ -305,7 +305,7 @@ class Store:
     if not missing:
       return out
     start = time.perf_counter()
-    probes = self.kv.read_many([self._request(*wanted[i]) for i in missing])
+    probes = self.backing.read_many([self._request(*wanted[i]) for i in missing])
 
     def decode(i, probe):
       try:
@@ -334,24 +334,24 @@ class Store:
       return
     self.quarantine(entry['key'], entry_name, f'{reason}; the object is sound: the entry was '
                     'damaged and is rebuilt from it', entry_name=entry_name,
-                    data=self.kv.read(entry_name))
-    self.kv.write_if_absent(entry_name, sound)
+                    data=self.backing.read(entry_name))
+    self.backing.write_if_absent(entry_name, sound)
 
   def _sound_object(self, name: str, key: str) -> bytes | None:
     """The index entry an object publishes, when the object verifies on its own (None
     otherwise)."""
-    data = self.kv.read(name)
+    data = self.backing.read(name)
     if not data:
       return None
     try:
       offset, length = blocks.header_span(data)
       header_bytes = data[offset:offset + length]
       header = blocks.decode_header(header_bytes, ns=self.namespace, expected_key=key,
-                                    layout=self.layout, vocab_size=self.engine.config.vocab_size)
+                                    layout=self.block_layout, vocab_size=self.engine.config.vocab_size)
       if offset + length + header['data_bytes'] != len(data):
         return None
       blocks.decode_leaves(header, data[offset + length:], offset + length, global_only=False,
-                           layout=self.layout)
+                           layout=self.block_layout)
     except BlockError:
       return None
     return blocks.encode_entry(header, name.split('/', 1)[1], len(data), header_bytes)
@@ -364,15 +364,15 @@ class Store:
     self._report(key, name, reason)
     self._entries.pop(key, None)
     record = uuid.uuid4().hex
-    self.kv.write(f'quarantine/{record}.json', blocks.canonical(
+    self.backing.write(f'quarantine/{record}.json', blocks.canonical(
         {'key': key, 'name': name, 'reason': reason, 'time': time.time()}))
     if data is not None:
-      self.kv.write(f'quarantine/{record}.object', data)
+      self.backing.write(f'quarantine/{record}.object', data)
     if entry_name:
-      self.kv.delete(entry_name)
+      self.backing.delete(entry_name)
     if name.startswith('objects/'):
       self.host.drop(name.split('/', 1)[1])
-      self.kv.delete(name)
+      self.backing.delete(name)
 
   # --------------------------------------------------------------------------------------------
   # Lookup and graft
@@ -380,12 +380,12 @@ class Store:
   def lookup(self, tokens) -> Match:
     """The longest stored prefix of `tokens`, at token granularity."""
     tokens = [int(t) for t in tokens]
-    keys = blocks.chain_keys(self.namespace, tokens, self.block_size)
-    self._entries_many([(keys[i - 1] if i else blocks.ROOT, key, i * self.block_size)
+    keys = blocks.chain_keys(self.namespace, tokens, self.block_tokens)
+    self._entries_many([(keys[i - 1] if i else blocks.ROOT, key, i * self.block_tokens)
                         for i, key in enumerate(keys)])  # every block's entry, concurrently
     parent, used, matched, rows = blocks.ROOT, [], 0, 0
-    for start in range(0, len(tokens), self.block_size):
-      chunk = tokens[start:start + self.block_size]
+    for start in range(0, len(tokens), self.block_tokens):
+      chunk = tokens[start:start + self.block_tokens]
       entry = self._entry(parent, blocks.block_key(self.namespace, parent, chunk), start)
       if entry is None:  # the longest common prefix among the stored children
         best, common = None, 0
@@ -399,7 +399,7 @@ class Store:
         break
       used.append(entry)
       matched, rows, parent = matched + len(chunk), len(chunk), entry['key']
-      if len(chunk) < self.block_size:
+      if len(chunk) < self.block_tokens:
         break
     return Match(tokens=matched, entries=tuple(used), rows=rows)
 
@@ -417,14 +417,12 @@ class Store:
       except _BadBlock as bad:  # each retry removes one bad block, so this ends
         self.quarantine_object(bad.entry, bad.reason)
         continue
-      kv = kvs.assemble(self.engine.empty().kv, rows, match.tokens)
-      return Context(kv=kv, tokens=tuple(tokens[:match.tokens]),
-                     next_position=match.tokens), match
+      return self.engine.graft(rows, tokens[:match.tokens]), match
 
   def _rows(self, match: Match) -> list[kvs.KVRows]:
     """Each matched block's rows, read as far as the graft attends to them."""
     n = match.tokens
-    ring = min(layer.num_slots for layer in self.engine.empty().kv.layers)
+    ring = self.engine.local_slots
     used = [len(e['tokens']) for e in match.entries[:-1]] + [match.rows]
     # A block wholly behind every ring is read for its global layers only.
     wanted = [(entry, entry['start'] + rows <= n - ring)
@@ -453,17 +451,17 @@ class Store:
       raise ValueError('nothing to put: the token list is empty')
     t0 = time.perf_counter()
     ctx, match = self.graft(tokens)
-    keys = blocks.chain_keys(self.namespace, tokens, self.block_size)
+    keys = blocks.chain_keys(self.namespace, tokens, self.block_tokens)
     # The block holding token `match.tokens` is the first one to write. (When every token is
     # matched, even a partial last block is addressable already: it is a prefix of a stored one.)
     first_new = (len(keys) if match.tokens == len(tokens)
-                 else match.tokens // self.block_size)
+                 else match.tokens // self.block_tokens)
     report = {'tokens': len(tokens), 'reused_tokens': match.tokens, 'blocks_written': 0,
               'blocks_existing': 0, 'bytes_written': 0, 'compute_seconds': 0.0,
               'storage_seconds': 0.0}
     batch = []  # (parent, start, tokens, leaves) computed and not yet stored
     for k in range(first_new, len(keys)):
-      start, stop = k * self.block_size, min((k + 1) * self.block_size, len(tokens))
+      start, stop = k * self.block_tokens, min((k + 1) * self.block_tokens, len(tokens))
       t1 = time.perf_counter()
       if stop > len(ctx.tokens):
         ctx, _ = self.engine.extend(ctx, tokens[len(ctx.tokens):stop], logits='none',
@@ -488,21 +486,21 @@ class Store:
     """Writes, verifies and publishes blocks [(parent, start, tokens, leaves)], each step for
     the whole batch at once; returns the bytes written per block (0 where another writer's
     verified copy was published first)."""
-    encoded = list(_POOL.map(lambda b: blocks.encode_block(self.namespace, *b, self.layout),
+    encoded = list(_POOL.map(lambda b: blocks.encode_block(self.namespace, *b, self.block_layout),
                              batch))
     names = [f'objects/{key}.{uuid.uuid4().hex}' for key, _, _ in encoded]
-    self.kv.write_many([(name, data) for name, (_, data, _) in zip(names, encoded)])
+    self.backing.write_many([(name, data) for name, (_, data, _) in zip(names, encoded)])
     for name, (_, data, _), kept in zip(names, encoded,
-                                        self.kv.read_many([(n, None) for n in names])):
+                                        self.backing.read_many([(n, None) for n in names])):
       if kept != data:  # what the storage layer kept
-        self.kv.delete(name)
+        self.backing.delete(name)
         raise StoreError(f'{self.url}: object {name} did not read back as written')
     entries = []
     for (parent, _, _, _), name, (key, data, header) in zip(batch, names, encoded):
       offset, length = blocks.header_span(data)
       entries.append((f'index/{parent}/{key}', blocks.encode_entry(
           header, name.split('/', 1)[1], len(data), data[offset:offset + length])))
-    published = self.kv.write_if_absent_many(entries)
+    published = self.backing.write_if_absent_many(entries)
     out = []
     for (parent, start, _, _), name, (key, data, _), (entry_name, entry_bytes), won in zip(
         batch, names, encoded, entries, published):
@@ -520,11 +518,11 @@ class Store:
       if existing is not None:
         try:
           self._read_object(existing, global_only=False)
-          self.kv.delete(name)  # first writer wins; ours was a copy
+          self.backing.delete(name)  # first writer wins; ours was a copy
           return False
         except BlockError as e:
           self.quarantine_object(existing, str(e))
-      if self.kv.write_if_absent(entry_name, entry_bytes):
+      if self.backing.write_if_absent(entry_name, entry_bytes):
         return True
     raise StoreError(f'{self.url}: could not publish block {key[:16]}..')
 
@@ -538,14 +536,14 @@ class Store:
       parent, start = frontier.pop()
       for entry in self._children(parent, start):
         out.append(entry)
-        frontier.append((entry['key'], start + self.block_size))
+        frontier.append((entry['key'], start + self.block_tokens))
     return sorted(out, key=lambda e: (e['start'], e['key']))
 
   def verify(self) -> list[Problem]:
     """Reads and checks every entry and object of the store (without changing it): every
     problem found, named. Unreachable entries and unpublished objects are listed too."""
     problems: list[Problem] = []
-    names = self.kv.list('index/')
+    names = self.backing.list('index/')
     reachable = {blocks.ROOT}
     by_parent = collections.defaultdict(list)
     for name in names:
@@ -561,16 +559,16 @@ class Store:
       for key in by_parent.get(parent, []):
         name = f'index/{parent}/{key}'
         try:
-          entry = blocks.decode_entry(self.kv.read(name) or b'', ns=self.namespace,
+          entry = blocks.decode_entry(self.backing.read(name) or b'', ns=self.namespace,
                                       parent=parent, key=key, expected_start=start,
-                                      layout=self.layout,
+                                      layout=self.block_layout,
                                       vocab_size=self.engine.config.vocab_size)
         except BlockError as e:
           problems.append(Problem(key, name, str(e)))
           continue
         published.add(entry['object'])
         reachable.add(key)  # its children are addressed by key whatever its object holds
-        frontier.append((key, start + self.block_size))
+        frontier.append((key, start + self.block_tokens))
         try:
           self._read_object(entry, global_only=False)
         except BlockError as e:
@@ -579,7 +577,7 @@ class Store:
       if parent not in reachable:
         problems += [Problem(k, f'index/{parent}/{k}', 'unreachable: its parent is not '
                      'published') for k in keys]
-    for name in self.kv.list('objects/'):
+    for name in self.backing.list('objects/'):
       if name.split('/', 1)[1] not in published:
         problems.append(Problem(name.split('/', 1)[1][:64], name,
                                 'not published (left by an interrupted or losing put)'))
@@ -593,13 +591,13 @@ class Store:
     removed = {'objects': 0, 'entries': 0}
     for problem in bad:
       if problem.name.startswith('objects/'):
-        self.kv.delete(problem.name)
+        self.backing.delete(problem.name)
         removed['objects'] += 1
       elif problem.name.startswith('index/'):
         if 'unreachable' not in problem.reason:
           self.quarantine(problem.key, problem.name, problem.reason, entry_name=problem.name)
         else:
-          self.kv.delete(problem.name)
+          self.backing.delete(problem.name)
         self._entries.pop(problem.key, None)
         removed['entries'] += 1
     if removed['entries']:  # removing entries can orphan objects and descendants
@@ -614,11 +612,11 @@ class Store:
     return {'url': self.url, 'namespace': self.namespace, 'objects': len(entries),
             'bytes': objects, 'tokens_addressable': tokens,
             'bytes_per_token': objects / tokens if tokens else None,
-            'block_size': self.block_size}
+            'block_tokens': self.block_tokens}
 
   def destroy(self) -> None:
     """Deletes the whole store (every object, entry and its description)."""
-    self.kv.delete_all()
+    self.backing.delete_all()
     self._entries.clear()
     self.host = HostCache(self.host.capacity)
 
@@ -626,15 +624,15 @@ class Store:
     """Publishes an entry for every verified object that has none (an index lost or damaged
     can always be rebuilt from the objects' headers); returns how many it wrote."""
     written = 0
-    for name in self.kv.list('objects/'):
+    for name in self.backing.list('objects/'):
       key = name.split('/', 1)[1].split('.')[0]
       entry = self._sound_object(name, key)
       if entry is None:
         self.quarantine(key, name, 'the object does not verify on its own',
-                        data=self.kv.read(name))
+                        data=self.backing.read(name))
         continue
       parent = json.loads(entry)['parent']
-      written += self.kv.write_if_absent(f'index/{parent}/{key}', entry)
+      written += self.backing.write_if_absent(f'index/{parent}/{key}', entry)
     return written
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from gemma_jax.config import BOS_ID
-from graft import verifiers
+from graft.knowledge import verifiers
 from graft.engine import Context
 from graft.store import Match, Store
 

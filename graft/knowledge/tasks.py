@@ -24,8 +24,8 @@ import datetime
 
 import numpy as np
 
-from experiments import common
-from graft import verifiers
+from gemma_jax import files
+from graft.knowledge import verifiers
 
 FAMILIES = ('arithmetic', 'multiplication', 'word', 'dates', 'units')
 _NAMES = ('Ana', 'Ben', 'Chen', 'Dara', 'Eli', 'Fatima', 'Goran', 'Hana', 'Ivan', 'Juno')
@@ -104,7 +104,7 @@ def generate(family: str, count: int, *, seed: int, exclude=()) -> list[Task]:
 def read_tasks(path: str) -> list[Task]:
   """Tasks of a JSONL file (see the module docstring); every problem is reported with its line."""
   tasks, ids = [], set()
-  for number, record in common.jsonl_records(path):
+  for number, record in files.jsonl_records(path):
     where = f'{path}:{number}'
     for field in ('id', 'problem', 'answer'):
       if field not in record:
@@ -129,7 +129,7 @@ def read_tasks(path: str) -> list[Task]:
 
 def read_solutions(path: str) -> dict[str, str]:
   solutions = {}
-  for number, record in common.jsonl_records(path):
+  for number, record in files.jsonl_records(path):
     if not isinstance(record.get('solution'), str) or 'id' not in record:
       raise ValueError(f'{path}:{number}: expected {{"id": ..., "solution": "..."}}')
     if str(record['id']) in solutions:

@@ -1,15 +1,17 @@
 """Content addressing for the store: namespaces, block keys, block objects and index entries.
 
-Pure functions over bytes; graft/store.py does the I/O. Nothing read is trusted: every decoder
+Pure functions over bytes; graft/store/_store.py does the I/O. Nothing read is trusted: every decoder
 checks its input against what the engine expects and raises BlockError naming the problem.
 
 Namespace. SHA-256 of the canonical JSON of {format, model fingerprint, engine fingerprint}: the
 model's parameters, config and tokenizer, and everything that decides the engine's bits (its
-config, dtype, layout version, the machine). KV from another model, dtype, engine configuration,
-layout version or kind of machine lands in another namespace, so it can never be found.
+config, dtype, slot layout version, the machine). KV from another model, dtype, engine
+configuration, slot layout version or kind of machine lands in another namespace, so it can
+never be found.
 
 Block key. Block k of a context holds its tokens at sequence indices kB .. kB + B - 1 (B the
-engine's block size; the engine aligns its calls to exactly these blocks). Its key is
+store's tokens per block, the engine's rows per call: a block is computed by one call, though
+under a byte-exact plan any cut of the sequence gives the same bits). Its key is
 
     SHA-256( b'kv-graft-block/1' | namespace (32 bytes) | parent key (32 bytes; zeros for block 0)
              | token count (uint32 little-endian) | token ids (int32 little-endian) )
@@ -46,7 +48,7 @@ import struct
 import numpy as np
 
 from gemma_jax.config import AttentionType
-from graft import fingerprint
+from graft.engine import fingerprint
 
 STORE_FORMAT = 'kv-graft-store/1'
 BLOCK_FORMAT = 'kv-graft-block/1'
@@ -74,33 +76,33 @@ def block_key(ns: str, parent: str, tokens) -> str:
   return hashlib.sha256(payload).hexdigest()
 
 
-def chain_keys(ns: str, tokens, block_size: int) -> list[str]:
+def chain_keys(ns: str, tokens, block_tokens: int) -> list[str]:
   """The keys of every block of a context (the last one partial when len(tokens) % B)."""
   keys, parent = [], ROOT
-  for start in range(0, len(tokens), block_size):
-    parent = block_key(ns, parent, tokens[start:start + block_size])
+  for start in range(0, len(tokens), block_tokens):
+    parent = block_key(ns, parent, tokens[start:start + block_tokens])
     keys.append(parent)
   return keys
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class BlockLayout:
   """What a block object of this engine must hold: per cache-owning layer, K and V rows of
   shape [T, K, H] in `dtype`; global layers first."""
 
   dtype: str
-  block_size: int
+  block_tokens: int
   layers: tuple[tuple[int, bool, int, int], ...]  # (layer index, is global, K, H), stored order
 
   @classmethod
-  def of(cls, engine) -> 'Layout':
+  def of(cls, engine) -> 'BlockLayout':
     layers = []
     for i in engine.config.cache_layers:
       spec = engine.config.layer_spec(i)
       layers.append((i, spec.attention_type is AttentionType.GLOBAL, spec.num_kv_heads,
                      spec.head_dim))
     layers.sort(key=lambda layer: (not layer[1], layer[0]))
-    return cls(dtype=engine.loaded.dtype, block_size=engine.engine_config.block_size,
+    return cls(dtype=engine.loaded.dtype, block_tokens=engine.engine_config.rows_per_call,
                layers=tuple(layers))
 
   def leaves(self, num_tokens: int) -> list[dict]:
@@ -134,7 +136,7 @@ def canonical(value) -> bytes:
 
 
 def encode_block(ns: str, parent: str, start: int, tokens, leaves: dict[str, np.ndarray],
-                 layout: Layout) -> tuple[str, bytes, dict]:
+                 layout: BlockLayout) -> tuple[str, bytes, dict]:
   """(key, object bytes, header) of a block whose K/V rows are `leaves` ({name: [T, K, H]})."""
   tokens = [int(t) for t in tokens]
   key = block_key(ns, parent, tokens)
@@ -172,10 +174,10 @@ def _load_json(data: bytes, what: str):
     raise BlockError(f'{what} is not valid JSON ({e})') from None
 
 
-def _check_tokens(tokens, block_size: int, vocab_size: int) -> list[int]:
-  if (not isinstance(tokens, list) or not 1 <= len(tokens) <= block_size
+def _check_tokens(tokens, block_tokens: int, vocab_size: int) -> list[int]:
+  if (not isinstance(tokens, list) or not 1 <= len(tokens) <= block_tokens
       or not all(type(t) is int and 0 <= t < vocab_size for t in tokens)):
-    raise BlockError(f'tokens must be 1..{block_size} ids in [0, {vocab_size})')
+    raise BlockError(f'tokens must be 1..{block_tokens} ids in [0, {vocab_size})')
   return tokens
 
 
@@ -195,7 +197,7 @@ def _malformed_is_refused(what: str):
 
 
 @_malformed_is_refused('the header')
-def decode_header(header_bytes: bytes, *, ns: str, expected_key: str, layout: Layout,
+def decode_header(header_bytes: bytes, *, ns: str, expected_key: str, layout: BlockLayout,
                   vocab_size: int) -> dict:
   """The verified header of the object published as `expected_key`."""
   header = _load_json(header_bytes, 'the header')
@@ -204,7 +206,7 @@ def decode_header(header_bytes: bytes, *, ns: str, expected_key: str, layout: La
   if header.get('namespace') != ns:
     raise BlockError('the object belongs to another namespace (another model, engine, dtype '
                      'or machine)')
-  tokens = _check_tokens(header.get('tokens'), layout.block_size, vocab_size)
+  tokens = _check_tokens(header.get('tokens'), layout.block_tokens, vocab_size)
   parent = header.get('parent')
   if not isinstance(parent, str) or not _HEX64.fullmatch(parent):
     raise BlockError('the header has no valid parent key')
@@ -222,14 +224,14 @@ def decode_header(header_bytes: bytes, *, ns: str, expected_key: str, layout: La
       or header.get('data_bytes') != layout.data_bytes(len(tokens))):
     raise BlockError('the header\'s byte counts do not match the layout')
   if (type(header.get('start')) is not int or header['start'] < 0
-      or header['start'] % layout.block_size):
+      or header['start'] % layout.block_tokens):
     raise BlockError('the header\'s start index is not a block boundary')
   return header
 
 
 @_malformed_is_refused('the object')
 def decode_leaves(header: dict, data: bytes, data_offset: int, *, global_only: bool,
-                  layout: Layout) -> dict[str, np.ndarray]:
+                  layout: BlockLayout) -> dict[str, np.ndarray]:
   """The leaves in `data` (the object's bytes from `data_offset`), each re-hashed."""
   dtype = _numpy_dtype(layout.dtype)
   stop = header['global_bytes'] if global_only else header['data_bytes']
@@ -257,13 +259,13 @@ def encode_entry(header: dict, object_name: str, object_bytes: int, header_bytes
 
 @_malformed_is_refused('the index entry')
 def decode_entry(data: bytes, *, ns: str, parent: str, key: str, expected_start: int,
-                 layout: Layout, vocab_size: int) -> dict:
+                 layout: BlockLayout, vocab_size: int) -> dict:
   """The verified index entry stored at index/<parent>/<key>, whose block starts at sequence
   index `expected_start` (its depth in the chain times B)."""
   entry = _load_json(data, 'the index entry')
   if not isinstance(entry, dict) or entry.get('format') != ENTRY_FORMAT:
     raise BlockError('unknown index entry format')
-  tokens = _check_tokens(entry.get('tokens'), layout.block_size, vocab_size)
+  tokens = _check_tokens(entry.get('tokens'), layout.block_tokens, vocab_size)
   if entry.get('parent') != parent or entry.get('key') != key:
     raise BlockError('the entry does not name the parent and key it is stored under')
   if block_key(ns, parent, tokens) != key:
@@ -272,7 +274,7 @@ def decode_entry(data: bytes, *, ns: str, parent: str, key: str, expected_start:
   if not isinstance(name, str) or not re.fullmatch(re.escape(key) + r'\.[0-9a-f]{32}', name):
     raise BlockError('the entry names no object of its key')
   if (type(entry.get('start')) is not int or entry['start'] < 0
-      or entry['start'] % layout.block_size or entry['start'] != expected_start):
+      or entry['start'] % layout.block_tokens or entry['start'] != expected_start):
     raise BlockError(f'the entry\'s start index {entry.get("start")!r} is not its place in the '
                      f'chain ({expected_start})')
   if (type(entry.get('object_bytes')) is not int

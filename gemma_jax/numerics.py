@@ -1,0 +1,355 @@
+"""Numerics: how the model's arithmetic is computed, as one frozen value passed through every call.
+
+    numerics = FIXED_ORDER                     # or XLA, or SPEC (gemma_jax.spec)
+    hidden, kv = forward(params, config, tokens, positions, kv, attention_fn, numerics)
+
+A value says how every contraction (`matmul`, `logits`), reduction (`mean_square`), elementwise
+function (`exp`, `tanh`, `gelu`, `rsqrt`, `sin_cos`, the RoPE `angles`) and fusion barrier
+(`materialize`, `barrier`) is computed. The model reads nothing ambient: whatever decides a bit
+arrives in this value, and `describe()` is what the engine fingerprint records.
+
+Some of its operations need a value the compiler cannot know at trace time (a run-time zero,
+see `materialize`) and, on a mesh under the 'gather' layout, the mesh whose activations are
+gathered before a contraction (`whole`). The model binds both when it traces a call
+(`numerics.with_zero(zero)`, `numerics.on_mesh(mesh)`); outside a bound call those operations
+are identities.
+
+The values (`NUMERICS`):
+  xla          XLA's own reductions, contractions and functions: what XLA picks for the shapes
+               at hand (the default engine, the HF parity tests).
+  fixed_order  reduction orders fixed by construction (the pinned engine): contraction-chunked
+               dots, pairwise-tree row sums, products kept out of later adds, fusion barriers on
+               the residual stream. Elementwise functions are XLA's (their bits are the
+               platform's: see docs/determinism.md for the Intel/AMD rsqrt finding).
+  spec         the written arithmetic of docs/determinism.md (gemma_jax/spec): fixed orders as
+               above, and every elementwise function built from IEEE binary32 add, subtract,
+               multiply, divide and square root in a stated order, so that a NumPy interpreter
+               computes the same bits on any machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+# A finite "minus infinity" for masked attention scores: exp(MASKED - max) is exactly 0 in
+# float32, and a row with every slot masked (a padding row) stays finite instead of NaN.
+MASKED = -2.3819763e38
+
+
+def tree_sum(x: jax.Array) -> jax.Array:
+  """Sum over the last axis (kept, size 1) in a fixed pairwise order: halves are added
+  elementwise until one element is left (an odd element rides along to the next level).
+  Elementwise adds have no order to choose, so the result is the same for any leading shape."""
+  while x.shape[-1] > 1:
+    n = x.shape[-1]
+    h = n // 2
+    y = x[..., :h] + x[..., h:2 * h]
+    x = y if n % 2 == 0 else jnp.concatenate([y, x[..., 2 * h:]], axis=-1)
+  return x
+
+
+def chunk_size(k: int, limit: int) -> int:
+  """The largest divisor of k that is at most `limit`, preferring multiples of 8: the
+  contraction chunk of a dot over k terms."""
+  divisors = [d for d in range(1, min(k, limit) + 1) if k % d == 0]
+  aligned = [d for d in divisors if d % 8 == 0]
+  return max(aligned or divisors)
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+  """XLA's own arithmetic (name 'xla'): the base the other values refine.
+
+  zero, mesh: bound while a call is traced (`with_zero`, `on_mesh`), never part of the value's
+  identity."""
+
+  name: ClassVar[str] = 'xla'
+  zero: Any = dataclasses.field(default=None, compare=False, repr=False)
+  mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+  def with_zero(self, zero: jax.Array | None) -> 'Numerics':
+    """This value with a run-time zero: a uint32 scalar that is 0 at run time but unknown to the
+    compiler (the model derives it from its inputs while tracing a call)."""
+    return dataclasses.replace(self, zero=zero)
+
+  def on_mesh(self, mesh) -> 'Numerics':
+    """This value gathering the input of every row-parallel projection on `mesh` (the 'gather'
+    layout; None: no gathering)."""
+    return dataclasses.replace(self, mesh=mesh)
+
+  def describe(self) -> dict:
+    """What the engine fingerprint records: the name and every field that decides a bit."""
+    return {'name': self.name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                  if f.compare}}
+
+  # Fusion barriers ------------------------------------------------------------------------------
+
+  def materialize(self, x: jax.Array) -> jax.Array:
+    """x as a value no later add can be contracted with (identity here)."""
+    return x
+
+  def barrier(self, x: jax.Array) -> jax.Array:
+    """x computed into its own buffer (identity here)."""
+    return x
+
+  def product(self, a: jax.Array, b: jax.Array) -> jax.Array:
+    """a * b where the product feeds an add (rotations): here XLA may contract the two."""
+    return a * b
+
+  def whole(self, x: jax.Array) -> jax.Array:
+    """x, about to be contracted by a row-parallel projection: whole on every device under the
+    'gather' layout (so the contraction is never split), unchanged otherwise."""
+    if self.mesh is None:
+      return x
+    batch = 'data' if x.shape[0] % self.mesh.shape['data'] == 0 else None  # sequences stay apart
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(self.mesh, P(batch, *([None] * (x.ndim - 1)))))
+
+  # Contractions and reductions -----------------------------------------------------------------
+
+  def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] @ w [K, N]."""
+    return x @ w
+
+  # The layout of the output table `logits` reads: 'tied' (the embedding table [V, D] itself) or
+  # 'transposed' (a [D, V] copy the engine makes once, `output_table`).
+  output_table: ClassVar[str] = 'tied'
+
+  def logits(self, table: jax.Array, rows: jax.Array) -> jax.Array:
+    """rows [R, D] (float32) against the output table (float32; see `output_table`) ->
+    [R, V] float32."""
+    return rows @ table.T
+
+  def tile_scores(self, q: jax.Array, k: jax.Array) -> jax.Array:
+    """Attention scores per KV tile: q [B, K, n, R, H] . k [B, K, n, S, H] -> [B, K, n, R, S]
+    (gemma_jax.tiled_attention)."""
+    return jnp.einsum('bkjrh,bkjsh->bkjrs', q, k)
+
+  def mean_square(self, x: jax.Array) -> jax.Array:
+    """mean(x^2) over the last axis (kept), float32 in and out."""
+    return jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+
+  # Elementwise functions -----------------------------------------------------------------------
+
+  def rsqrt(self, x: jax.Array) -> jax.Array:
+    return jax.lax.rsqrt(x)
+
+  def exp(self, x: jax.Array) -> jax.Array:
+    return jnp.exp(x)
+
+  def tanh(self, x: jax.Array) -> jax.Array:
+    return jnp.tanh(x)
+
+  def gelu(self, x: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation, as every Gemma uses."""
+    return jax.nn.gelu(x, approximate=True)
+
+  def softcap(self, x: jax.Array, cap: float) -> jax.Array:
+    """tanh(x / cap) * cap."""
+    return jnp.tanh(x / cap) * cap
+
+  def timescales(self, head_dim: int, base: float) -> jax.Array:
+    """[H/2] float32: base^(2i/H), the reference implementation's per-pair timescale."""
+    fraction = 2.0 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
+    return jnp.asarray(base, jnp.float32) ** fraction
+
+  def angles(self, positions: jax.Array, head_dim: int, base: float,
+             scale: float = 1.0) -> jax.Array:
+    """[..., H/2] float32 RoPE angles position / timescale / scale for integer positions."""
+    angles = positions.astype(jnp.float32)[..., None] / self.timescales(head_dim, base)
+    return angles if scale == 1.0 else angles / jnp.float32(scale)
+
+  def sin_cos(self, angles: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """sin and cos of float32 angles, each computed into its own buffer when the value has
+    barriers (XLA:CPU otherwise recomputes them inside every layer's fusions)."""
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedOrder(Numerics):
+  """Reduction orders fixed by construction (name 'fixed_order'; the pinned engine).
+
+  k_chunk: a projection contracting over more than k_chunk inputs is computed as a batched dot
+  over equal contraction chunks of at most k_chunk (a free reshape of the weight), and the chunk
+  products are added in chunk order by explicit elementwise adds. On XLA:CPU (Eigen) a dot that
+  contracts over at most ~256-320 terms accumulates them in one pass, the same way for a GEMV
+  (one row) as for a GEMM, so a row's bits stop depending on how many rows the call has.
+  Row sums (RMSNorm) are explicit pairwise trees (`tree_sum`), not XLA reductions, whose
+  vectorization (and so their order) is chosen from the shape.
+  small: a projection with at most `small` weights (the tiny test configs) is a broadcast
+  product summed by `tree_sum`: XLA:CPU runs a one-row dot of such a size through another
+  kernel than a many-row one (tiny_gemma4's per-layer-input path).
+  docs/determinism.md gives the measurements behind each rule."""
+
+  name: ClassVar[str] = 'fixed_order'
+  k_chunk: int = 256
+  small: int = 65536
+
+  def materialize(self, x: jax.Array) -> jax.Array:
+    """x passed through an integer identity the compiler cannot see through (its bits OR the
+    run-time zero), so that no later add can be contracted with the multiply that produced x.
+    XLA:CPU contracts a multiply and an add that share a fusion into an FMA, and which ops share
+    a fusion follows the shapes; an XLA optimization barrier does not stop it (XLA:CPU removes
+    barriers before fusion)."""
+    if self.zero is None:
+      return x
+    bits = {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
+    word = jax.lax.bitcast_convert_type(x, bits) | self.zero.astype(bits)
+    return jax.lax.bitcast_convert_type(word, x.dtype)
+
+  def barrier(self, x: jax.Array) -> jax.Array:
+    """x computed into its own buffer: the value leaves a `lax.cond` on a run-time predicate,
+    which XLA:CPU cannot fuse through. Without it XLA fuses the residual stream's cheap adds
+    into every consumer and recomputes the whole stream inside each later norm and projection
+    input. Also a `materialize`."""
+    if self.zero is None:
+      return x
+    return jax.lax.cond(self.zero == 0, lambda y: y, jnp.zeros_like, self.materialize(x))
+
+  def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
+    k, n = w.shape
+    if k * n <= self.small:
+      products = x.astype(jnp.float32)[:, None, :] * w.astype(jnp.float32).T[None]  # [M, N, K]
+      return tree_sum(self.materialize(products))[..., 0].astype(x.dtype)
+    if k <= self.k_chunk:
+      return x @ w
+    c = chunk_size(k, self.k_chunk)
+    j = k // c
+    parts = jnp.einsum('jmc,jcn->jmn', x.reshape(-1, j, c).transpose(1, 0, 2), w.reshape(j, c, n))
+    acc = parts[0].astype(jnp.float32)
+    for i in range(1, j):
+      acc = acc + parts[i].astype(jnp.float32)
+    return acc.astype(parts.dtype)
+
+  def logits(self, table: jax.Array, rows: jax.Array) -> jax.Array:
+    if rows.shape[0] == 1:
+      # One row: the matrix-vector form table @ row, which XLA:CPU streams the table through
+      # faster than row @ table.T (docs/determinism.md).
+      return (table @ rows[0])[None]
+    return rows @ table.T
+
+  def mean_square(self, x: jax.Array) -> jax.Array:
+    return tree_sum(self.materialize(jnp.square(x))) / jnp.float32(x.shape[-1])
+
+  def sin_cos(self, angles: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return self.barrier(jnp.sin(angles)), self.barrier(jnp.cos(angles))
+
+
+class _SpecOps:
+  """The operations of gemma_jax.spec.functions as XLA ops: every product is materialized (no
+  FMA contraction with a later add) and every divisor too (XLA cannot turn a division by a
+  constant into a multiplication, nor 1 / sqrt into an rsqrt estimate)."""
+
+  def __init__(self, numerics: 'Spec'):
+    self.n = numerics
+
+  const = staticmethod(jnp.float32)
+  neg, abs, min, max = (staticmethod(jnp.negative), staticmethod(jnp.abs),
+                        staticmethod(jnp.minimum), staticmethod(jnp.maximum))
+  floor, sqrt, where = staticmethod(jnp.floor), staticmethod(jnp.sqrt), staticmethod(jnp.where)
+  lt = staticmethod(jnp.less)
+
+  @staticmethod
+  def add(a, b):
+    return a + b
+
+  @staticmethod
+  def sub(a, b):
+    return a - b
+
+  def mul(self, a, b):
+    return self.n.materialize(jnp.multiply(a, b))
+
+  def div(self, a, b):
+    return a / self.n.materialize(jnp.broadcast_to(b, jnp.shape(b)).astype(jnp.float32))
+
+  def ldexp(self, y, n):
+    scale = jax.lax.bitcast_convert_type((n.astype(jnp.int32) + 127) << 23, jnp.float32)
+    return self.mul(y, scale)
+
+  @staticmethod
+  def quadrant(k):
+    return k.astype(jnp.int32) & 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec(FixedOrder):
+  """The written arithmetic (name 'spec'; docs/determinism.md, gemma_jax/spec): FixedOrder's
+  contractions and sums, every elementwise function from gemma_jax.spec.functions, RoPE angles
+  from a correctly rounded table of inverse frequencies, RMSNorm's reciprocal square root as
+  1 / sqrt, divisions by a row's shared value as multiplications by its reciprocal, no product
+  contracted with an add outside a dot, and the logits as a chunked dot against a transposed
+  copy of the embedding table. float32 only."""
+
+  name: ClassVar[str] = 'spec'
+  output_table: ClassVar[str] = 'transposed'
+  version: int = 1  # gemma_jax.spec.SPEC_VERSION when the value was made
+
+  def _ops(self):
+    return _SpecOps(self)
+
+  def product(self, a, b):
+    return self.materialize(a * b)
+
+  def logits(self, table, rows):
+    return self.matmul(rows, table)  # table: the [D, V] output table
+
+  def tile_scores(self, q, k):
+    h = q.shape[-1]  # contracted over chunks of at most k_chunk, added in order
+    c = chunk_size(h, self.k_chunk) if h > self.k_chunk else h
+    acc = None
+    for j in range(h // c):
+      part = jnp.einsum('bkjrh,bkjsh->bkjrs', q[..., j * c:(j + 1) * c], k[..., j * c:(j + 1) * c])
+      acc = part if acc is None else acc + part
+    return acc
+
+  def mean_square(self, x):
+    ops = self._ops()
+    one_over_n = _spec_functions().reciprocal(ops, jnp.float32(x.shape[-1]))
+    return ops.mul(tree_sum(self.materialize(jnp.square(x))), one_over_n)
+
+  def rsqrt(self, x):
+    return _spec_functions().rsqrt(self._ops(), x)
+
+  def exp(self, x):
+    return _spec_functions().exp(self._ops(), x)
+
+  def tanh(self, x):
+    return _spec_functions().tanh(self._ops(), x)
+
+  def gelu(self, x):
+    return _spec_functions().gelu(self._ops(), x)
+
+  def softcap(self, x, cap):
+    return _spec_functions().softcap(self._ops(), x, cap)
+
+  def angles(self, positions, head_dim, base, scale=1.0):
+    ops = self._ops()
+    inverse = jnp.asarray(_spec_functions().inverse_frequencies(head_dim, base))
+    angles = ops.mul(positions.astype(jnp.float32)[..., None], inverse)
+    if scale == 1.0:
+      return angles
+    return ops.mul(angles, _spec_functions().reciprocal(ops, jnp.float32(scale)))
+
+  def sin_cos(self, angles):
+    sin, cos = _spec_functions().sin_cos(self._ops(), angles)
+    return self.barrier(sin), self.barrier(cos)
+
+
+def _spec_functions():
+  from gemma_jax.spec import functions  # the spec imports nothing from here; loaded when used
+  return functions
+
+
+XLA = Numerics()
+FIXED_ORDER = FixedOrder()
+SPEC = Spec()
+
+# name -> the Numerics class (constructed with its parameters by an engine plan).
+NUMERICS: dict[str, type[Numerics]] = {cls.name: cls for cls in (Numerics, FixedOrder, Spec)}
+

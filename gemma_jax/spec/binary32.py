@@ -1,0 +1,168 @@
+"""IEEE-754 binary32 arithmetic in NumPy, independent of XLA: the interpreter's operations.
+
+Every operation returns the binary32 result rounded to nearest even and then flushes a subnormal
+result to a zero of its sign (XLA:CPU runs with flush-to-zero and denormals-are-zero, and the
+written arithmetic says so). Inputs are binary32 arrays that are already flushed.
+
+The fused multiply-add is emulated exactly: the product of two binary32 numbers is exact in
+binary64 (48 significant bits), the binary64 sum p + c rounds once, and rounding that to binary32
+can round twice only when the binary64 sum lands exactly on a binary32 midpoint; there the exact
+error of the binary64 sum (TwoSum) decides the direction. `dot` is the sequential FMA chain of the
+written arithmetic, `tree_sum` its pairwise row sum, `matmul` its contraction of a projection.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32, F64 = np.float32, np.float64
+TINY = np.float32(2.0 ** -126)  # the smallest normal binary32 number
+
+
+def flush(x: np.ndarray) -> np.ndarray:
+  """Subnormal values as zeros of their sign (flush-to-zero)."""
+  x = np.asarray(x, F32)
+  tiny = (x.view(np.int32) & 0x7F800000) == 0
+  if not tiny.any():
+    return x
+  return np.where(tiny, np.copysign(F32(0.0), x), x).astype(F32)
+
+
+class Ops:
+  """The operations of gemma_jax.spec.functions, on NumPy binary32 arrays."""
+
+  @staticmethod
+  def const(x) -> np.ndarray:
+    return F32(x)
+
+  @staticmethod
+  def add(a, b):
+    with np.errstate(over='ignore', invalid='ignore'):
+      return flush(np.add(a, b, dtype=F32))
+
+  @staticmethod
+  def sub(a, b):
+    return flush(np.subtract(a, b, dtype=F32))
+
+  @staticmethod
+  def mul(a, b):
+    with np.errstate(over='ignore'):
+      return flush(np.multiply(a, b, dtype=F32))
+
+  @staticmethod
+  def div(a, b):
+    with np.errstate(divide='ignore', invalid='ignore', over='ignore'):
+      return flush(np.divide(a, b, dtype=F32))
+
+  @staticmethod
+  def sqrt(a):
+    return flush(np.sqrt(a, dtype=F32))
+
+  @staticmethod
+  def neg(a):
+    return np.negative(a, dtype=F32)
+
+  @staticmethod
+  def abs(a):
+    return np.abs(a).astype(F32)
+
+  @staticmethod
+  def min(a, b):
+    return np.minimum(a, b, dtype=F32)
+
+  @staticmethod
+  def max(a, b):
+    return np.maximum(a, b, dtype=F32)
+
+  @staticmethod
+  def floor(a):
+    return np.floor(a).astype(F32)
+
+  @staticmethod
+  def lt(a, b):
+    return np.less(a, b)
+
+  @staticmethod
+  def where(mask, a, b):
+    return np.where(mask, a, b).astype(F32)
+
+  @staticmethod
+  def ldexp(y, n):
+    scale = ((np.asarray(n).astype(np.int32) + 127) << 23).astype(np.int32).view(F32)
+    return flush(np.multiply(y, scale, dtype=F32))
+
+  @staticmethod
+  def quadrant(k):
+    return np.asarray(k).astype(np.int64) & 3
+
+
+OPS = Ops()
+
+
+def fma(a, b, c) -> np.ndarray:
+  """a * b + c, rounded once (broadcasting binary32 arrays), then flushed."""
+  p = np.multiply(np.asarray(a, F64), np.asarray(b, F64))
+  return _round_sum(p, np.asarray(c, F64))
+
+
+def _round_sum(p: np.ndarray, c: np.ndarray) -> np.ndarray:
+  """RN_binary32(p + c) for binary64 p (an exact product) and binary32-valued c."""
+  s = p + c
+  r = s.astype(F32)
+  midpoint = (s.view(np.int64) & 0x1FFFFFFF) == 0x10000000
+  if midpoint.any():
+    # TwoSum: the exact error of s = fl64(p + c); at a binary32 midpoint it breaks the tie.
+    b = s - p
+    err = (p - (s - b)) + (c - b)
+    r64 = r.astype(F64)
+    away = midpoint & (err != 0) & (np.sign(err) == np.sign(s - r64))
+    if away.any():
+      r = np.where(away, (r64 + 2 * (s - r64)).astype(F32), r)
+  return flush(r)
+
+
+def dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+  """x [M, K] @ w [K, N] as the sequential chain c = fma(x[:, k], w[k], c), k = 0, 1, ...,
+  from c = +0."""
+  m, k = x.shape
+  x64, w64 = np.asarray(x, F64), np.asarray(w, F64)
+  c = np.zeros((m, w.shape[1]), F64)
+  p = np.empty_like(c)
+  for i in range(k):
+    np.multiply(x64[:, i:i + 1], w64[i:i + 1], out=p)
+    c = _round_sum(p, c).astype(F64)
+  return c.astype(F32)
+
+
+def tree_sum(x: np.ndarray) -> np.ndarray:
+  """The pairwise tree sum of gemma_jax.numerics.tree_sum over the last axis (kept)."""
+  while x.shape[-1] > 1:
+    n = x.shape[-1]
+    h = n // 2
+    y = OPS.add(x[..., :h], x[..., h:2 * h])
+    x = y if n % 2 == 0 else np.concatenate([y, x[..., 2 * h:]], axis=-1)
+  return x
+
+
+def chunked_dot(x: np.ndarray, w: np.ndarray, k_chunk: int) -> np.ndarray:
+  """x [M, K] @ w [K, N] over contraction chunks of chunk_size(K, k_chunk) terms (all K when
+  K <= k_chunk), each a `dot` chain, the chunk results added in chunk order."""
+  from gemma_jax.numerics import chunk_size
+  k = x.shape[1]
+  c = chunk_size(k, k_chunk) if k > k_chunk else k
+  acc = None
+  for j in range(k // c):
+    part = dot(x[:, j * c:(j + 1) * c], w[j * c:(j + 1) * c])
+    acc = part if acc is None else OPS.add(acc, part)
+  return acc
+
+
+def matmul(x: np.ndarray, w: np.ndarray, *, k_chunk: int, small: int,
+           weight_count: int | None = None) -> np.ndarray:
+  """A projection as the written arithmetic contracts it: with at most `small` weights, the
+  products rounded and summed by a pairwise tree; otherwise `chunked_dot`. weight_count: the
+  whole weight's size when `w` holds some of its columns (it decides the form)."""
+  k, n = w.shape
+  if (k * n if weight_count is None else weight_count) <= small:
+    return tree_sum(OPS.mul(x[:, None, :], w.T[None]))[..., 0]
+  return chunked_dot(x, w, k_chunk)

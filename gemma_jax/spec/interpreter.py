@@ -1,0 +1,253 @@
+"""The NumPy reference interpreter of the written arithmetic: KV state and logits of a token
+sequence, for every family the engine runs (Gemma 2, 3, 4: local and global layers, soft-capping,
+QK- and V-norms, per-layer inputs, shared KV, partial rotary), computed without XLA.
+
+    ref = Interpreter(config, params)                  # float32 params (numpy or jax arrays)
+    out = ref.run(tokens, logit_rows=[len(tokens) - 1])
+    out.k[layer], out.v[layer]                          # [T, K, H] per cache-owning layer
+    out.logits[row]                                     # float32 [V]
+
+Every value is the sequence of binary32 operations docs/determinism.md states, in the order the
+spec engine (gemma_jax.numerics.Spec with tiled attention) computes it: contractions as
+gemma_jax.spec.binary32.dot chains over chunks, row sums as pairwise trees, elementwise functions
+from gemma_jax.spec.functions. All rows of a layer are computed at once: a token's values do not
+depend on the rows after it, which is what the engine's byte-exactness rests on.
+
+Attention follows the tiled algorithm's slot layout, which decides the order of its sums: the
+token with sequence index i sits in slot i on global layers and in slot i mod S on a local
+layer's ring of S = round_up(W + rows_per_call - 1, tile) slots; a query adds the tiles it sees
+in slot order (tile sums as pairwise trees over the tile's slots, products p v as one FMA chain
+per tile in slot order, then tile after tile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from gemma_jax.config import AttentionType, TransformerConfig
+from gemma_jax.numerics import MASKED
+from gemma_jax.spec import binary32 as b32
+from gemma_jax.spec import functions as fn
+
+O = b32.OPS
+F32 = np.float32
+
+
+@dataclasses.dataclass
+class Output:
+  """k, v: per cache-owning layer (config.cache_layers order), [T, K, H] float32; logits:
+  {row: float32 [V]}."""
+
+  k: list[np.ndarray]
+  v: list[np.ndarray]
+  logits: dict[int, np.ndarray]
+
+
+class Interpreter:
+  """The reference for one model and the engine geometry that decides the order of sums:
+  k_chunk and small (contractions), tile and rows_per_call (attention's slot layout)."""
+
+  def __init__(self, config: TransformerConfig, params, *, k_chunk: int = 256,
+               small: int = 65536, tile: int = 256, rows_per_call: int = 256,
+               progress=None):
+    if config.rope_mode != 'float' or config.kv_cache_pre_rope:
+      raise ValueError('the interpreter computes the model as trained (float RoPE, rotated '
+                       'keys cached)')
+    self.config = config
+    self.p = _to_numpy(params)
+    self.k_chunk, self.small, self.tile = k_chunk, small, tile
+    self.rows_per_call = rows_per_call
+    self.progress = progress or (lambda message: None)
+    self._table_t = None
+
+  # Contractions and norms -----------------------------------------------------------------------
+
+  def matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [M, K] @ w [K, N] as the written arithmetic contracts it."""
+    return b32.matmul(x, w, k_chunk=self.k_chunk, small=self.small)
+
+  def dense(self, x: np.ndarray, w: np.ndarray, in_dims: int = 1) -> np.ndarray:
+    """x [..., *in] against w [*in, *out] (gemma_jax.layers.Dense)."""
+    in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
+    batch = x.shape[:x.ndim - in_dims]
+    y = self.matmul(x.reshape(-1, math.prod(in_shape)),
+                    w.reshape(math.prod(in_shape), math.prod(out_shape)))
+    return y.reshape(batch + out_shape)
+
+  def norm(self, x: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    """RMSNorm over the last axis (gemma_jax.layers.RMSNorm under the spec)."""
+    mean_square = O.mul(b32.tree_sum(O.mul(x, x)), fn.reciprocal(O, F32(x.shape[-1])))
+    normed = O.mul(x, fn.rsqrt(O, O.add(mean_square, F32(self.config.rms_norm_eps))))
+    if scale is None:
+      return normed
+    offset = self.config.norm_scale_offset
+    return O.mul(normed, O.add(F32(offset), scale) if offset else scale)
+
+  # RoPE ------------------------------------------------------------------------------------------
+
+  def angles(self, positions: np.ndarray, head_dim: int, base: float, scale: float,
+             fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    angles = O.mul(positions.astype(F32)[:, None], fn.inverse_frequencies(head_dim, base)[None])
+    if scale != 1.0:
+      angles = O.mul(angles, fn.reciprocal(O, F32(scale)))
+    rotated = int(fraction * (head_dim // 2))
+    angles = np.where(np.arange(head_dim // 2) < rotated, angles, F32(0.0)).astype(F32)
+    return fn.sin_cos(O, angles)
+
+  @staticmethod
+  def rotate(x: np.ndarray, sin: np.ndarray, cos: np.ndarray) -> np.ndarray:
+    """x [T, heads, H] turned by sin, cos [T, H/2]."""
+    sin, cos = sin[:, None], cos[:, None]
+    first, second = np.split(x, 2, axis=-1)
+    return np.concatenate([O.sub(O.mul(first, cos), O.mul(second, sin)),
+                           O.add(O.mul(second, cos), O.mul(first, sin))], axis=-1)
+
+  # Attention --------------------------------------------------------------------------------------
+
+  def slots(self, spec, num_tokens: int) -> int:
+    if spec.attention_type is AttentionType.LOCAL:
+      ring = spec.window + self.rows_per_call - 1
+      return -(-ring // self.tile) * self.tile
+    return -(-num_tokens // self.tile) * self.tile
+
+  def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, spec) -> np.ndarray:
+    """q [T, N, H] (rotated, scaled), k, v [T, K, H] -> [T, N, H] (gemma_jax.tiled_attention
+    under the spec)."""
+    t_len, num_heads, head_dim = q.shape
+    num_kv = k.shape[1]
+    groups = num_heads // num_kv
+    slots = self.slots(spec, t_len)
+    # index[t, s]: the sequence index visible to query t in slot s, or -1.
+    t = np.arange(t_len)[:, None]
+    s = np.arange(slots)[None, :]
+    index = s + slots * ((t - s) // slots)  # the latest index <= t held in slot s
+    visible = (index >= 0) & (index <= t)
+    if spec.window is not None:
+      visible &= (t - index) < spec.window
+    index = np.where(visible, index, 0)
+    cap = self.config.attn_logits_softcap
+    tiles = slots // self.tile
+    saw = visible.reshape(t_len, tiles, self.tile).any(axis=2)  # [T, tiles]
+    out = np.zeros((t_len, num_kv, groups, head_dim), F32)
+    for kh in range(num_kv):
+      scores = np.take_along_axis(self._scores(q[:, kh * groups:(kh + 1) * groups], k[:, kh]),
+                                  index[:, None, :], axis=2)  # [T, G, slots]
+      if cap is not None:
+        scores = fn.softcap(O, scores, cap)
+      seen = visible[:, None, :]
+      m = np.max(np.where(seen, scores, F32(MASKED)), axis=2, keepdims=True)
+      p = np.where(seen, fn.exp(O, O.sub(scores, m)), F32(0.0)).astype(F32)
+      sums = b32.tree_sum(p.reshape(t_len, groups, tiles, self.tile))[..., 0]  # [T, G, tiles]
+      values = v[:, kh]  # [T, H]
+      l = np.zeros((t_len, groups, 1), F32)
+      acc = np.zeros((t_len, groups, head_dim), F32)
+      for j in range(tiles):
+        pv = np.zeros((t_len, groups, head_dim), F32)
+        if saw[:, j].any():
+          for slot in range(j * self.tile, (j + 1) * self.tile):
+            rows = values[index[:, slot]] * visible[:, slot:slot + 1]  # [T, H]; unseen: 0
+            pv = b32.fma(p[:, :, slot:slot + 1], rows[:, None, :], pv)
+        sees = saw[:, None, j:j + 1]
+        l = np.where(sees, O.add(l, sums[:, :, j:j + 1]), l).astype(F32)
+        acc = np.where(sees, O.add(acc, pv), acc).astype(F32)
+      out[:, kh] = O.mul(acc, fn.reciprocal(O, np.where(l > 0, l, F32(1.0)).astype(F32)))
+    return out.reshape(t_len, num_heads, head_dim)
+
+  def _scores(self, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """q [T, G, H] . k [S, H] -> [T, G, S], contracted over H in chunks of at most k_chunk."""
+    t_len, groups, head_dim = q.shape
+    return b32.chunked_dot(q.reshape(t_len * groups, head_dim), k.T,
+                           self.k_chunk).reshape(t_len, groups, -1)
+
+  # The model --------------------------------------------------------------------------------------
+
+  def run(self, tokens, logit_rows=()) -> Output:
+    cfg, p = self.config, self.p
+    tokens = np.asarray(tokens, np.int64)
+    positions = np.arange(len(tokens))
+    table = p['embedder']['input_embedding']
+    x = O.mul(table[tokens], F32(math.sqrt(cfg.embed_dim)))
+    per_layer = None
+    if cfg.per_layer_embed_dim:
+      e = p['embedder']
+      by_token = O.mul(e['per_layer_embeddings'][tokens], F32(math.sqrt(cfg.per_layer_embed_dim)))
+      by_context = O.mul(self.dense(x, e['per_layer_model_projection']['w']),
+                         F32(cfg.embed_dim ** -0.5))
+      by_context = self.norm(by_context, e['per_layer_projection_norm']['scale'])
+      per_layer = O.mul(O.add(by_context, by_token), F32(2.0 ** -0.5))  # [T, L, P]
+    angles = {}
+    caches = {}  # cache-owning layer -> (k, v)
+    for i in range(cfg.num_layers):
+      spec = cfg.layer_spec(i)
+      lp = p['layers'][i]
+      key = (spec.head_dim, spec.rope_base, spec.rope_scale, spec.rotary_fraction)
+      if key not in angles:
+        angles[key] = self.angles(positions, *key)
+      sin, cos = angles[key]
+      h = self.norm(x, lp['pre_attention_norm']['scale'])
+      a = lp['attn']
+      q = self.dense(h, a['q_proj']['w'])
+      if 'query_norm' in a:
+        q = self.norm(q, a['query_norm']['scale'])
+      q = self.rotate(q, sin, cos)
+      if cfg.query_pre_attn_scalar is not None:
+        q = O.mul(q, F32(cfg.query_pre_attn_scalar ** -0.5))
+      if spec.kv_source == i:
+        if 'k_proj' in a:
+          k = v = self.dense(h, a['k_proj']['w'])
+        else:
+          kv = self.dense(h, a['kv_proj']['w'])
+          k, v = kv[:, 0], kv[:, 1]
+        if 'key_norm' in a:
+          k = self.norm(k, a['key_norm']['scale'])
+        if cfg.use_v_norm:
+          v = self.norm(v, None)
+        caches[i] = (self.rotate(k, sin, cos), v)
+      k, v = caches[spec.kv_source]
+      encoded = self.attend(q, k, v, spec)
+      x = O.add(x, self.norm(self.dense(encoded, a['o_proj']['w'], 2),
+                             lp['post_attention_norm']['scale']))
+      mlp = lp['mlp']
+      gate_up = self.dense(self.norm(x, lp['pre_ffw_norm']['scale']), mlp['gate_up_proj']['w'])
+      hidden = O.mul(fn.gelu(O, gate_up[:, 0]), gate_up[:, 1])
+      x = O.add(x, self.norm(self.dense(hidden, mlp['down_proj']['w']),
+                             lp['post_ffw_norm']['scale']))
+      if per_layer is not None:
+        gated = O.mul(fn.gelu(O, self.dense(x, lp['per_layer_input_gate']['w'])),
+                      per_layer[:, i])
+        x = O.add(x, self.norm(self.dense(gated, lp['per_layer_projection']['w']),
+                               lp['post_per_layer_input_norm']['scale']))
+      if cfg.use_skip_scale:
+        x = O.mul(x, lp['skip_scale'])
+      self.progress(f'layer {i + 1}/{cfg.num_layers}')
+    x = self.norm(x, p['final_norm']['scale'])
+    logits = {}
+    for row in logit_rows:
+      logits[int(row)] = self.logits(x[row:row + 1])[0]
+      self.progress(f'logits of row {row}')
+    return Output(k=[caches[i][0] for i in cfg.cache_layers],
+                  v=[caches[i][1] for i in cfg.cache_layers], logits=logits)
+
+  def logits(self, rows: np.ndarray) -> np.ndarray:
+    """rows [R, D] -> [R, V] against the transposed embedding table, soft-capped where the
+    family does."""
+    if self._table_t is None:
+      self._table_t = np.ascontiguousarray(self.p['embedder']['input_embedding'].T)
+    logits = self.matmul(rows, self._table_t)
+    cap = self.config.final_logit_softcap
+    return fn.softcap(O, logits, cap) if cap is not None else logits
+
+
+def _to_numpy(tree):
+  """Parameters as float32 NumPy arrays, subnormals flushed (XLA:CPU reads them as zeros)."""
+  if isinstance(tree, dict):
+    return {k: _to_numpy(v) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)):
+    return [_to_numpy(v) for v in tree]
+  array = np.asarray(tree)
+  if array.dtype != np.float32:
+    raise ValueError(f'the written arithmetic is float32; a parameter is {array.dtype}')
+  return b32.flush(array)

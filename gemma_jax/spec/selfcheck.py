@@ -1,0 +1,178 @@
+"""The self-check: does this machine's XLA compute the written arithmetic, in this process's
+configuration (device count, threads, XLA flags)?
+
+A spec engine runs it at construction (graft.engine.plans.Spec) on probes of what it will compute:
+every elementwise function of the spec on fixed inputs, and every contraction shape the engine
+meets (each projection's weight, with every row count a call may have; the logits' output table;
+attention's per-tile dots for every row count), each compared bit for bit with
+gemma_jax.spec.binary32 on a sample of output rows and columns. A machine whose XLA picks another
+summation order, another reciprocal square root or another exp is refused, with the probe that
+failed, never trusted. Results are kept per process for each set of probes.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma_jax.spec import binary32 as b32
+from gemma_jax.spec import functions as fn
+
+
+class SpecError(ValueError):
+  """This machine (in this configuration) does not compute the written arithmetic."""
+
+
+def _inputs(seed: int, shape, scale: float = 1.0) -> np.ndarray:
+  """float32 values built from integers by exact operations (the same on every machine), with
+  zeros of both signs among them."""
+  rng = np.random.default_rng(seed)
+  x = (rng.integers(-2 ** 20, 2 ** 20, size=shape).astype(np.float32)
+       / np.float32(2 ** 20) * np.float32(scale)).astype(np.float32)
+  flat = x.reshape(-1)
+  flat[:3] = [0.0, -0.0, 0.0]
+  return x
+
+
+def _columns(n: int) -> np.ndarray:
+  """Output columns compared: the first, middle and last few (edge tiles take other paths)."""
+  return np.unique(np.r_[0:min(8, n), max(n // 2 - 4, 0):n // 2 + 4, max(n - 8, 0):n])
+
+
+def _bits(x) -> np.ndarray:
+  return np.ascontiguousarray(np.asarray(x, np.float32)).view(np.int32)
+
+
+def _differ(name: str, got, want) -> str | None:
+  got, want = _bits(got), _bits(want)
+  if np.array_equal(got, want):
+    return None
+  return f'{name}: {np.mean(got != want):.1%} of the checked outputs differ from the spec'
+
+
+def elementwise_failures(numerics, compiler_options) -> list[str]:
+  """The spec's functions through the engine's numerics against binary32."""
+  x = np.concatenate([_inputs(1, (4096,), s) for s in (0.05, 1.0, 6.0, 40.0)]
+                     + [np.asarray([0.624, 0.625, -0.625, 87.5, -87.5, 89.0, -89.0], np.float32)])
+  angles = (np.arange(4096, dtype=np.float32) * np.float32(37.25)).astype(np.float32)
+  cases = {'exp': (fn.exp, -np.abs(x)), 'tanh': (fn.tanh, x), 'gelu': (fn.gelu, x),
+           'rsqrt': (fn.rsqrt, np.abs(x) + np.float32(1e-6)),
+           'softcap': (lambda o, v: fn.softcap(o, v, 30.0), x * np.float32(10))}
+
+  def probe(zero, values, angle_values):
+    ops = numerics.with_zero(zero)._ops()
+    out = {name: f(ops, values[name]) for name, (f, _) in cases.items()}
+    out['sin'], out['cos'] = fn.sin_cos(ops, angle_values)
+    return out
+
+  got = jax.jit(probe, compiler_options=compiler_options)(
+      jnp.uint32(0), {name: v for name, (_, v) in cases.items()}, angles)
+  want = {name: f(b32.OPS, v) for name, (f, v) in cases.items()}
+  want['sin'], want['cos'] = fn.sin_cos(b32.OPS, angles)
+  return [f for name in want if (f := _differ(f'elementwise {name}', got[name], want[name]))]
+
+
+def matmul_failures(numerics, compiler_options, weights: dict[str, np.ndarray],
+                    rows: tuple[int, ...], head_rows: tuple[int, ...]) -> list[str]:
+  """numerics.matmul of rows x [M, K] against each named weight [K, N], for every M in rows
+  (head_rows for the 'output_table'), against the spec's contraction (on a sample of columns)."""
+  xs = {(name, m): _inputs(m * 7 + len(name), (m, w.shape[0]))
+        for name, w in weights.items()
+        for m in (head_rows if name == 'output_table' else rows)}
+
+  def probe(zeros, ws, xs):
+    # Each probe gets its own copy of the weight (OR a run-time zero of its own): XLA merges
+    # dots that share an operand into one bigger dot, which would probe another kernel.
+    out = {}
+    for i, (key, x) in enumerate(xs.items()):
+      n = numerics.with_zero(zeros[i])
+      out[key] = n.matmul(x, n.materialize(ws[key[0]]) if key[0] != 'output_table'
+                          else ws[key[0]])
+    return out
+
+  got = jax.jit(probe, compiler_options=compiler_options)(
+      jnp.zeros((len(xs),), jnp.uint32), weights, xs)
+  failures = []
+  for (name, m), x in xs.items():
+    w = np.asarray(weights[name])
+    cols, sample = _columns(w.shape[1]), _rows(m)
+    want = b32.matmul(x[sample], b32.flush(w[:, cols]), k_chunk=numerics.k_chunk,
+                      small=numerics.small, weight_count=w.size)
+    failure = _differ(f'matmul {name} [{m}, {w.shape[0]}] x [{w.shape[0]}, {w.shape[1]}]',
+                      np.asarray(got[(name, m)])[sample][:, cols], want)
+    if failure:
+      failures.append(failure)
+  return failures
+
+
+def attention_failures(numerics, compiler_options, *, head_dims, rows, tile: int,
+                       kv_heads: int) -> list[str]:
+  """Attention's per-tile dots (scores over H, p . v over a tile's slots) for every row count
+  against sequential FMA chains (on a sample of rows)."""
+  cases = {}
+  for h in head_dims:
+    for r in rows:
+      cases[(h, r)] = (_inputs(h + r, (1, kv_heads, 2, r, h)),
+                       _inputs(h + r + 1, (1, kv_heads, 2, tile, h), 0.5),
+                       np.abs(_inputs(h + r + 2, (1, kv_heads, 2, r, tile))),
+                       _inputs(h + r + 3, (1, kv_heads, 2, tile, h)))
+
+  def probe(zero, cases):
+    n = numerics.with_zero(zero)
+    return {key: (n.tile_scores(q, k), jnp.einsum('bkjrs,bkjsh->bkjrh', p, v))
+            for key, (q, k, p, v) in cases.items()}
+
+  got = jax.jit(probe, compiler_options=compiler_options)(jnp.uint32(0), cases)
+  failures = []
+  for (h, r), (q, k, p, v) in cases.items():
+    sample = _rows(r)
+    want_scores = np.stack([b32.chunked_dot(q[0, 0, j][sample], k[0, 0, j].T, numerics.k_chunk)
+                            for j in range(2)])
+    want_pv = np.stack([b32.dot(p[0, 0, j][sample], v[0, 0, j]) for j in range(2)])
+    scores, pv = (np.asarray(a)[0, 0][:, sample] for a in got[(h, r)])
+    for name, g, want in (('scores', scores, want_scores), ('p . v', pv, want_pv)):
+      failure = _differ(f'attention {name}, {r} rows, head dim {h}, tile {tile}', g, want)
+      if failure:
+        failures.append(failure)
+  return failures
+
+
+def _rows(m: int) -> np.ndarray:
+  """Output rows compared: the first and last few."""
+  return np.unique(np.r_[0:min(4, m), max(m - 4, 0):m])
+
+
+def run(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...],
+        head_rows: tuple[int, ...], attention_rows: tuple[int, ...], head_dims: tuple[int, ...],
+        tile: int, kv_heads: int) -> None:
+  """Raises SpecError naming every probe whose bits differ from the spec's."""
+  key = (numerics, tuple(sorted((compiler_options or {}).items())),
+         tuple((n, tuple(w.shape)) for n, w in sorted(weights.items())), rows, head_rows,
+         attention_rows,
+         head_dims, tile, kv_heads, jax.device_count(), _xla_flags())
+  failures = _cached(key, lambda: (
+      elementwise_failures(numerics, compiler_options)
+      + matmul_failures(numerics, compiler_options, weights, rows, head_rows)
+      + attention_failures(numerics, compiler_options, head_dims=head_dims,
+                           rows=attention_rows, tile=tile, kv_heads=kv_heads)))
+  if failures:
+    raise SpecError('this machine does not compute the written arithmetic (spec self-check, '
+                    f'{jax.device_count()} device(s), XLA_FLAGS={_xla_flags()!r}): '
+                    + '; '.join(failures[:6]) + (f'; and {len(failures) - 6} more'
+                                                  if len(failures) > 6 else ''))
+
+
+_RESULTS: dict = {}
+
+
+def _cached(key, compute):
+  if key not in _RESULTS:
+    _RESULTS[key] = compute()
+  return _RESULTS[key]
+
+
+def _xla_flags() -> str:
+  from gemma_jax import sharding
+  return sharding.xla_flags()

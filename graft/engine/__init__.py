@@ -1,0 +1,20 @@
+"""The engine: a loaded model run under an EngineConfig, through the plan of its mode.
+
+    from graft.engine import Engine, EngineConfig
+
+    engine = Engine(gemma_jax.load('gemma3_270m'), EngineConfig())  # mode 'pinned'
+    ctx, logits = engine.prefill(tokens)                            # a Context
+    ctx = engine.graft(rows, tokens)                                # verified KVRows -> Context
+
+Modules: plans (PLANS: one plan per mode), config (EngineConfig), fingerprint (what names a
+model and an engine), lowering (the engine's functions for GPU and TPU without the hardware).
+"""
+
+from graft.engine import fingerprint, plans
+from graft.engine._engine import (SLOT_LAYOUT_VERSION, Context, Decoded, Engine, call_inputs,
+                                  sample)
+from graft.engine.config import EngineConfig
+from graft.engine.plans import PLANS
+
+__all__ = ['PLANS', 'SLOT_LAYOUT_VERSION', 'Context', 'Decoded', 'Engine', 'EngineConfig',
+           'call_inputs', 'fingerprint', 'plans', 'sample']

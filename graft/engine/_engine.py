@@ -1,0 +1,428 @@
+"""The inference engine: a loaded model run under an EngineConfig, through its plan.
+
+    engine = Engine(loaded, EngineConfig())            # mode 'pinned' (graft.engine.plans)
+    ctx, logits = engine.prefill(tokens)                # a Context and the last row's logits
+    ctx, logits = engine.extend(ctx, more, logits='all')
+
+Contexts are immutable values; every method returns a new one. What the engine does per mode
+(calls and row buckets, numerics, attention, cache geometry) is its plan's answer; the engine
+itself never branches on a mode's name. Everything that decides bits is in the EngineConfig and
+the engine fingerprint (graft/engine/fingerprint.py); docs/determinism.md says what each plan's
+exactness rests on and what was measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma_jax import attention as attention_lib
+from gemma_jax import kv_state as kvs
+from gemma_jax import model
+from gemma_jax import rope
+from gemma_jax import sharding
+from gemma_jax.config import EOS_ID
+from gemma_jax.weights import LoadedModel
+from graft.engine import fingerprint, plans
+from graft.engine.config import EngineConfig
+
+# The version of everything outside the config that decides a byte-exact engine's bits: how
+# tokens are laid out in calls and slots (2: token j in slot j, mod the ring on local layers;
+# blocked calls aligned to the sequence). Artifacts and store objects record it; a change here
+# must bump it, so that KV computed under the old layout is refused instead of grafted.
+SLOT_LAYOUT_VERSION = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """A context: its KV state, the tokens in it, and where the next token goes."""
+
+  kv: kvs.KVState
+  tokens: tuple[int, ...]
+  next_position: int
+  last_logits: np.ndarray | None = None  # float32 [V] at the last token, when computed
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+  """What `Engine.decode` produced: the tokens, the SHA-256 of the logits each was drawn from
+  (concatenated float32 rows), and the context after all but the last token."""
+
+  context: Context
+  tokens: list[int]
+  logits_sha256: str
+
+
+def call_inputs(chunks: Sequence[Sequence[int]], first_positions: Sequence[int], rows: int,
+                lead: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Token ids and positions [N, rows] of one call: slot i holds `lead` padding rows, then
+  chunks[i] at positions first_positions[i], ..., then padding (position EMPTY: masked
+  everywhere, writing nothing)."""
+  ids = np.zeros((len(chunks), rows), np.int32)
+  positions = np.full((len(chunks), rows), kvs.EMPTY, np.int32)
+  for i, (chunk, first) in enumerate(zip(chunks, first_positions)):
+    ids[i, lead:lead + len(chunk)] = chunk
+    positions[i, lead:lead + len(chunk)] = first + np.arange(len(chunk))
+  return ids, positions
+
+
+def _next_power_of_two(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+class Engine:
+  """Runs a loaded model under an EngineConfig, through its plan (graft.engine.plans)."""
+
+  def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), *,
+               kernel_platform: str | None = None):
+    """kernel_platform: the platform the attention kernel is built for ('cpu', 'gpu', 'tpu';
+    None: the default backend's). Naming one this host does not have gives an engine whose
+    functions lower for that platform (graft/engine/lowering.py) but do not run."""
+    if sharding.xla_flags() != config.xla_flags:
+      raise ValueError(f'the engine config needs XLA_FLAGS={config.xla_flags!r} but the process '
+                       f'has {sharding.xla_flags()!r}; set it before starting Python')
+    plan_class = plans.plan_class(config.mode)
+    if config.attention is None:
+      supported = rope.get_mode(loaded.config.rope_mode).attention
+      preferred = plan_class.default_attention
+      config = dataclasses.replace(config, attention=preferred if preferred in supported
+                                   else 'xla')
+    rope.check_attention(loaded.config.rope_mode, config.attention)
+    self.loaded = loaded
+    self.config = loaded.config
+    self.engine_config = config
+    self.plan = plan_class(config)
+    self._attention_fn = attention_lib.build(config.attention, config.attention_tile,
+                                             kernel_platform)
+    head_dims = tuple(sorted({self.config.layer_spec(i).head_dim
+                              for i in range(self.config.num_layers)}))
+    self._kernel_blocks = self._attention_fn.blocks(head_dims, self.dtype)
+    multiple = self._attention_fn.slot_multiple(head_dims, self.dtype)
+    self._cache_slots = self.plan.cache_slots(multiple)
+    self._local_slots = self.plan.local_slots(self.config, multiple)
+    self._steps = {}  # (tiles read or None, with logits) -> jitted call
+    # On a mesh: parameters placed by the layout, the KV state over KV heads and sequences,
+    # and (layout 'gather') every row-parallel projection's input gathered whole.
+    self.mesh = sharding.make_mesh(sharding.parse_mesh(config.mesh)) if config.mesh else None
+    self._params = (sharding.shard_params(loaded.params, self.mesh, config.mesh_layout)
+                    if self.mesh is not None else loaded.params)
+    self.numerics = self.plan.numerics.on_mesh(
+        self.mesh if config.mesh_layout == 'gather' else None)
+    # The numerics' output table: the tied embedding itself, or a [D, V] float32 copy made once.
+    self._output_table = None
+    table = self._params['embedder']['input_embedding']
+    abstract = isinstance(table, jax.ShapeDtypeStruct)  # an engine that lowers, never runs
+    if self.numerics.output_table == 'transposed':
+      self._output_table = (jax.ShapeDtypeStruct(table.shape[::-1], jnp.float32) if abstract
+                            else jnp.asarray(table.astype(jnp.float32).T.copy()))
+
+    def head(params, output_table, hidden, rows):
+      # hidden [1, T, D], rows [R] -> logits [1, R, V] of those rows (gathered inside the jit).
+      # The run-time zero of the numerics' barriers: row indices are never negative.
+      numerics = self.numerics.with_zero((rows[0] < 0).astype(jnp.uint32))
+      with jax.default_matmul_precision(config.matmul_precision):
+        return model.compute_logits(params, self.config, jnp.take(hidden, rows, axis=1),
+                                    numerics, output_table)
+
+    self._head_fn = head
+    self._head = jax.jit(head, compiler_options=self.plan.compiler_options)
+    if not abstract:
+      self.plan.check_engine(self)
+
+  def head_function(self):
+    """The jitted logits call (params, output table, hidden [1, T, D], rows [R]) -> logits
+    [1, R, V] (the output table: `output_table`)."""
+    return self._head
+
+  @property
+  def output_table(self) -> jax.Array | None:
+    """The numerics' [D, V] output table when it is not the tied embedding (None)."""
+    return self._output_table
+
+  def step_function(self, tiles: int | None = None, with_logits: bool = False):
+    """The jitted transformer call (params, tokens [1, T], positions [1, T], kv) -> (hidden
+    [1, T, D], kv[, logits [1, 1, V]]) whose attention reads the first `tiles` KV tiles (None:
+    the whole cache). with_logits: a one-row call that also returns its logits (a decode step:
+    the same ops as the call then the head on row 0, one dispatch instead of two). The KV state
+    is donated: XLA updates the cache in place; callers' contexts stay valid because a context
+    that may be used again is copied first (see extend's `consume`)."""
+    key = (tiles, with_logits)
+    if key not in self._steps:
+      attention_fn = self._attention_fn
+      if tiles is not None:
+        attention_fn = attention_fn.reading(tiles)
+      precision, numerics = self.engine_config.matmul_precision, self.numerics
+
+      def step(params, tokens, positions, kv):
+        with jax.default_matmul_precision(precision):
+          hidden, kv = model.forward(params, self.config, tokens, positions, kv, attention_fn,
+                                     numerics)
+        if not with_logits:
+          return hidden, kv
+        return hidden, kv, self._head_fn(params, self._output_table, hidden,
+                                         jnp.zeros((1,), jnp.int32))
+
+      self._steps[key] = jax.jit(step, donate_argnums=(3,),
+                                 compiler_options=self.plan.compiler_options)
+    return self._steps[key]
+
+  @property
+  def max_rows(self) -> int:
+    """The most token rows one transformer call has."""
+    return self.plan.max_rows
+
+  def _tiles_for(self, end: int) -> int | None:
+    """Tiles the tiled attention reads for a call whose last token has sequence index end - 1:
+    the tiles holding slots 0 .. end - 1, rounded up to a power of two (fewer compiled shapes);
+    reading more tiles than a row sees does not change its bits (gemma_jax.tiled_attention)."""
+    if not (self.plan.reads_tiles and hasattr(self._attention_fn, 'reading')):
+      return None
+    tile = self._attention_fn.tile
+    return min(_next_power_of_two(-(-end // tile)), self._cache_slots // tile)
+
+  @functools.cached_property
+  def model_fingerprint(self) -> dict:
+    return fingerprint.model_fingerprint(self.loaded)
+
+  @functools.cached_property
+  def fingerprint(self) -> dict:
+    """{'sha256', and what went into it}: what names this engine's bits (its plan decides)."""
+    return self.plan.fingerprint(self)
+
+  @property
+  def kernel_blocks(self) -> dict:
+    """The attention kernel's block shapes that decide bits ({} when none)."""
+    return self._kernel_blocks
+
+  @property
+  def attention_tile(self) -> int | None:
+    """The KV tile of a tiled attention (None for the others)."""
+    return getattr(self._attention_fn, 'tile', None)
+
+  def projection_weights(self) -> dict[str, jax.Array]:
+    """One weight [K, N] per distinct projection shape the model contracts against (the first
+    layer's of each), and the output table: what a self-check probes."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(self._params)[0]:
+      names = [str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path]
+      if names[-1] != 'w':
+        continue
+      in_dims = 2 if names[-2] == 'o_proj' else 1
+      w = leaf.reshape(int(np.prod(leaf.shape[:in_dims])), -1)
+      out.setdefault(f'{w.shape[0]}x{w.shape[1]}', w)
+    if self._output_table is not None:
+      out['output_table'] = self._output_table
+    return out
+
+  @property
+  def dtype(self):
+    return jax.tree.leaves(self.loaded.params)[0].dtype
+
+  @property
+  def local_slots(self) -> int:
+    """The slots of the smallest layer cache (a local layer's ring, where the model has one)."""
+    return min(self._cache_slots, self._local_slots or self._cache_slots)
+
+  def empty_kv(self) -> kvs.KVState:
+    """The engine's one fixed-size KV state, empty."""
+    kv = kvs.init_kv_state(self.config, batch_size=1, cache_len=self._cache_slots,
+                           dtype=self.dtype, local_cache_len=self._local_slots)
+    return kv if self.mesh is None else jax.device_put(kv, sharding.kv_shardings(kv, self.mesh))
+
+  def empty(self, start_position: int = 0) -> Context:
+    """An empty context whose first token will sit at `start_position`."""
+    return Context(kv=self.empty_kv(), tokens=(), next_position=start_position)
+
+  def graft(self, rows: Sequence[kvs.KVRows], tokens: Sequence[int],
+            start_position: int = 0) -> Context:
+    """A fresh context holding verified rows: `rows` cover sequence indices [0, len(tokens)) of
+    `tokens`, at positions start_position + index (their own), in this engine's one fixed
+    cache. Every way of grafting (artifacts, the store, shifted grafts) ends here. Raises
+    ValueError when the rows do not fit the engine or do not cover the tokens."""
+    tokens, rows = tuple(int(t) for t in tokens), list(rows)
+    first = int(rows[0].positions[0][0]) - rows[0].start if rows else start_position
+    if first != start_position:
+      raise ValueError(f'the rows start at position {first}, not {start_position}')
+    kv = kvs.assemble(jax.eval_shape(self.empty_kv), rows, len(tokens))
+    if self.mesh is not None:
+      kv = jax.device_put(kv, sharding.kv_shardings(kv, self.mesh))
+    return Context(kv=kv, tokens=tokens, next_position=start_position + len(tokens))
+
+  def _check_tokens(self, ctx: Context, tokens: Sequence[int]) -> list[int]:
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+      raise ValueError('nothing to process: the token list is empty')
+    vocab = self.config.vocab_size
+    for i, t in enumerate(tokens):
+      if not 0 <= t < vocab:
+        raise ValueError(f'token id {t} at index {i} is outside the vocabulary [0, {vocab})')
+    if len(ctx.tokens) + len(tokens) > self.engine_config.cache_len:
+      raise ValueError(
+          f'a context of {len(ctx.tokens)} + {len(tokens)} tokens does not fit the cache of '
+          f'{self.engine_config.cache_len} slots; raise cache_len')
+    if ctx.next_position + len(tokens) > self.config.max_context:
+      raise ValueError(f'positions up to {ctx.next_position + len(tokens) - 1} exceed '
+                       f'{self.config.name}\'s context of {self.config.max_context}')
+    return tokens
+
+  def _call(self, kv, tokens: list[int], first_position: int, rows: int, lead: int, end: int,
+            with_logits: bool = False):
+    """One transformer call of `rows` rows: `lead` padding rows, the tokens, padding; `end`:
+    the context's length after the call."""
+    ids, positions = call_inputs([tokens], [first_position], rows, lead)
+    step = self.step_function(self._tiles_for(end), with_logits)
+    return step(self._params, ids, positions, kv)
+
+  def _logits(self, hidden: jax.Array, rows: list[int]) -> list[np.ndarray]:
+    """float32 logits [V] of the given rows of one call's hidden states [1, T, D]."""
+    r = self.plan.logits_rows
+    if r is None:
+      return list(np.asarray(self._head(self._params, self._output_table, hidden,
+                                        np.asarray(rows, np.int32))[0]))
+    out = []
+    for i in range(0, len(rows), r):
+      chunk = rows[i:i + r]
+      padded = np.zeros(r, np.int32)  # every logits call has exactly r rows
+      padded[:len(chunk)] = chunk
+      out.extend(np.asarray(self._head(self._params, self._output_table, hidden,
+                                       padded)[0, :len(chunk)]))
+    return out
+
+  def extend(self, ctx: Context, tokens: Sequence[int], *, logits: str | int = 'none',
+             consume: bool = False) -> tuple[Context, np.ndarray | None]:
+    """Appends tokens to the context and returns float32 logits for the last rows asked for:
+    `logits` is 'none', 'last' ([1, V]), 'all' ([n, V]) or a count k of trailing rows ([k, V]).
+    `consume=True` promises that `ctx` will not be used again, so its KV buffers are updated in
+    place instead of copied."""
+    tokens = self._check_tokens(ctx, tokens)
+    wanted = {'none': 0, 'last': 1, 'all': len(tokens)}.get(logits, logits)
+    if not isinstance(wanted, int) or not 0 <= wanted <= len(tokens):
+      raise ValueError(f"logits must be 'none', 'last', 'all' or a row count in "
+                       f'[0, {len(tokens)}], not {logits!r}')
+    first_wanted = len(tokens) - wanted
+    kv = ctx.kv if consume else jax.tree.map(jnp.copy, ctx.kv)
+    logit_rows = []
+    for call in self.plan.calls(len(ctx.tokens), len(tokens)):
+      chunk = tokens[call.first:call.first + call.count]
+      wanted_rows = [j - call.first + call.lead
+                     for j in range(max(call.first, first_wanted), call.first + call.count)]
+      end = len(ctx.tokens) + call.first + call.count
+      fused = self.plan.fuses_decode and call.rows == 1 and bool(wanted_rows)
+      out = self._call(kv, chunk, ctx.next_position + call.first, call.rows, call.lead, end,
+                       with_logits=fused)
+      if fused:
+        _, kv, row_logits = out
+        logit_rows.append(np.asarray(row_logits)[0, 0])
+        continue
+      hidden, kv = out
+      if wanted_rows:
+        logit_rows.extend(self._logits(hidden, wanted_rows))
+    result = np.stack(logit_rows) if wanted else None
+    new = Context(kv=kv, tokens=ctx.tokens + tuple(tokens),
+                  next_position=ctx.next_position + len(tokens),
+                  last_logits=None if result is None else result[-1])
+    return new, result
+
+  def extend_batch(self, ctxs: Sequence[Context], tokens: Sequence[Sequence[int]], *,
+                   logits: Sequence[int] | None = None) -> tuple[list[Context], list]:
+    """Extends N contexts at once, one per batch slot of every call (plans with batch_slots):
+    slot i gets tokens[i] (possibly none) and, when `logits` is given, float32 logits [k_i, V]
+    of its last logits[i] tokens (None where k_i is 0). A slot's rows are computed exactly as
+    `extend` computes them alone (the fixed reduction orders do not see the other slots; every
+    batched call has at least min_rows rows per slot, so N x rows stays in the GEMM class), so
+    each context gets the bits it gets alone, whatever the other slots hold or whether they
+    are empty (tests/test_batch.py)."""
+    if not self.plan.batch_slots:
+      raise ValueError(f'batch slots need a plan whose bits do not see the other slots (pinned); '
+                       f'this engine is {self.engine_config.mode!r}')
+    if len(ctxs) != len(tokens) or not ctxs:
+      raise ValueError(f'{len(ctxs)} contexts and {len(tokens)} token lists: need one each')
+    tokens = [self._check_tokens(c, t) if len(t) else [] for c, t in zip(ctxs, tokens)]
+    wanted = list(logits) if logits is not None else [0] * len(ctxs)
+    for i, (k, t) in enumerate(zip(wanted, tokens)):
+      if not 0 <= k <= len(t):
+        raise ValueError(f'slot {i}: {k} logit rows asked of {len(t)} tokens')
+    # Copies (the stacked state is this call's own, so the callers' contexts stay valid).
+    kv = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *[c.kv for c in ctxs])
+    b = self.max_rows
+    out = [[] for _ in ctxs]
+    for first in range(0, max(len(t) for t in tokens), b):
+      chunks = [t[first:first + b] for t in tokens]
+      rows = max(self.plan.rows_for(max(len(c) for c in chunks)), self.engine_config.min_rows)
+      ids, positions = call_inputs(chunks, [c.next_position + first for c in ctxs], rows)
+      end = max(len(c.tokens) + min(first + b, len(t)) for c, t in zip(ctxs, tokens))
+      hidden, kv = self.step_function(self._tiles_for(end))(self._params, ids, positions,
+                                                             kv)
+      for i, chunk in enumerate(chunks):
+        start = len(tokens[i]) - wanted[i]  # the slot's first token with logits
+        rows_wanted = [j - first for j in range(max(first, start), first + len(chunk))]
+        if rows_wanted:
+          out[i].extend(self._logits(hidden[i:i + 1], rows_wanted))
+    new = [ctx if not t else  # an idle slot's state was not written
+           Context(kv=jax.tree.map(lambda x, i=i: x[i:i + 1], kv), tokens=ctx.tokens + tuple(t),
+                   next_position=ctx.next_position + len(t),
+                   last_logits=out[i][-1] if out[i] else None)
+           for i, (ctx, t) in enumerate(zip(ctxs, tokens))]
+    return new, [np.stack(o) if o else None for o in out]
+
+  def generate_batch(self, ctxs: Sequence[Context], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of N contexts (each with its last logits), decoded together one
+    token per slot per call (the tokens each context gets alone: see `extend_batch`)."""
+    if any(c.last_logits is None for c in ctxs):
+      raise ValueError('every context needs logits at its last token')
+    if max_new_tokens < 1:
+      return [[] for _ in ctxs]
+    outputs = [[int(np.argmax(c.last_logits))] for c in ctxs]
+    ctxs = list(ctxs)
+    while len(outputs[0]) < max_new_tokens:
+      ctxs, rows = self.extend_batch(ctxs, [o[-1:] for o in outputs], logits=[1] * len(ctxs))
+      for o, r in zip(outputs, rows):
+        o.append(int(np.argmax(r[-1])))
+    return outputs
+
+  def generate(self, ctx: Context, max_new_tokens: int, *, temperature: float = 0.0,
+               seed: int = 0, stop_at_eos: bool = True) -> tuple[Context, list[int]]:
+    """Greedy (temperature 0) or seeded sampling from the context's last logits. The returned
+    context holds every generated token but the last (computing its KV would cost one more
+    call that nothing needs unless the context is extended; extend it then)."""
+    stop = (lambda tokens: tokens[-1] == EOS_ID) if stop_at_eos else None
+    decoded = self.decode(ctx, max_new_tokens, temperature=temperature, seed=seed, stop=stop)
+    return decoded.context, decoded.tokens
+
+  def decode(self, ctx: Context, max_new_tokens: int, *, temperature: float = 0.0,
+             seed: int = 0, stop: Callable[[list[int]], bool] | None = None) -> 'Decoded':
+    """`generate` that stops once `stop(tokens so far)` holds, and also returns the SHA-256 of
+    the float32 logits every token was drawn from (the evidence a replay compares)."""
+    if ctx.last_logits is None:
+      raise ValueError('the context has no logits at its last token; extend it with '
+                       "logits='last' first")
+    rng = np.random.default_rng(seed)
+    new_tokens, digest = [], hashlib.sha256()
+    while len(new_tokens) < max_new_tokens:
+      if new_tokens:  # after the first step the context is this loop's own: update in place
+        ctx, _ = self.extend(ctx, new_tokens[-1:], logits='last', consume=len(new_tokens) > 1)
+      digest.update(np.ascontiguousarray(ctx.last_logits, np.float32).tobytes())
+      new_tokens.append(sample(ctx.last_logits, temperature, rng))
+      if stop is not None and stop(new_tokens):
+        break
+    return Decoded(context=ctx, tokens=new_tokens, logits_sha256=digest.hexdigest())
+
+  def prefill(self, tokens: Sequence[int], *, logits: str = 'last',
+              start_position: int = 0) -> tuple[Context, np.ndarray | None]:
+    """A fresh context holding `tokens`."""
+    return self.extend(self.empty(start_position), tokens, logits=logits, consume=True)
+
+
+def sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+  """Argmax at temperature 0; otherwise a draw from softmax(logits / temperature) in float64."""
+  if temperature <= 0:
+    return int(np.argmax(logits))
+  scaled = np.asarray(logits, np.float64) / temperature
+  probs = np.exp(scaled - scaled.max())
+  return int(rng.choice(len(probs), p=probs / probs.sum()))

@@ -1,0 +1,281 @@
+"""Engine modes as plans: how a request is cut into calls, with which numerics and attention.
+
+A plan is everything an engine mode decides; `Engine` asks its plan and never branches on a
+mode's name. Adding a mode is one `Plan` subclass here and one entry in `PLANS`.
+
+  spec     the written arithmetic (docs/determinism.md, gemma_jax/spec): pinned's calls, and
+           every value a stated sequence of IEEE binary32 operations (gemma_jax.numerics.Spec), so
+           that a NumPy interpreter computes the same bits. The engine checks this machine against
+           the spec when it is built (gemma_jax.spec.selfcheck) and refuses the mode, naming the
+           probe, where it does not compute them; its fingerprint binds the spec and what the
+           spec depends on (chunk, tile, rows per call, dtype, model), not the machine, so
+           artifacts and stores move between machines that pass the check.
+  pinned   fixed reduction orders (gemma_jax.numerics.FixedOrder): Eigen dots over contraction
+           chunks, tree sums, fusion barriers, tiled attention reading only the tiles that hold
+           the context. A call has 1 row (a decode step, its logits fused into the same
+           computation) or a row bucket (min_rows, 2 min_rows, ..., rows_per_call) with padding
+           rows (position EMPTY: masked everywhere, writing nothing) after its tokens. A token's
+           KV and logits are a pure function of the tokens up to it, whatever the split.
+  blocked  the first pinned design, kept bit-identical so its results and manifests replay:
+           every call has exactly rows_per_call (16) rows, aligned to the sequence (token j in
+           row j mod B; padding rows before the first token of a call that continues a context
+           mid-block); XLA's own numerics; attention over the whole cache buffer.
+  default  the plain fast path: one call per request padded to the next power of two (XLA sees
+           whatever M the request has), logits for the requested rows in one call, local
+           layers over the full cache. It shows what pinning buys.
+
+docs/determinism.md has the measurements each plan rests on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar
+
+from gemma_jax import kv_state as kvs
+from gemma_jax.config import TransformerConfig
+from gemma_jax.numerics import XLA, FixedOrder, Numerics, Spec as SpecNumerics
+
+if TYPE_CHECKING:  # config.py reads the plans; the plans only name its class
+  from graft.engine.config import EngineConfig
+
+# XLA:CPU debug options per dot library, passed to every compilation of a fixed-order plan (so
+# its numerics do not depend on the process's XLA_FLAGS defaults).
+DOT_LIBRARIES = {'eigen': {'xla_cpu_experimental_ynn_fusion_type': ''}, 'ynn': {}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One transformer call of a request: `count` tokens from index `first` of the request's
+  tokens, after `lead` padding rows, in a call of `rows` rows."""
+
+  first: int
+  count: int
+  lead: int
+  rows: int
+
+
+def _next_power_of_two(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def row_buckets(rows_per_call: int, min_rows: int) -> tuple[int, ...]:
+  """Row counts a fixed-order call may have: 1, then min_rows doubling, and rows_per_call."""
+  buckets, rows = {1, rows_per_call}, min_rows
+  while rows < rows_per_call:
+    buckets.add(rows)
+    rows *= 2
+  return tuple(sorted(buckets))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The interface, with the default plan's answers.
+
+  byte_exact: a token's KV and logits do not depend on how the request was cut (grafts are
+  byte-exact; the store needs it). batch_slots: a slot of a batched call gets the bits it gets
+  alone (`Engine.extend_batch`)."""
+
+  name: ClassVar[str] = 'default'
+  default_rows: ClassVar[int] = 256
+  default_attention: ClassVar[str] = 'xla'
+  byte_exact: ClassVar[bool] = False
+  batch_slots: ClassVar[bool] = False
+  config: 'EngineConfig'
+
+  @classmethod
+  def check(cls, config) -> None:
+    """Raises ValueError, with the reason, for a config this plan cannot run."""
+
+  @property
+  def numerics(self) -> Numerics:
+    return XLA
+
+  @property
+  def compiler_options(self) -> dict | None:
+    """XLA options of every compilation (None: the process's)."""
+    return None
+
+  @property
+  def max_rows(self) -> int:
+    """The most token rows one transformer call has."""
+    return self.config.cache_len
+
+  def cache_slots(self, multiple: int) -> int:
+    """KV slots of global layers, given the attention's slot multiple."""
+    return self.config.cache_len
+
+  def local_slots(self, model: TransformerConfig, multiple: int) -> int | None:
+    """KV slots of local (sliding-window) layers (None: as many as global layers)."""
+    return None
+
+  def calls(self, done: int, num_tokens: int) -> list[Call]:
+    """The calls of a request of `num_tokens` tokens after `done` tokens of context."""
+    rows = max(num_tokens, min(_next_power_of_two(num_tokens), self.config.cache_len))
+    return [Call(0, num_tokens, 0, rows)]
+
+  @property
+  def reads_tiles(self) -> bool:
+    """Whether a call's attention reads only the tiles that hold its context."""
+    return False
+
+  @property
+  def logits_rows(self) -> int | None:
+    """Rows per logits call (padded; None: every wanted row of a call in one logits call)."""
+    return None
+
+  @property
+  def fuses_decode(self) -> bool:
+    """Whether a one-row call with logits computes them in the same computation."""
+    return False
+
+  def check_engine(self, engine) -> None:
+    """Raises ValueError, with the reason, when this plan cannot run on the engine's model and
+    this machine (called once the engine is built)."""
+
+  def fingerprint(self, engine) -> dict:
+    """What names the engine's bits: {'sha256', and what went into it}. Every plan but spec binds
+    the whole config and this machine's environment (their bits follow the compiler's choices
+    there)."""
+    from graft.engine import fingerprint, SLOT_LAYOUT_VERSION
+    return fingerprint.engine_fingerprint(
+        self.config, engine.loaded.dtype, slot_layout_version=SLOT_LAYOUT_VERSION,
+        kernel_blocks=engine.kernel_blocks, plan={'numerics': self.numerics.describe()})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shaped(Plan):
+  """Calls of at most rows_per_call rows, logits a fixed number of rows at a time, local layers
+  on a ring just big enough for the largest call: what the byte-exact plans share."""
+
+  byte_exact: ClassVar[bool] = True
+
+  @property
+  def max_rows(self) -> int:
+    return self.config.rows_per_call
+
+  def local_slots(self, model: TransformerConfig, multiple: int) -> int | None:
+    # In whole kernel tiles, so the kernel never pads the cache.
+    return round_up(kvs.local_slots_needed(model, self.max_rows), multiple)
+
+  @property
+  def logits_rows(self) -> int | None:
+    return self.config.logits_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocked(_Shaped):
+  name: ClassVar[str] = 'blocked'
+  default_rows: ClassVar[int] = 16
+
+  @classmethod
+  def check(cls, config) -> None:
+    if config.attention == 'tiled':
+      raise ValueError("the blocked engine reduces over the whole cache: attention 'xla' or "
+                       "'pallas'")
+
+  def calls(self, done: int, num_tokens: int) -> list[Call]:
+    # Blocks aligned to the sequence: the token with sequence index j always sits in row
+    # j mod B, whatever the calls before (the first block may start with padding rows).
+    b = self.config.rows_per_call
+    out = []
+    for start in range(-(done % b), num_tokens, b):
+      first = max(start, 0)
+      out.append(Call(first, min(start + b, num_tokens) - first, first - start, b))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Pinned(_Shaped):
+  name: ClassVar[str] = 'pinned'
+  default_attention: ClassVar[str] = 'tiled'
+  batch_slots: ClassVar[bool] = True
+
+  @property
+  def numerics(self) -> Numerics:
+    return FixedOrder(k_chunk=self.config.k_chunk)
+
+  @property
+  def compiler_options(self) -> dict | None:
+    return DOT_LIBRARIES[self.config.dot_library] or None
+
+  def cache_slots(self, multiple: int) -> int:
+    return round_up(self.config.cache_len, multiple)
+
+  def rows_for(self, num_tokens: int) -> int:
+    """The smallest row bucket that holds `num_tokens` tokens (one row for one token)."""
+    buckets = row_buckets(self.config.rows_per_call, self.config.min_rows)
+    return next(r for r in buckets if r >= num_tokens)
+
+  def calls(self, done: int, num_tokens: int) -> list[Call]:
+    # At most rows_per_call tokens per call, padding after them; no alignment to the sequence
+    # is needed.
+    b = self.config.rows_per_call
+    return [Call(first, min(b, num_tokens - first), 0, self.rows_for(min(b, num_tokens - first)))
+            for first in range(0, num_tokens, b)]
+
+  @property
+  def reads_tiles(self) -> bool:
+    return True
+
+  @property
+  def fuses_decode(self) -> bool:
+    return self.config.logits_rows == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec(Pinned):
+  name: ClassVar[str] = 'spec'
+
+  @classmethod
+  def check(cls, config) -> None:
+    if config.attention not in (None, 'tiled'):
+      raise ValueError(f"the spec engine's attention is the tiled one (its sums are the "
+                       f"spec's); not {config.attention!r}")
+    if config.mesh and config.mesh_layout != 'gather':
+      raise ValueError('the spec engine never splits a contraction: mesh layout gather')
+
+  @property
+  def numerics(self) -> Numerics:
+    return SpecNumerics(k_chunk=self.config.k_chunk)
+
+  def check_engine(self, engine) -> None:
+    from gemma_jax.spec import selfcheck
+    if engine.loaded.dtype != 'float32':
+      raise ValueError(f'the written arithmetic (spec version {SpecNumerics.version}) is '
+                       f'float32; this model is {engine.loaded.dtype}')
+    cfg = engine.config
+    if cfg.rope_mode != 'float' or cfg.kv_cache_pre_rope:
+      raise ValueError('the spec engine runs the model as trained (float RoPE, rotated keys)')
+    numerics = self.numerics
+    weights = engine.projection_weights()
+    head_dims = tuple(sorted({cfg.layer_spec(i).head_dim for i in range(cfg.num_layers)}))
+    groups = {cfg.num_heads // cfg.layer_spec(i).num_kv_heads for i in range(cfg.num_layers)}
+    rows = row_buckets(self.config.rows_per_call, self.config.min_rows)
+    selfcheck.run(numerics, self.compiler_options, weights=weights, rows=rows,
+                  head_rows=(self.config.logits_rows,),
+                  attention_rows=tuple(sorted({max(r * g, 2) for r in rows for g in groups})),
+                  head_dims=head_dims, tile=engine.attention_tile, kv_heads=1)
+
+  def fingerprint(self, engine) -> dict:
+    from graft.engine import fingerprint, SLOT_LAYOUT_VERSION
+    parts = {'mode': self.name, 'numerics': self.numerics.describe(),
+             'attention': 'tiled', 'attention_tile': engine.attention_tile,
+             'rows_per_call': self.config.rows_per_call, 'dtype': engine.loaded.dtype,
+             'slot_layout_version': SLOT_LAYOUT_VERSION}
+    return {'sha256': fingerprint.digest(parts), **parts,
+            'made_on': fingerprint.environment()}
+
+
+# name -> the plan of that engine mode.
+PLANS: dict[str, type[Plan]] = {p.name: p for p in (Spec, Pinned, Blocked, Plan)}
+
+
+def plan_class(mode: str) -> type[Plan]:
+  if mode not in PLANS:
+    raise ValueError(f'unknown engine mode {mode!r}; expected one of {tuple(PLANS)}')
+  return PLANS[mode]
