@@ -50,6 +50,11 @@ KINDS: dict[str, Kind] = {
     #               "decode_fraction_of_read_ceiling", "ttft_graft_split_s": {"restore_s",
     #               "verify_s", "load_s", "graft_s", "query_s", "total_s"}, "restore_gbps",
     #               "raw_read_gbps", "restore_fraction_of_raw_read", ...}], "ratios"}
+    # {"config": {"model", "weights", "dtype", "tokens", "splits", "engine_fingerprint", ...},
+    #  "summary": {"tokens", "kv_equal", "logits_equal", "first_difference": null or {"run",
+    #  "layer", "op", "position"}}, "splits", "logit_rows", "reference_seconds", ...}
+    'spec_check': Kind(1, ('config', 'summary'),
+                       'the spec engine against the NumPy interpreter of the written arithmetic'),
     'bench': Kind(1, ('config', 'ceilings', 'systems'),
                   'speed of this project\'s engines and of peers, side by side'),
     # {"config", "summary": {"addressable_tokens", "device_kv_tokens", "ratio",

@@ -1,7 +1,7 @@
 """One benchmark, side by side in one run on the same weights: this project's engines and peers.
 
   python -m experiments.bench --output=results/bench_gemma3_270m_float32.json
-  python -m experiments.bench --systems=ours_pinned,ours_default --repeats=5
+  python -m experiments.bench --systems=ours_spec,ours_pinned,ours_default --repeats=5
 
 For every system: prefill tokens/s on a --prompt_tokens prompt (logits of the last position
 only), decode tokens/s over --decode_tokens greedy steps after a 32-token prompt (one token per
@@ -13,7 +13,7 @@ untimed warm-up. The machine's ceilings are measured in the same run: a large fl
 GFLOP/s and a streaming read's GB/s (experiments/ceilings.py), so every figure is also a
 fraction of the limit.
 
-Systems (`--systems`, default all): ours_pinned, ours_default, hf_transformers (torch, the same
+Systems (`--systems`, default all): ours_spec, ours_pinned, ours_default, hf_transformers (torch, the same
 dequantized GGUF in float32), llama_cpp_q4_k_m, llama_cpp_f32 and deepmind_gemma
 (experiments/peers/). A peer that is not installed is skipped with the reason printed and
 recorded in its row (`skipped`), never silently. Output: schema `bench` (analysis/results.py).
@@ -35,7 +35,7 @@ from graft.engine import fingerprint
 
 FLAGS = flags.FLAGS
 
-OURS = ('ours_pinned', 'ours_default')
+OURS = ('ours_spec', 'ours_pinned', 'ours_default')
 SYSTEMS = OURS + peers.NAMES
 
 
@@ -46,8 +46,8 @@ def define_flags() -> None:
   flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps for decode throughput.')
   flags.DEFINE_integer('library_tokens', 2048, 'Library length for time to first token.')
   flags.DEFINE_integer('query_tokens', 64, 'Query length for time to first token.')
-  flags.DEFINE_list('batch_slots', [], 'Also measure ours_pinned decode with N contexts per call '
-                    '(Engine.generate_batch) for each N listed, e.g. 1,2,4,8.')
+  flags.DEFINE_list('batch_slots', [], 'Also measure the spec engine\'s decode with N contexts '
+                    'per call (Engine.generate_batch) for each N listed, e.g. 1,2,4,8.')
   flags.DEFINE_integer('repeats', 3, 'Timed repetitions (after one warm-up); medians reported.')
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
   common.define_model_flags()
@@ -129,7 +129,7 @@ def measure_ours(engine, work: Workload) -> dict:
 
 
 def measure_batches(engine, work: Workload, slots: list[int]) -> list[dict]:
-  """Decode tokens/s of the pinned engine serving N contexts per call (one per batch slot),
+  """Decode tokens/s of the engine serving N contexts per call (one per batch slot),
   each continuing the same 32-token prompt (every slot gets the bits it gets alone)."""
   ctx, _ = engine.prefill(work.decode_prompt, logits='last')
   rows = []
@@ -162,13 +162,14 @@ def main(argv):
       print(f'{name}: skipped ({row["skipped"]})')
     rows.append(row)
   by_name = {r['name']: r for r in rows if not r['skipped']}
-  batches = measure_batches(common.make_engine(loaded, mode='pinned'), work,
+  batches = measure_batches(common.make_engine(loaded, mode='spec'), work,
                             [int(n) for n in FLAGS.batch_slots]) if FLAGS.batch_slots else []
   ratios = {}
-  if 'ours_pinned' in by_name and 'ours_default' in by_name:
-    for what in ('prefill_tok_s', 'decode_tok_s'):
-      ratios[f'pinned_vs_default_{what}'] = (by_name['ours_pinned'][what]
-                                             / by_name['ours_default'][what])
+  for ours, other in (('spec', 'pinned'), ('spec', 'default'), ('pinned', 'default')):
+    if f'ours_{ours}' in by_name and f'ours_{other}' in by_name:
+      for what in ('prefill_tok_s', 'decode_tok_s'):
+        ratios[f'{ours}_vs_{other}_{what}'] = (by_name[f'ours_{ours}'][what]
+                                               / by_name[f'ours_{other}'][what])
   # Prefill FLOPs per token of the --prompt_tokens prompt with last-position logits; decode
   # reads every weight once per token (gemma_jax/cost.py).
   flops_per_token = cost.prefill_flops(loaded.config, len(work.prompt)) / len(work.prompt)
@@ -198,10 +199,10 @@ def main(argv):
           f"{row['decode_tok_s']:6.2f} tok/s  ttft recompute {row['ttft_recompute_s']:.3f}s  "
           f'graft {graft}')
   for row in batches:
-    print(f"ours_pinned, {row['batch_slots']} batch slots: decode {row['decode_tok_s']:.1f} tok/s")
+    print(f"ours_spec, {row['batch_slots']} batch slots: decode {row['decode_tok_s']:.1f} tok/s")
   print('ratios:', {k: round(v, 3) for k, v in ratios.items()})
 
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  common.run(main)

@@ -26,7 +26,7 @@ import time
 from absl import flags, logging
 
 from analysis import results as results_schema
-from gemma_jax import files, sharding, weights
+from gemma_jax import compilation_cache, files, sharding, weights
 from gemma_jax.attention import IMPLEMENTATIONS
 from graft.engine import PLANS, Engine, EngineConfig
 
@@ -42,6 +42,33 @@ GRAFT_CACHE_LEN = 2560
 # Paths whose changes do not change what the code computes: a run that rewrote results is
 # still a run of the committed code.
 _OUTPUT_PATHS = ('results/', 'manifests/', 'figures/')
+
+
+def run(main) -> None:
+  """absl's app.run for an entry point, with the project's error convention: an expected
+  failure (bad input, a refused artifact or store, a machine that does not compute the spec:
+  ValueError and its kinds, a missing file) prints one line `error: ...` and exits with status 2;
+  --verbose shows the traceback instead. A traceback without --verbose is a bug."""
+  if 'verbose' not in FLAGS:
+    flags.DEFINE_bool('verbose', False, 'Show the traceback of an expected failure.')
+  if 'compilation_cache' not in FLAGS:
+    flags.DEFINE_bool('compilation_cache', True, 'Load and keep compiled executables under '
+                      '$GEMMA_JAX_CACHE/xla (gemma_jax/compilation_cache.py).')
+
+  def guarded(argv):
+    if not FLAGS.compilation_cache:
+      compilation_cache.disable()
+    try:
+      return main(argv)
+    except (ValueError, FileNotFoundError) as e:
+      if FLAGS.verbose:
+        raise
+      message = ' '.join(str(e).split()) or type(e).__name__
+      print(f'error: {message}', file=sys.stderr)
+      sys.exit(2)
+
+  from absl import app
+  app.run(guarded)
 
 
 def define_model_flags(model: str = 'gemma3_270m', weights_spec: str = 'embedded') -> None:

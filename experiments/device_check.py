@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 from experiments import common
 
@@ -91,4 +91,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  common.run(main)

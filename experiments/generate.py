@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
 from experiments import common
 from experiments.texts import continue_text
@@ -33,4 +33,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  common.run(main)

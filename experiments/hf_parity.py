@@ -14,7 +14,7 @@ claims from this result.
 
 from __future__ import annotations
 
-from absl import app, flags, logging
+from absl import flags, logging
 import jax
 
 from experiments import common
@@ -56,4 +56,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  common.run(main)

@@ -21,12 +21,12 @@ import json
 import statistics
 import time
 
-from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import common
 from gemma_jax.attention import attend
 from gemma_jax.compare import sha256_bytes
 from gemma_jax.files import write_json
@@ -163,4 +163,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  common.run(main)

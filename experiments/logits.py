@@ -9,7 +9,7 @@ vocabulary) and `argmax_{i}` (int32 argmax at every position).
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
 from experiments import common
 from experiments.texts import text_logits
@@ -40,4 +40,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  common.run(main)

@@ -24,7 +24,7 @@ import sys
 import tempfile
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from analysis import figures
 from experiments import common, samples
@@ -174,4 +174,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  common.run(main)

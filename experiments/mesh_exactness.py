@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from experiments import common, samples
 from gemma_jax import sharding
@@ -86,4 +86,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  common.run(main)

@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 import sys
 
-from absl import app, flags
+from absl import flags
 
+from experiments import common
 from graft.replay import records, replay, select
 
 FLAGS = flags.FLAGS
@@ -51,4 +52,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  common.run(main)

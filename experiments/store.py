@@ -55,9 +55,11 @@ def read_contexts(path: str, tokenizer) -> list[list[int]]:
   return contexts
 
 
-def open_store() -> Store:
+def open_store(create: bool = False) -> Store:
+  """The store at --store; only put creates one (a read-only command on a missing store is an
+  error naming the URL)."""
   engine = common.make_engine(common.load_model())
-  return Store(FLAGS.store, engine, host_cache_bytes=FLAGS.host_cache_bytes)
+  return Store(FLAGS.store, engine, host_cache_bytes=FLAGS.host_cache_bytes, create=create)
 
 
 def main(argv):
@@ -67,8 +69,10 @@ def main(argv):
   if command == 'put':
     if not FLAGS.input:
       raise app.UsageError('put needs --input=FILE.jsonl')
-    store = open_store()
-    contexts = read_contexts(FLAGS.input, store.engine.loaded.tokenizer)
+    loaded = common.load_model()
+    contexts = read_contexts(FLAGS.input, loaded.tokenizer)  # checked before anything is made
+    store = Store(FLAGS.store, common.make_engine(loaded),
+                  host_cache_bytes=FLAGS.host_cache_bytes, create=True)
     totals = {'tokens': 0, 'reused_tokens': 0, 'blocks_written': 0, 'bytes_written': 0}
     for i, tokens in enumerate(contexts):
       report = store.put(tokens)
@@ -106,4 +110,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  common.run(main)

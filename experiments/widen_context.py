@@ -34,7 +34,7 @@ import statistics
 import tempfile
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 import jax
 import numpy as np
 
@@ -237,4 +237,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  common.run(main)

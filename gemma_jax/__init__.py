@@ -11,10 +11,14 @@ Model calls are pure functions of (params, config, tokens, positions, KV state).
 a researcher extends: `gj.get_config` / gemma_jax/config.py (model families and sizes),
 `gj.rope.MODES` (RoPE modes), `gj.attention.IMPLEMENTATIONS` (attention kernels).
 `gj.compare` holds the one SHA-256 of arrays and the distances (ULP, KL, argmax) every
-comparison uses; `gj.files` the one atomic writer; `gj.cost` FLOP and byte counts.
+comparison uses; `gj.files` the one atomic writer; `gj.cost` FLOP and byte counts. Importing the
+package turns on JAX's persistent compilation cache (gemma_jax/compilation_cache.py).
 """
 
-from gemma_jax import attention, compare, cost, files, rope
+from gemma_jax import compilation_cache
+compilation_cache.enable_by_default()  # before anything compiles: JAX reads it once
+
+from gemma_jax import attention, compare, cost, files, rope  # noqa: E402
 from gemma_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig, get_config
 from gemma_jax.config import names as model_names
 from gemma_jax.kv_state import KVRows, KVState, LayerKV, init_kv_state

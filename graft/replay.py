@@ -29,26 +29,39 @@ HASHES = ('fresh_sha256', 'graft_sha256', 'continuation_sha256')
 _MACHINE_FIELDS = ('backend', 'machine', 'cpu_features', 'cpu_model', 'jax', 'jaxlib')
 
 
+def machine_independent(manifest: dict) -> bool:
+  """Whether the manifest was made by the spec engine, whose bits any machine that passes the
+  spec self-check reproduces (its fingerprint binds no machine)."""
+  return manifest['engine_fingerprint'].get('mode') == 'spec'
+
+
 def made_on_this_kind_of_machine(manifest: dict) -> bool:
-  """Whether the manifest's recorded environment is this machine's (fields a manifest predates,
-  such as cpu_model, are not compared)."""
+  """Whether this machine can reproduce the manifest: any machine for a spec manifest; else the
+  one whose recorded environment is this machine's (fields a manifest predates, such as
+  cpu_model, are not compared)."""
+  if machine_independent(manifest):
+    return True
   recorded = manifest['engine_fingerprint'].get('environment', {})
   here = fingerprint.environment()
   return all(recorded[k] == here[k] for k in _MACHINE_FIELDS if k in recorded)
 
 
 def select(pattern: str) -> str:
-  """The manifest matching `pattern` (a path or a glob) that was made on this kind of machine;
-  raises FileNotFoundError, listing the candidates' environments, when there is none."""
+  """The manifest matching `pattern` (a path or a glob) that this machine can reproduce (a spec
+  manifest first); raises FileNotFoundError, listing the candidates' environments, when there
+  is none."""
   paths = sorted(glob.glob(pattern))
   if not paths:
     raise FileNotFoundError(f'no manifest matches {pattern}')
   if len(paths) == 1 and not glob.has_magic(pattern):
     return paths[0]
+  manifests = {}
   for path in paths:
     with open(path) as f:
-      if made_on_this_kind_of_machine(json.load(f)):
-        return path
+      manifests[path] = json.load(f)
+  for path in sorted(paths, key=lambda p: not machine_independent(manifests[p])):
+    if made_on_this_kind_of_machine(manifests[path]):
+      return path
   here = {k: fingerprint.environment()[k] for k in ('cpu_model', 'cpu_features')}
   raise FileNotFoundError(
       f'none of {paths} was made on a machine like this one ({here}); make one here with '
@@ -68,6 +81,15 @@ def _engine(manifest: dict) -> tuple[Engine, Engine]:
     raise ValueError('this machine loads a different model than the manifest was made with: '
                      + '; '.join(differences(manifest['model_fingerprint'],
                                               engine.model_fingerprint)))
+  if machine_independent(manifest):
+    made_on = manifest['engine_fingerprint'].get('made_on', {})
+    logging.info('a spec manifest made on %s %s; this machine passed the spec self-check',
+                 made_on.get('cpu_model'), made_on.get('device_kind'))
+    if engine.fingerprint['sha256'] != manifest['engine_fingerprint']['sha256']:
+      logging.warning('the engine fingerprint differs from the manifest: %s', '; '.join(
+          d for d in differences(manifest['engine_fingerprint'], engine.fingerprint)
+          if not d.startswith(('made_on', 'sha256'))))
+    return engine, writer
   environment = differences(manifest['engine_fingerprint'].get('environment'),
                             engine.fingerprint['environment'])
   if environment:

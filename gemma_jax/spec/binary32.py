@@ -13,6 +13,10 @@ written arithmetic, `tree_sum` its pairwise row sum, `matmul` its contraction of
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import os
+
 import numpy as np
 
 F32, F64 = np.float32, np.float64
@@ -123,7 +127,16 @@ def _round_sum(p: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 def dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
   """x [M, K] @ w [K, N] as the sequential chain c = fma(x[:, k], w[k], c), k = 0, 1, ...,
-  from c = +0."""
+  from c = +0. Large ones run their rows in threads (NumPy releases the GIL in its loops)."""
+  m = x.shape[0]
+  if m * w.shape[1] < _THREADED or _WORKERS == 1 or m < 2:
+    return _dot(x, w)
+  parts = np.array_split(np.arange(m), min(_WORKERS, m))
+  futures = [_pool().submit(_dot, x[rows], w) for rows in parts]
+  return np.concatenate([f.result() for f in futures])
+
+
+def _dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
   m, k = x.shape
   x64, w64 = np.asarray(x, F64), np.asarray(w, F64)
   c = np.zeros((m, w.shape[1]), F64)
@@ -132,6 +145,15 @@ def dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     np.multiply(x64[:, i:i + 1], w64[i:i + 1], out=p)
     c = _round_sum(p, c).astype(F64)
   return c.astype(F32)
+
+
+_THREADED = 1 << 16  # outputs above which a dot runs its rows in threads
+_WORKERS = os.cpu_count() or 1
+
+
+@functools.lru_cache(maxsize=1)
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+  return concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix='binary32-dot')
 
 
 def tree_sum(x: np.ndarray) -> np.ndarray:

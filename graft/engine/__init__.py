@@ -2,7 +2,7 @@
 
     from graft.engine import Engine, EngineConfig
 
-    engine = Engine(gemma_jax.load('gemma3_270m'), EngineConfig())  # mode 'pinned'
+    engine = Engine(gemma_jax.load('gemma3_270m'), EngineConfig())  # mode 'spec'
     ctx, logits = engine.prefill(tokens)                            # a Context
     ctx = engine.graft(rows, tokens)                                # verified KVRows -> Context
 

@@ -1,6 +1,6 @@
 """The inference engine: a loaded model run under an EngineConfig, through its plan.
 
-    engine = Engine(loaded, EngineConfig())            # mode 'pinned' (graft.engine.plans)
+    engine = Engine(loaded, EngineConfig())            # mode 'spec' (graft.engine.plans)
     ctx, logits = engine.prefill(tokens)                # a Context and the last row's logits
     ctx, logits = engine.extend(ctx, more, logits='all')
 
@@ -79,11 +79,12 @@ def _next_power_of_two(n: int) -> int:
 class Engine:
   """Runs a loaded model under an EngineConfig, through its plan (graft.engine.plans)."""
 
-  def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), *,
+  def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, *,
                kernel_platform: str | None = None):
     """kernel_platform: the platform the attention kernel is built for ('cpu', 'gpu', 'tpu';
     None: the default backend's). Naming one this host does not have gives an engine whose
     functions lower for that platform (graft/engine/lowering.py) but do not run."""
+    config = config or EngineConfig()
     if sharding.xla_flags() != config.xla_flags:
       raise ValueError(f'the engine config needs XLA_FLAGS={config.xla_flags!r} but the process '
                        f'has {sharding.xla_flags()!r}; set it before starting Python')
@@ -165,8 +166,11 @@ class Engine:
                                      numerics)
         if not with_logits:
           return hidden, kv
-        return hidden, kv, self._head_fn(params, self._output_table, hidden,
-                                         jnp.zeros((1,), jnp.int32))
+        # Row 0, as a value the compiler cannot know (fill is never negative, so this is 0; a
+        # constant, or a value it can prove non-negative, would let it fold the head's
+        # run-time zero, and with it every barrier of the head).
+        row = jnp.minimum(kv.fill[:1], 0)
+        return hidden, kv, self._head_fn(params, self._output_table, hidden, row)
 
       self._steps[key] = jax.jit(step, donate_argnums=(3,),
                                  compiler_options=self.plan.compiler_options)
@@ -206,17 +210,20 @@ class Engine:
     return getattr(self._attention_fn, 'tile', None)
 
   def projection_weights(self) -> dict[str, jax.Array]:
-    """One weight [K, N] per distinct projection shape the model contracts against (the first
-    layer's of each), and the output table: what a self-check probes."""
+    """One weight [K, N] per distinct projection shape the model contracts through a dot (the
+    first layer's of each; projections of at most `numerics.small` weights are elementwise
+    products and sums), and the output table: what a self-check probes."""
     out = {}
+    small = getattr(self.numerics, 'small', 0)
     for path, leaf in jax.tree_util.tree_flatten_with_path(self._params)[0]:
       names = [str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path]
       if names[-1] != 'w':
         continue
       in_dims = 2 if names[-2] == 'o_proj' else 1
       w = leaf.reshape(int(np.prod(leaf.shape[:in_dims])), -1)
-      out.setdefault(f'{w.shape[0]}x{w.shape[1]}', w)
-    if self._output_table is not None:
+      if w.size > small:
+        out.setdefault(f'{w.shape[0]}x{w.shape[1]}', w)
+    if self._output_table is not None and self._output_table.size > small:
       out['output_table'] = self._output_table
     return out
 

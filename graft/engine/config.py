@@ -19,7 +19,7 @@ class EngineConfig:
   'default' (the plain fast path). rows_per_call and attention left None take the plan's
   default (and the Engine records the value it used)."""
 
-  mode: str = 'pinned'
+  mode: str = 'spec'
   rows_per_call: int | None = None  # pinned, spec: the most rows per call; blocked: exactly
   logits_rows: int = 1  # rows per logits call (pinned, spec, blocked)
   cache_len: int = 4096  # KV slots on global layers: the most tokens a context holds

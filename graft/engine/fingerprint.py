@@ -87,9 +87,9 @@ def cpu_features() -> list[str]:
 
 
 def cpu_model() -> str:
-  """Vendor, family and model: XLA:CPU tunes its code for the host CPU model (through LLVM), so
-  the same vector extensions on another model can still give other bits (measured: the same
-  float32 engine on an AMD and an Intel AVX-512 machine gives different logits)."""
+  """Vendor, family and model: the same vector extensions on another CPU model can give other
+  bits (XLA:CPU's rsqrt comes from a vendor-defined hardware estimate; docs/determinism.md), so
+  the fingerprints of the machine-bound plans record it."""
   info = _cpuinfo()
   return '/'.join(info.get(k, '?') for k in ('vendor_id', 'cpu family', 'model'))
 

@@ -1,0 +1,41 @@
+"""JAX's persistent compilation cache, on by default under $GEMMA_JAX_CACHE/xla.
+
+Compiled executables are kept on disk and loaded by later processes, so a fresh process reaches
+its first logits in seconds instead of compiling some forty executables (tests/test_engine.py
+checks that an executable loaded from the cache gives the bits of a fresh compile). Set
+GEMMA_JAX_COMPILATION_CACHE=0, or pass --nocompilation_cache to an entry point, to compile
+everything afresh.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from gemma_jax.checkpoints.param_cache import cache_root
+
+ENV = 'GEMMA_JAX_COMPILATION_CACHE'
+
+
+def directory() -> str:
+  return os.path.join(cache_root(), 'xla')
+
+
+def enable(path: str | None = None) -> None:
+  """Caches every compilation (however short) under `path` (default: `directory()`)."""
+  jax.config.update('jax_compilation_cache_dir', path or directory())
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+  jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+
+
+def disable() -> None:
+  from jax.experimental import compilation_cache as cc
+  jax.config.update('jax_compilation_cache_dir', None)
+  cc.compilation_cache.reset_cache()
+
+
+def enable_by_default() -> None:
+  """What importing gemma_jax does: enable() unless $GEMMA_JAX_COMPILATION_CACHE is 0."""
+  if os.environ.get(ENV, '1') != '0':
+    enable()

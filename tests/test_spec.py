@@ -1,0 +1,217 @@
+"""The written arithmetic (gemma_jax/spec, docs/determinism.md): its binary32 operations are
+exact, the engine computes what the NumPy interpreter computes on every family, the self-check
+refuses a machine that does not, and the fingerprint binds the spec, not the machine.
+
+Equality is equality of raw bits (int32 views), never a tolerance.
+"""
+
+import fractions
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gemma_jax import weights
+from gemma_jax.numerics import SPEC, Spec
+from gemma_jax.spec import binary32 as b32
+from gemma_jax.spec import functions as fn
+from gemma_jax.spec import selfcheck
+from graft import spec_check
+from graft.engine import Engine, EngineConfig, fingerprint
+from graft.store import artifact
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+EIGEN = {'xla_cpu_experimental_ynn_fusion_type': ''}
+# Small tiles and calls, so that 100 tokens wrap a local ring of 32 slots on the tiny configs.
+SMALL = EngineConfig(mode='spec', rows_per_call=16, attention_tile=16, cache_len=512)
+
+
+def bits(x):
+  return np.ascontiguousarray(np.asarray(x, np.float32)).view(np.int32)
+
+
+def nearest_binary32(exact: fractions.Fraction) -> np.float32:
+  """The binary32 nearest to an exact rational, ties to even (no flush: tests avoid tiny values)."""
+  guess = np.float32(float(exact))
+  candidates = [np.nextafter(guess, np.float32(-np.inf)), guess,
+                np.nextafter(guess, np.float32(np.inf))]
+  return min(candidates, key=lambda c: (abs(fractions.Fraction(float(c)) - exact),
+                                        int(np.asarray(c).view(np.int32)) & 1))
+
+
+def test_fma_is_rounded_once_including_binary32_midpoints():
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal(3000).astype(np.float32)
+  b = rng.standard_normal(3000).astype(np.float32)
+  c = rng.standard_normal(3000).astype(np.float32)
+  # Cases where the binary64 sum lands exactly on a binary32 midpoint: c = 1 and a b = 2^-24 +
+  # m 2^-71 (A B = 2^47 + m for 24-bit integers A, B): binary64 drops the m 2^-71 tail, leaving
+  # 1 + 2^-24, half an ulp of 1, while the exact sum lies above it (and below it for - m).
+  for i, sign in enumerate((1, -1)):
+    big = next(x for x in range(2 ** 23 + 12345, 2 ** 24)
+               if 0 < sign * (x * -(-2 ** 47 // x) if sign > 0 else x * (2 ** 47 // x)) - sign * 2 ** 47 < 2 ** 18)
+    other = -(-2 ** 47 // big) if sign > 0 else 2 ** 47 // big
+    a[4 * i:4 * i + 4] = np.float32(big * 2.0 ** -23)
+    b[4 * i:4 * i + 4] = np.float32(other * 2.0 ** -48)
+    c[4 * i:4 * i + 4] = np.float32(1.0)
+  got = b32.fma(a, b, c)
+  want = np.array([nearest_binary32(fractions.Fraction(float(x)) * fractions.Fraction(float(y))
+                                    + fractions.Fraction(float(z))) for x, y, z in zip(a, b, c)],
+                  np.float32)
+  assert np.array_equal(bits(got), bits(want))
+  assert got[0] == np.float32(1 + 2 ** -23) and got[4] == np.float32(1.0)  # above / below
+  # binary64 arithmetic alone rounds the midpoint case twice, the wrong way: the test can fail.
+  naive = (a.astype(np.float64) * b + c).astype(np.float32)
+  assert not np.array_equal(bits(naive[:4]), bits(want[:4]))
+
+
+def test_operations_flush_subnormal_results_as_xla_cpu_does():
+  tiny = np.float32(1e-20)
+  assert b32.OPS.mul(tiny, tiny) == 0 and np.asarray(jax.jit(jnp.multiply)(tiny, tiny)) == 0
+  assert np.signbit(b32.OPS.mul(-tiny, tiny))
+  assert b32.dot(np.full((1, 4), 1e-20, np.float32), np.full((4, 1), 1e-20, np.float32)) == 0
+
+
+@pytest.mark.parametrize('name', ['exp', 'tanh', 'gelu', 'rsqrt', 'sin_cos', 'softcap'])
+def test_each_function_has_the_same_bits_through_xla_and_numpy(name):
+  x = np.concatenate([np.random.default_rng(1).standard_normal(5000).astype(np.float32) * s
+                      for s in (0.1, 3.0, 50.0)])
+  arg = {'exp': -np.abs(x), 'rsqrt': np.abs(x) + np.float32(1e-3),
+         'sin_cos': np.abs(x) * np.float32(100)}.get(name, x)
+  f = {'softcap': lambda o, v: fn.softcap(o, v, 30.0)}.get(name, getattr(fn, name))
+  got = jax.jit(lambda v, z: f(SPEC.with_zero(z)._ops(), v), compiler_options=EIGEN)(
+      arg, jnp.uint32(0))
+  want = f(b32.OPS, arg)
+  for g, w in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, want))):
+    assert np.array_equal(bits(g), bits(w))
+
+
+def test_functions_are_close_to_the_mathematical_ones():
+  # Accuracy is not what makes bits equal, but the model must stay the model: stated bounds.
+  x = np.linspace(-20, 20, 4001, dtype=np.float32)
+  x64 = x.astype(np.float64)
+  assert np.max(np.abs(fn.exp(b32.OPS, -np.abs(x)) / np.exp(-np.abs(x64)) - 1)) < 2e-7
+  assert np.max(np.abs(fn.tanh(b32.OPS, x) - np.tanh(x64))) < 1e-7
+  angles = np.linspace(0, 30000, 100001, dtype=np.float32)
+  sin, cos = fn.sin_cos(b32.OPS, angles)
+  assert np.max(np.abs(sin - np.sin(angles.astype(np.float64)))) < 2e-7
+  assert np.max(np.abs(cos - np.cos(angles.astype(np.float64)))) < 2e-7
+  inverse = fn.inverse_frequencies(256, 10_000.0)
+  exact = 10_000.0 ** (-np.arange(0, 256, 2) / 256)
+  assert np.max(np.abs(inverse / exact - 1)) <= 2 ** -24  # correctly rounded: half an ulp
+
+
+@pytest.mark.parametrize('name', ['tiny_gemma2', 'tiny_gemma3', 'tiny_gemma4'])
+def test_the_spec_engine_computes_what_the_interpreter_computes(name):
+  engine = Engine(weights.load(name, 'random:0', 'float32'), SMALL)
+  tokens = [int(t) for t in np.random.default_rng(2).integers(3, 512, 100)]
+  result = spec_check.run(engine, tokens, splits=[1, 17, 50])
+  assert result['summary'] == {'tokens': 100, 'kv_equal': True, 'logits_equal': True,
+                               'first_difference': None}, result
+
+
+def test_a_difference_is_found_and_named(monkeypatch):
+  engine = Engine(weights.load('tiny_gemma3', 'random:0', 'float32'), SMALL)
+  tokens = [int(t) for t in np.random.default_rng(3).integers(3, 512, 40)]
+  original = fn.gelu
+
+  def planted(o, x):  # the interpreter's GELU one ulp up: the engine no longer matches it
+    y = original(o, x)
+    return np.nextafter(y, np.float32(np.inf)) if isinstance(o, b32.Ops) else y
+
+  monkeypatch.setattr(fn, 'gelu', planted)
+  summary = spec_check.run(engine, tokens, splits=[20])['summary']
+  assert not summary['kv_equal'] and not summary['logits_equal']
+  # Layer 0's MLP first feeds layer 1's K and V: that is where the bits part (at the first
+  # token whose one-ulp change survives the rounding of what follows).
+  first = summary['first_difference']
+  assert (first['run'], first['layer'], first['op']) == ('one-shot', 1, 'k')
+  assert 0 <= first['position'] < 40
+
+
+def test_the_self_check_refuses_a_machine_whose_function_differs(monkeypatch):
+  from gemma_jax import numerics
+  monkeypatch.setattr(numerics._SpecOps, 'floor', staticmethod(jnp.round))  # another rounding
+  selfcheck._RESULTS.clear()
+  with pytest.raises(selfcheck.SpecError, match='elementwise exp'):
+    selfcheck.run(Spec(k_chunk=256), EIGEN, weights={}, rows=(1,), head_rows=(),
+                  attention_rows=(), head_dims=(), tile=16, kv_heads=1)
+  selfcheck._RESULTS.clear()
+
+
+def test_the_self_check_catches_a_dot_of_another_order(monkeypatch):
+  w = jnp.asarray(np.random.default_rng(4).standard_normal((256, 512)).astype(np.float32))
+  reversed_chain = lambda self, x, w: x[:, ::-1] @ w[::-1] if x.shape[0] > 1 else x @ w  # noqa
+  monkeypatch.setattr(Spec, 'matmul', reversed_chain)
+  selfcheck._RESULTS.clear()
+  with pytest.raises(selfcheck.SpecError, match=r'matmul w \[8, 256\]') as refused:
+    selfcheck.run(Spec(k_chunk=256), EIGEN, weights={'w': w}, rows=(1, 8), head_rows=(),
+                  attention_rows=(), head_dims=(), tile=16, kv_heads=1)
+  assert 'matmul w [1, 256]' not in str(refused.value)  # the one-row probe kept the order
+  selfcheck._RESULTS.clear()
+
+
+def test_the_fingerprint_binds_the_spec_not_the_machine(monkeypatch):
+  loaded = weights.load('tiny_gemma3', 'random:0', 'float32')
+  spec = Engine(loaded, SMALL)
+  pinned = Engine(loaded, EngineConfig(mode='pinned', rows_per_call=16, cache_len=512))
+  before = spec.fingerprint['sha256'], pinned.fingerprint['sha256']
+  other = {**fingerprint.environment(), 'cpu_model': 'AuthenticAMD/25/17', 'jax': '0.0.0'}
+  monkeypatch.setattr(fingerprint, 'environment', lambda: other)
+  after = (Engine(loaded, SMALL).fingerprint['sha256'],
+           Engine(loaded, EngineConfig(mode='pinned', rows_per_call=16,
+                                       cache_len=512)).fingerprint['sha256'])
+  assert after[0] == before[0] and after[1] != before[1]
+  assert 'cache_len' not in str(spec.fingerprint) and 'cpu_model' not in {
+      k for k in spec.fingerprint if k != 'made_on'}
+
+
+def test_cache_length_decides_no_bit_so_an_artifact_moves_between_them(tmp_path):
+  loaded = weights.load('tiny_gemma4', 'random:0', 'float32')
+  small, large = (Engine(loaded, EngineConfig(mode='spec', rows_per_call=16, attention_tile=16,
+                                              cache_len=n)) for n in (128, 512))
+  tokens = [int(t) for t in np.random.default_rng(5).integers(3, 512, 90)]
+  _, a = small.prefill(tokens, logits='all')
+  _, b = large.prefill(tokens, logits='all')
+  assert np.array_equal(bits(a), bits(b))
+  library, _ = large.prefill(tokens[:60], logits='none')
+  artifact.save(str(tmp_path / 'a'), large, library)
+  grafted = artifact.graft(small, artifact.load(str(tmp_path / 'a'), small))
+  _, c = small.extend(grafted, tokens[60:], logits='all')
+  assert np.array_equal(bits(c), bits(a[60:]))
+
+
+@pytest.mark.parametrize('xla_flags', ['--xla_force_host_platform_device_count=4',
+                                       '--xla_cpu_max_isa=AVX2',
+                                       '--xla_cpu_multi_thread_eigen=false'])
+def test_spec_check_passes_or_refuses_under_each_configuration(tmp_path, xla_flags):
+  """The self-check runs in the configuration the engine uses; in each, spec_check passes or
+  the engine is refused with the probe's name (never a silent difference)."""
+  output = tmp_path / 'check.json'
+  result = subprocess.run(
+      [sys.executable, '-m', 'experiments.spec_check', '--model=tiny_gemma4',
+       '--weights=random:0', '--tokens=60', '--rows_per_call=16', '--cache_len=256',
+       f'--output={output}'],
+      cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO), 'XLA_FLAGS': xla_flags},
+      capture_output=True, text=True, timeout=900)
+  if result.returncode == 0:
+    summary = json.loads(output.read_text())['summary']
+    assert summary['kv_equal'] and summary['logits_equal'], summary
+  else:
+    assert 'does not compute the written arithmetic' in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_embedded_270m_computes_what_the_interpreter_computes():
+  engine = Engine(weights.load('gemma3_270m', 'embedded', 'float32'),
+                  EngineConfig(mode='spec', cache_len=1024))
+  tokens = weights.load('gemma3_270m', 'embedded', 'float32').tokenizer.encode(
+      'The written arithmetic defines every bit: ' * 12)[:64]
+  result = spec_check.run(engine, tokens, splits=[32])
+  assert result['summary']['kv_equal'] and result['summary']['logits_equal'], result
