@@ -64,7 +64,8 @@ def main(argv):
     output = os.path.join('/tmp', f'{name}.json')
     steps[f'graft_exactness_{attention}'] = _run(
         [sys.executable, '-m', 'experiments.graft_exactness', f'--samples={FLAGS.samples}',
-         f'--attention={attention}', '--continuation_tokens=8', f'--output={output}',
+         '--engine=pinned', f'--attention={attention}', '--continuation_tokens=8',
+         f'--output={output}',
          f'--manifest={os.path.join(FLAGS.manifest_dir, name + ".json")}'])
     if os.path.exists(output):
       with open(output) as f:
@@ -74,8 +75,8 @@ def main(argv):
           {k: s[k] for k in ('library_tokens', 'query_tokens', 'fresh_sha256', 'graft_sha256')}
           for s in result['samples']]
   steps['replay_ci_manifest'] = _run([sys.executable, '-m', 'experiments.replay',
-                                      '--manifest=manifests/ci_gemma3_270m_float32_intel.json'])
-  steps['lowering_summary'] = _run([sys.executable, '-m', 'graft.lowering', 'gemma3_270m'])
+                                      '--manifest=manifests/ci_gemma3_270m_float32.json'])
+  steps['lowering_summary'] = _run([sys.executable, '-m', 'graft.engine.lowering', 'gemma3_270m'])
   exact = all(steps[f'graft_exactness_{a}'].get('summary', {}).get('equal') == FLAGS.samples
               for a in ('xla', 'pallas'))
   report['ok'] = steps['kernel_tests']['status'] == 0 and exact

@@ -40,7 +40,8 @@ def define_flags() -> None:
 def run(loaded, pairs, mesh: str, layout: str) -> list[dict]:
   """graft_exactness's check per sample on this mesh: the graft source is the library's KV
   captured on the same mesh and grafted back (no disk), no continuation."""
-  engine = Engine(loaded, EngineConfig(cache_len=FLAGS.cache_len, mesh=mesh, mesh_layout=layout))
+  engine = Engine(loaded, EngineConfig(mode='pinned', cache_len=FLAGS.cache_len, mesh=mesh,
+                                       mesh_layout=layout))
 
   def graft(library):
     ctx, _ = engine.prefill(list(library), logits='none')

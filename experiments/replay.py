@@ -1,20 +1,20 @@
 """Replays a committed manifest on this machine and checks every output hash.
 
   python -m experiments.replay --manifest=manifests/NAME.json
-  python -m experiments.replay --manifest='manifests/ci_gemma3_270m_float32_*.json'
+  python -m experiments.replay --manifest=manifests/ci_gemma3_270m_float32.json
 
 A graft-exactness manifest (experiments.graft_exactness --manifest) holds the token ids of
 every sample, the model and engine fingerprints, and the SHA-256 of the fresh and grafted query
 logits and of the greedy continuation; a flywheel manifest (experiments.flywheel --manifest)
-holds every answer's prompt token ids, decoding settings, tokens and logits SHA-256. Replay rebuilds the model and the pinned engine from the
-manifest's config, checks the model fingerprint, recomputes every sample and exits with status 1,
-listing the differing samples, if any hash differs. A different engine environment (another CPU,
-jax version, ...) is reported; the hashes then say whether it mattered.
+holds every answer's prompt token ids, decoding settings, tokens and logits SHA-256. Replay
+rebuilds the model and the engine from the manifest's config, checks the model fingerprint,
+recomputes every record (graft/replay.py) and exits with status 1, listing the differing ones,
+if any hash differs.
 
-Bits depend on the CPU model (XLA:CPU tunes its code for the host: the same float32 engine gives
-other logits on an AMD and an Intel AVX-512 machine), so a manifest replays hash for hash on a
-machine of the kind it was made on (its recorded environment). A glob for --manifest picks the
-committed manifest whose environment matches this machine (`select`).
+A manifest of the spec engine replays on any machine whose spec self-check passes (its bits are
+the written arithmetic's); one of the pinned or blocked engine only on a machine of the kind it
+was made on (its recorded environment: their bits depend on the CPU model). A glob for
+--manifest picks a spec manifest first, else one made on a machine like this one (`select`).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def test_manifest_records_hashes_and_fingerprints(eng, saved):
   assert manifest['num_tokens'] == len(LIBRARY)
   assert manifest['model']['sha256'] == eng.model_fingerprint['sha256']
   assert manifest['engine']['sha256'] == eng.fingerprint['sha256']
-  assert manifest['engine']['engine_config']['rows_per_call'] == 8
+  assert manifest['engine']['mode'] == 'spec' and manifest['engine']['rows_per_call'] == 8
   assert manifest['leaves']['tokens']['sha256'] == sha256_bytes(np.asarray(LIBRARY, np.int32))
   # Layer 5 is global (every token stored); layer 0 is local, a ring of W + B - 1 = 15 slots
   # rounded up to whole 8-slot attention tiles.

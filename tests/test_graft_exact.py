@@ -22,9 +22,9 @@ def loaded(name='tiny_gemma3', seed=0, dtype='float32'):
 
 @functools.lru_cache(maxsize=None)
 def engine(block_size=8, name='tiny_gemma3', dtype='float32', kind='pinned'):
-  # Pinned: 16-slot attention tiles, so that the local rings (W + B - 1 = 15..23 slots rounded
-  # up to tiles) wrap many times in these contexts, as the 270M's 768-slot rings do.
-  tile = 16 if kind == 'pinned' else None
+  # Spec and pinned: 16-slot attention tiles, so that the local rings (W + B - 1 = 15..23 slots
+  # rounded up to tiles) wrap many times in these contexts, as the 270M's 768-slot rings do.
+  tile = 16 if kind in ('spec', 'pinned') else None
   return Engine(loaded(name, 0, dtype), EngineConfig(mode=kind, rows_per_call=block_size,
                                                      cache_len=512, attention_tile=tile))
 
@@ -72,8 +72,12 @@ def test_graft_equals_fresh_for_any_split_chunking_and_query(name, split, query_
 @pytest.mark.parametrize('name', ['tiny_gemma2', 'tiny_gemma3', 'tiny_gemma4'])
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 @pytest.mark.parametrize('block_size', [8, 16])  # blocked, 16: tiny_gemma4's bits depend on the row
-@pytest.mark.parametrize('kind', ['pinned', 'blocked'])
+@pytest.mark.parametrize('kind', ['spec', 'pinned', 'blocked'])
 def test_graft_is_byte_exact_on_every_family_and_dtype(name, dtype, block_size, kind):
+  if kind == 'spec' and dtype == 'bfloat16':  # the written arithmetic (version 1) is float32
+    with pytest.raises(ValueError, match='is float32; this model is bfloat16'):
+      engine(block_size, name, dtype, kind)
+    return
   eng = engine(block_size, name, dtype, kind)
   vocab = eng.config.vocab_size
   for library_len, query_len in [(1, 5), (7, 1), (8, 9), (9, 30), (100, 17)]:

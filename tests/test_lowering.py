@@ -40,7 +40,7 @@ CONFIGS = {
 
 
 def _pinned(**kw) -> EngineConfig:
-  return EngineConfig(**kw)
+  return EngineConfig(mode='pinned', **kw)
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,7 +29,7 @@ from graft.store import artifact
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EIGEN = {'xla_cpu_experimental_ynn_fusion_type': ''}
 # Small tiles and calls, so that 100 tokens wrap a local ring of 32 slots on the tiny configs.
-SMALL = EngineConfig(mode='spec', rows_per_call=16, attention_tile=16, cache_len=512)
+SMALL = EngineConfig(mode='spec', rows_per_call=16, attention_tile=16, cache_len=128)
 
 
 def bits(x):

@@ -42,7 +42,7 @@ def run(prefix=(), xla_flags=''):
 
 
 @pytest.mark.slow
-def test_pinned_engine_bits_do_not_depend_on_the_thread_count():
+def test_the_engines_bits_do_not_depend_on_the_thread_count():
   cpus_all, hash_all = run()
   configurations = {'all cores': hash_all}
   if shutil.which('taskset') and cpus_all > 1:
