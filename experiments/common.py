@@ -99,6 +99,21 @@ def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096
   flags.DEFINE_alias('layout', 'mesh_layout')
 
 
+def define_signing_flags() -> None:
+  flags.DEFINE_string('signing_key', None, 'Sign what this process writes to a store with this '
+                      'Ed25519 key (python -m experiments.store keygen --output=KEY).')
+  flags.DEFINE_list('trusted_keys', None, 'Graft only store blocks signed by one of these public '
+                    'keys (KEY.pub files); without it every verified block is trusted.')
+
+
+def signing_args() -> dict:
+  """Store(...) keyword arguments from the signing flags."""
+  from graft.store import signing
+  return {'signing_key': signing.load_private(FLAGS.signing_key) if FLAGS.signing_key else None,
+          'trusted_keys': (signing.load_trusted(FLAGS.trusted_keys)
+                           if FLAGS.trusted_keys is not None else None)}
+
+
 def engine_flag_args() -> list[str]:
   """The engine flags as given, for a subprocess that must build the same engine."""
   args = [f'--engine={FLAGS.engine}', f'--cache_len={FLAGS.cache_len}']

@@ -24,19 +24,23 @@ from absl import app, flags, logging
 
 from experiments import common
 from gemma_jax import files
-from graft.store import Store
+from graft.store import Store, signing
 
 FLAGS = flags.FLAGS
-COMMANDS = ('put', 'get', 'ls', 'verify', 'gc', 'stats')
+COMMANDS = ('put', 'get', 'ls', 'verify', 'gc', 'stats', 'keygen')
 
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_string('store', None, 'Store URL (file:///abs/path/, memory://, gs://...).',
-                      required=True)
+  flags.DEFINE_string('store', None, 'Store URL (file:///abs/path/, memory://, gs://...).')
   flags.DEFINE_string('input', None, 'put: JSONL of {"text": ...} or {"tokens": [...]}.')
   flags.DEFINE_string('text', None, 'get: the text whose longest stored prefix to find.')
   flags.DEFINE_integer('host_cache_bytes', 1 << 30, 'Bound of the host LRU of verified blocks.')
+  flags.DEFINE_float('recompute', 0.0, 'verify: also recompute this fraction of the blocks (1.0: '
+                     'every one) with this engine and compare bytes: forgeries and what was '
+                     'built on them.')
+  flags.DEFINE_string('output', None, 'keygen: where the private key goes (and OUTPUT.pub).')
+  common.define_signing_flags()
   common.define_model_flags()
   common.define_engine_flags()
 
@@ -59,20 +63,29 @@ def open_store(create: bool = False) -> Store:
   """The store at --store; only put creates one (a read-only command on a missing store is an
   error naming the URL)."""
   engine = common.make_engine(common.load_model())
-  return Store(FLAGS.store, engine, host_cache_bytes=FLAGS.host_cache_bytes, create=create)
+  return Store(FLAGS.store, engine, host_cache_bytes=FLAGS.host_cache_bytes, create=create,
+               **common.signing_args())
 
 
 def main(argv):
   if len(argv) != 2 or argv[1] not in COMMANDS:
     raise app.UsageError(f'expected one command: {" | ".join(COMMANDS)}')
   command = argv[1]
+  if command == 'keygen':
+    if not FLAGS.output:
+      raise app.UsageError('keygen needs --output=KEY (KEY and KEY.pub are written)')
+    key = signing.generate(FLAGS.output)
+    print(f'wrote {FLAGS.output} and {FLAGS.output}.pub (key {key.public.id})')
+    return
+  if not FLAGS.store:
+    raise app.UsageError('--store=URL is required')
   if command == 'put':
     if not FLAGS.input:
       raise app.UsageError('put needs --input=FILE.jsonl')
     loaded = common.load_model()
     contexts = read_contexts(FLAGS.input, loaded.tokenizer)  # checked before anything is made
     store = Store(FLAGS.store, common.make_engine(loaded),
-                  host_cache_bytes=FLAGS.host_cache_bytes, create=True)
+                  host_cache_bytes=FLAGS.host_cache_bytes, create=True, **common.signing_args())
     totals = {'tokens': 0, 'reused_tokens': 0, 'blocks_written': 0, 'bytes_written': 0}
     for i, tokens in enumerate(contexts):
       report = store.put(tokens)
@@ -96,7 +109,10 @@ def main(argv):
       print(f"{entry['start']:8d}  {entry['key'][:16]}  parent {entry['parent'][:16]}  "
             f"{len(entry['tokens']):3d} tokens  {entry['object_bytes']} bytes")
   elif command == 'verify':
-    problems = open_store().verify()
+    store = open_store()
+    problems = store.verify()
+    if FLAGS.recompute:
+      problems += store.audit(FLAGS.recompute)
     for problem in problems:
       print(f'BAD {problem.name}: {problem.reason}')
     print(f'{len(problems)} problems')

@@ -56,7 +56,7 @@ from absl import logging
 import numpy as np
 
 from gemma_jax import kv_state as kvs
-from graft.store import blocks
+from graft.store import blocks, signing
 from graft.store.artifact import differences
 from graft.store.blocks import BlockError
 from graft.engine import Context, Engine
@@ -143,9 +143,13 @@ class Store:
   """A store at `url` bound to one namespace: the pinned `engine`'s model and configuration."""
 
   def __init__(self, url: str | KvStore, engine: Engine, *, host_cache_bytes: int = 1 << 30,
-               create: bool = True):
+               create: bool = True, signing_key: signing.SigningKey | None = None,
+               trusted_keys: tuple[signing.PublicKey, ...] | None = None):
     """`url` is a kvstore URL, or an open KvStore (another view of the same storage: a memory://
-    store is private to the KvStore that opened it; a wrapper that injects faults)."""
+    store is private to the KvStore that opened it; a wrapper that injects faults).
+    signing_key: this writer's key; every block it publishes or finds identical is signed.
+    trusted_keys: when given, only blocks signed by one of them are grafted (the rest are
+    misses, reported); when None, every verified block is (the writers are trusted)."""
     if not engine.plan.byte_exact:
       raise StoreError('a store holds KV of a byte-exact engine only; this engine is '
                        f'{engine.engine_config.mode!r}')
@@ -156,6 +160,8 @@ class Store:
     self.block_tokens = engine.engine_config.rows_per_call
     self.namespace = blocks.namespace(engine.model_fingerprint, engine.fingerprint)
     self.host = HostCache(host_cache_bytes)
+    self.signing_key, self.trusted_keys = signing_key, trusted_keys
+    self._trusted: dict[str, bool] = {}  # header SHA-256 -> signed by a trusted key
     self.problems: list[Problem] = []
     self.counters = collections.Counter()  # reads by tier, bytes, blocks written
     self._entries: dict[str, dict] = {}  # key -> verified entry (entries are immutable)
@@ -265,8 +271,8 @@ class Store:
       raise BlockError('the object\'s header does not match its index entry')
     header = blocks.decode_header(header_bytes, ns=self.namespace, expected_key=entry['key'],
                                   layout=self.block_layout, vocab_size=self.engine.config.vocab_size)
-    if (header['parent'], header['start'], header['tokens']) != (
-        entry['parent'], entry['start'], entry['tokens']):
+    if (header['parent'], header['parent_header_sha256'], header['start'], header['tokens']) != (
+        entry['parent'], entry['parent_header_sha256'], entry['start'], entry['tokens']):
       raise BlockError('the object\'s header and its index entry disagree')
     data_start = offset + length
     if global_only:
@@ -363,6 +369,8 @@ class Store:
     the object is deleted."""
     self._report(key, name, reason)
     self._entries.pop(key, None)
+    if data is None and name.startswith('objects/'):
+      data = self.backing.read(name)  # the bad bytes are kept, not lost
     record = uuid.uuid4().hex
     self.backing.write(f'quarantine/{record}.json', blocks.canonical(
         {'key': key, 'name': name, 'reason': reason, 'time': time.time()}))
@@ -383,15 +391,17 @@ class Store:
     keys = blocks.chain_keys(self.namespace, tokens, self.block_tokens)
     self._entries_many([(keys[i - 1] if i else blocks.ROOT, key, i * self.block_tokens)
                         for i, key in enumerate(keys)])  # every block's entry, concurrently
-    parent, used, matched, rows = blocks.ROOT, [], 0, 0
+    parent, parent_header, used, matched, rows = blocks.ROOT, blocks.ROOT, [], 0, 0
     for start in range(0, len(tokens), self.block_tokens):
       chunk = tokens[start:start + self.block_tokens]
       entry = self._entry(parent, blocks.block_key(self.namespace, parent, chunk), start)
+      if entry is not None and not self._on_parent(entry, parent_header):
+        entry = None
       if entry is None:  # the longest common prefix among the stored children
         best, common = None, 0
         for child in self._children(parent, start):
           length = _common_prefix(child['tokens'], chunk)
-          if length > common:
+          if length > common and child['parent_header_sha256'] == parent_header:
             best, common = child, length
         if best is not None:
           used.append(best)
@@ -399,9 +409,49 @@ class Store:
         break
       used.append(entry)
       matched, rows, parent = matched + len(chunk), len(chunk), entry['key']
+      parent_header = entry['header_sha256']
       if len(chunk) < self.block_tokens:
         break
-    return Match(tokens=matched, entries=tuple(used), rows=rows)
+    return self._trusted_prefix(Match(tokens=matched, entries=tuple(used), rows=rows))
+
+  def _trusted_prefix(self, match: Match) -> Match:
+    """The match cut before its first block no trusted key signed (all of it without a trust
+    list)."""
+    if self.trusted_keys is None or not match.entries:
+      return match
+    wanted = [(e, f'signatures/{e["key"]}/{k.id}') for e in match.entries
+              if e['header_sha256'] not in self._trusted for k in self.trusted_keys]
+    for (entry, _), record in zip(wanted, self.backing.read_many([(n, None) for _, n in wanted])):
+      digest = entry['header_sha256']
+      self._trusted[digest] = self._trusted.get(digest, False) or signing.signed_by(
+          None if isinstance(record, Exception) else record, digest, self.trusted_keys)
+    for i, entry in enumerate(match.entries):
+      if not self._trusted[entry['header_sha256']]:
+        self._report(entry['key'], f'objects/{entry["object"]}',
+                     'not signed by a trusted key (a miss: recomputed)')
+        if i == 0:
+          return Match(tokens=0, entries=(), rows=0)
+        return Match(tokens=sum(len(e['tokens']) for e in match.entries[:i]),
+                     entries=match.entries[:i], rows=len(match.entries[i - 1]['tokens']))
+    return match
+
+  def _sign(self, key: str, header_sha256: str) -> None:
+    """Records this writer's signature of a block it computed (and found identical)."""
+    if self.signing_key is not None:
+      self.backing.write(f'signatures/{key}/{self.signing_key.public.id}',
+                         self.signing_key.sign(header_sha256))
+
+  def _on_parent(self, entry: dict, parent_header: str) -> bool:
+    """Whether the block was computed on the parent stored now (its recorded parent header is
+    that parent's); one computed on another version (a forgery since removed, say) is as wrong
+    as its parent was, so it is quarantined and the prefix ends before it."""
+    if entry['parent_header_sha256'] == parent_header:
+      return True
+    self.quarantine(entry['key'], f'objects/{entry["object"]}',
+                    'computed on another version of its parent (its recorded parent header is '
+                    'not the stored parent\'s)',
+                    entry_name=f'index/{entry["parent"]}/{entry["key"]}')
+    return False
 
   def graft(self, tokens) -> tuple[Context, Match]:
     """A fresh context holding the longest stored prefix of `tokens` at its own positions. A
@@ -441,24 +491,29 @@ class Store:
   # --------------------------------------------------------------------------------------------
   # Put
 
-  def put(self, tokens) -> dict:
-    """Deposits `tokens` (a context from position 0): grafts the longest stored prefix,
-    computes the rest block by block with the engine and writes every block not stored yet.
-    Returns what it did: tokens, blocks reused and written, bytes, seconds computing and
-    storing."""
+  def put(self, tokens, *, recompute: bool = False) -> dict:
+    """Deposits `tokens` (a context from position 0): grafts the longest stored prefix (the
+    trusted one, with a trust list), computes the rest block by block with the engine and
+    writes every block not stored yet; `recompute` computes every block and compares it with
+    what is stored (a stored block that differs is a conflict: replaced, quarantined,
+    reported). Returns what it did: tokens, blocks reused and written, conflicts, bytes,
+    seconds computing and storing."""
     tokens = [int(t) for t in tokens]
     if not tokens:
       raise ValueError('nothing to put: the token list is empty')
     t0 = time.perf_counter()
-    ctx, match = self.graft(tokens)
+    ctx, match = (self.engine.empty(), Match(0, (), 0)) if recompute else self.graft(tokens)
     keys = blocks.chain_keys(self.namespace, tokens, self.block_tokens)
     # The block holding token `match.tokens` is the first one to write. (When every token is
     # matched, even a partial last block is addressable already: it is a prefix of a stored one.)
     first_new = (len(keys) if match.tokens == len(tokens)
                  else match.tokens // self.block_tokens)
     report = {'tokens': len(tokens), 'reused_tokens': match.tokens, 'blocks_written': 0,
-              'blocks_existing': 0, 'bytes_written': 0, 'compute_seconds': 0.0,
+              'blocks_existing': 0, 'bytes_written': 0, 'conflicts': 0, 'compute_seconds': 0.0,
               'storage_seconds': 0.0}
+    # The header hash of the parent of the first block written: the stored block it was
+    # grafted from (what this put computes on), else the root.
+    parent_header = (match.entries[first_new - 1]['header_sha256'] if first_new else blocks.ROOT)
     batch = []  # (parent, start, tokens, leaves) computed and not yet stored
     for k in range(first_new, len(keys)):
       start, stop = k * self.block_tokens, min((k + 1) * self.block_tokens, len(tokens))
@@ -474,7 +529,9 @@ class Store:
       report['compute_seconds'] += time.perf_counter() - t1
       if len(batch) == _WRITE_BATCH or k == len(keys) - 1:
         t2 = time.perf_counter()
-        for written in self._write_blocks(batch):
+        written_bytes, parent_header, conflicts = self._write_blocks(batch, parent_header)
+        report['conflicts'] += conflicts
+        for written in written_bytes:
           report['blocks_written' if written else 'blocks_existing'] += 1
           report['bytes_written'] += written
         report['storage_seconds'] += time.perf_counter() - t2
@@ -482,12 +539,18 @@ class Store:
     report['seconds'] = time.perf_counter() - t0
     return report
 
-  def _write_blocks(self, batch) -> list[int]:
-    """Writes, verifies and publishes blocks [(parent, start, tokens, leaves)], each step for
-    the whole batch at once; returns the bytes written per block (0 where another writer's
-    verified copy was published first)."""
-    encoded = list(_POOL.map(lambda b: blocks.encode_block(self.namespace, *b, self.block_layout),
-                             batch))
+  def _write_blocks(self, batch, parent_header: str) -> tuple[list[int], str, int]:
+    """Writes, verifies and publishes blocks [(parent, start, tokens, leaves)] of one chain,
+    each step for the whole batch at once; `parent_header` is the header hash of the first
+    one's parent. Returns the bytes written per block (0 where another writer's identical copy
+    was published first), the last block's header hash and the conflicts found."""
+    hashed = list(_POOL.map(lambda b: blocks.hash_leaves(b[3], len(b[2]), self.block_layout),
+                            batch))
+    encoded = []
+    for (parent, start, tokens, _), leaves in zip(batch, hashed):
+      encoded.append(blocks.encode_block(self.namespace, parent, parent_header, start, tokens,
+                                         leaves, self.block_layout))
+      parent_header = blocks.header_sha256(encoded[-1][1])
     names = [f'objects/{key}.{uuid.uuid4().hex}' for key, _, _ in encoded]
     self.backing.write_many([(name, data) for name, (_, data, _) in zip(names, encoded)])
     for name, (_, data, _), kept in zip(names, encoded,
@@ -501,30 +564,60 @@ class Store:
       entries.append((f'index/{parent}/{key}', blocks.encode_entry(
           header, name.split('/', 1)[1], len(data), data[offset:offset + length])))
     published = self.backing.write_if_absent_many(entries)
-    out = []
-    for (parent, start, _, _), name, (key, data, _), (entry_name, entry_bytes), won in zip(
+    out, conflicts = [], 0
+    for (parent, start, _, _), name, (key, data, header), (entry_name, entry_bytes), won in zip(
         batch, names, encoded, entries, published):
       if not won:
-        won = self._publish_over(parent, start, key, name, entry_name, entry_bytes)
+        won, conflict = self._publish_over(parent, start, key, name, header, entry_name,
+                                           entry_bytes)
+        conflicts += conflict
+      self._sign(key, blocks.header_sha256(data))  # the stored copy has the same header
       self.counters['blocks_written'] += won
       out.append(len(data) if won else 0)
-    return out
+    return out, parent_header, conflicts
 
-  def _publish_over(self, parent, start, key, name, entry_name, entry_bytes) -> bool:
-    """Another writer published this block first: keep its copy if it verifies (and delete
-    ours), else quarantine it and publish ours. True when ours was published."""
+  def _publish_over(self, parent, start, key, name, header, entry_name,
+                    entry_bytes) -> tuple[bool, bool]:
+    """Another writer published this block first. Its copy is kept only if it verifies and is
+    the same block: the same bytes, computed on the same parent (under a byte-exact engine two
+    honest writers write identical blocks, so a difference means one of them is wrong, and
+    this writer's engine has just computed the block). Otherwise it is quarantined with the
+    reason and ours is published. Returns (ours published, a conflict was found)."""
+    conflict = False
     for _ in range(3):
       existing = self._entry(parent, key, start)
       if existing is not None:
         try:
           self._read_object(existing, global_only=False)
-          self.backing.delete(name)  # first writer wins; ours was a copy
-          return False
+          theirs = self._header_of(existing)
+          same = ([leaf['sha256'] for leaf in theirs['leaves']]
+                  == [leaf['sha256'] for leaf in header['leaves']]
+                  and theirs['parent_header_sha256'] == header['parent_header_sha256'])
+          if same:
+            self.backing.delete(name)  # first writer wins; ours was a copy
+            return False, conflict
+          conflict = True
+          self.counters['conflicts'] += 1
+          self.quarantine(existing['key'], f'objects/{existing["object"]}',
+                          'conflict: its bytes differ from this writer\'s computation of the '
+                          'same block (or it was computed on another version of its parent)',
+                          entry_name=entry_name)
         except BlockError as e:
           self.quarantine_object(existing, str(e))
       if self.backing.write_if_absent(entry_name, entry_bytes):
-        return True
+        return True, conflict
     raise StoreError(f'{self.url}: could not publish block {key[:16]}..')
+
+  def _header_of(self, entry: dict) -> dict:
+    """The verified header of an entry's object (its preamble and header read)."""
+    name = f'objects/{entry["object"]}'
+    probe = self._read_range(name, 0, min(entry['object_bytes'], _HEADER_PROBE))
+    offset, length = blocks.header_span(probe)
+    if offset + length > len(probe):
+      probe = self._read_range(name, 0, offset + length)
+    return blocks.decode_header(probe[offset:offset + length], ns=self.namespace,
+                                expected_key=entry['key'], layout=self.block_layout,
+                                vocab_size=self.engine.config.vocab_size)
 
   # --------------------------------------------------------------------------------------------
   # Maintenance: listing, verification, garbage collection, statistics
@@ -581,6 +674,39 @@ class Store:
       if name.split('/', 1)[1] not in published:
         problems.append(Problem(name.split('/', 1)[1][:64], name,
                                 'not published (left by an interrupted or losing put)'))
+    return problems
+
+  def audit(self, fraction: float = 1.0, *, seed: int = 0) -> list[Problem]:
+    """Recomputes the store's blocks in chain order with this store's engine and compares the
+    bytes of a `fraction` of them (chosen with `seed`; 1.0: every block) with what is stored:
+    a block whose bytes differ is a forgery (or a writer's fault), and every block whose
+    recorded parent header leads to it was built on it. Nothing is changed; returns a Problem
+    for each, in chain order."""
+    if not 0 < fraction <= 1:
+      raise ValueError(f'the audited fraction must lie in (0, 1], not {fraction}')
+    rng = np.random.default_rng(seed)
+    problems, frontier = [], [(blocks.ROOT, 0, self.engine.empty(), None)]
+    while frontier:
+      parent, start, ctx, forged_header = frontier.pop()
+      for entry in sorted(self._children(parent, start), key=lambda e: e['key']):
+        child_ctx, _ = self.engine.extend(ctx, entry['tokens'], logits='none')
+        bad = forged_header
+        if forged_header is not None and entry['parent_header_sha256'] == forged_header:
+          problems.append(Problem(entry['key'], f'objects/{entry["object"]}',
+                                  'built on a forged block (its parent header is the forgery\'s)'))
+          bad = entry['header_sha256']
+        elif rng.random() < fraction:
+          header = self._header_of(entry)
+          rows = kvs.take_rows(child_ctx.kv, start, start + len(entry['tokens']))
+          mine = {f'layer_{i}/{part}': hashlib.sha256(np.ascontiguousarray(a).tobytes())
+                  .hexdigest() for i, k, v in zip(self.engine.config.cache_layers, rows.k,
+                                                  rows.v) for part, a in (('k', k), ('v', v))}
+          if any(mine[leaf['name']] != leaf['sha256'] for leaf in header['leaves']):
+            problems.append(Problem(entry['key'], f'objects/{entry["object"]}',
+                                    'forged: its bytes differ from a recomputation by this '
+                                    'engine'))
+            bad = entry['header_sha256']
+        frontier.append((entry['key'], start + self.block_tokens, child_ctx, bad))
     return problems
 
   def gc(self) -> dict:

@@ -50,9 +50,9 @@ import numpy as np
 from gemma_jax.config import AttentionType
 from graft.engine import fingerprint
 
-STORE_FORMAT = 'kv-graft-store/1'
-BLOCK_FORMAT = 'kv-graft-block/1'
-ENTRY_FORMAT = 'kv-graft-index/1'
+STORE_FORMAT = 'kv-graft-store/2'
+BLOCK_FORMAT = 'kv-graft-block/2'
+ENTRY_FORMAT = 'kv-graft-index/2'
 MAGIC = b'KVGRAFT1'
 ROOT = '0' * 64  # the parent of block 0
 _PREAMBLE = len(MAGIC) + 4
@@ -135,13 +135,12 @@ def canonical(value) -> bytes:
   return json.dumps(value, sort_keys=True, separators=(',', ':')).encode()
 
 
-def encode_block(ns: str, parent: str, start: int, tokens, leaves: dict[str, np.ndarray],
-                 layout: BlockLayout) -> tuple[str, bytes, dict]:
-  """(key, object bytes, header) of a block whose K/V rows are `leaves` ({name: [T, K, H]})."""
-  tokens = [int(t) for t in tokens]
-  key = block_key(ns, parent, tokens)
+def hash_leaves(leaves: dict[str, np.ndarray], num_tokens: int,
+                layout: BlockLayout) -> tuple[list[dict], list[bytes]]:
+  """The described leaves (layout order, with SHA-256) and their bytes: the costly half of
+  encoding a block, independent of its place in the chain."""
   described, chunks = [], []
-  for leaf in layout.leaves(len(tokens)):
+  for leaf in layout.leaves(num_tokens):
     array = np.ascontiguousarray(leaves[leaf['name']])
     if list(array.shape) != leaf['shape'] or array.dtype.name != leaf['dtype']:
       raise BlockError(f'{leaf["name"]}: got {array.dtype.name}{list(array.shape)}, the layout '
@@ -149,12 +148,31 @@ def encode_block(ns: str, parent: str, start: int, tokens, leaves: dict[str, np.
     data = array.tobytes()
     described.append({**leaf, 'sha256': hashlib.sha256(data).hexdigest()})
     chunks.append(data)
+  return described, chunks
+
+
+def encode_block(ns: str, parent: str, parent_header_sha256: str, start: int, tokens,
+                 hashed: tuple[list[dict], list[bytes]],
+                 layout: BlockLayout) -> tuple[str, bytes, dict]:
+  """(key, object bytes, header) of a block whose leaves `hash_leaves` described. The header
+  records the SHA-256 of its parent's header (ROOT for block 0), which binds the parent's
+  content: a block computed on another version of its parent is found as such."""
+  tokens = [int(t) for t in tokens]
+  key = block_key(ns, parent, tokens)
+  described, chunks = hashed
   header = {'format': BLOCK_FORMAT, 'namespace': ns, 'key': key, 'parent': parent,
+            'parent_header_sha256': parent_header_sha256,
             'start': int(start), 'tokens': tokens, 'leaves': described,
             'global_bytes': layout.global_bytes(len(tokens)),
             'data_bytes': layout.data_bytes(len(tokens))}
   header_bytes = canonical(header)
   return key, MAGIC + struct.pack('<I', len(header_bytes)) + header_bytes + b''.join(chunks), header
+
+
+def header_sha256(data: bytes) -> str:
+  """The SHA-256 of an object's header bytes (what its entry and its children record)."""
+  offset, length = header_span(data)
+  return hashlib.sha256(data[offset:offset + length]).hexdigest()
 
 
 def header_span(prefix: bytes) -> tuple[int, int]:
@@ -210,6 +228,8 @@ def decode_header(header_bytes: bytes, *, ns: str, expected_key: str, layout: Bl
   parent = header.get('parent')
   if not isinstance(parent, str) or not _HEX64.fullmatch(parent):
     raise BlockError('the header has no valid parent key')
+  if not _valid_parent_header(header.get('parent_header_sha256'), parent):
+    raise BlockError('the header has no valid parent header hash')
   if block_key(ns, parent, tokens) != header.get('key') or header['key'] != expected_key:
     raise BlockError('the header\'s key does not match its parent and tokens, or the key it '
                      'is stored under')
@@ -250,8 +270,15 @@ def decode_leaves(header: dict, data: bytes, data_offset: int, *, global_only: b
   return out
 
 
+def _valid_parent_header(value, parent: str) -> bool:
+  """A 64-hex SHA-256; ROOT exactly for block 0."""
+  return (isinstance(value, str) and bool(_HEX64.fullmatch(value))
+          and (value == ROOT) == (parent == ROOT))
+
+
 def encode_entry(header: dict, object_name: str, object_bytes: int, header_bytes: bytes) -> bytes:
   return canonical({'format': ENTRY_FORMAT, 'key': header['key'], 'parent': header['parent'],
+                    'parent_header_sha256': header['parent_header_sha256'],
                     'start': header['start'], 'tokens': header['tokens'],
                     'object': object_name, 'object_bytes': object_bytes,
                     'header_sha256': hashlib.sha256(header_bytes).hexdigest()})
@@ -270,6 +297,8 @@ def decode_entry(data: bytes, *, ns: str, parent: str, key: str, expected_start:
     raise BlockError('the entry does not name the parent and key it is stored under')
   if block_key(ns, parent, tokens) != key:
     raise BlockError('the entry\'s tokens do not hash to its key')
+  if not _valid_parent_header(entry.get('parent_header_sha256'), parent):
+    raise BlockError('the entry has no valid parent header hash')
   name = entry.get('object')
   if not isinstance(name, str) or not re.fullmatch(re.escape(key) + r'\.[0-9a-f]{32}', name):
     raise BlockError('the entry names no object of its key')

@@ -22,10 +22,11 @@ import tensorstore as ts
 # TensorStore's storage generation of a missing key: a write conditioned on it succeeds only if
 # the key does not exist yet.
 _NO_VALUE = b'\x02'
-# Every key the store makes (graft/store.py): its description, block objects under a writer's
-# unique name, index entries under their parent, quarantined objects and their reasons.
+# Every key the store makes (graft/store/_store.py): its description, block objects under a
+# writer's unique name, index entries under their parent, writers' signatures of a block (by the
+# signing key's id), quarantined objects and their reasons.
 _KEY = re.compile(r'^(store\.json|objects/[0-9a-f]{64}\.[0-9a-f]{32}|index/[0-9a-f]{64}/[0-9a-f]{64}'
-                  r'|quarantine/[0-9a-f]{32}\.(object|json))$')
+                  r'|signatures/[0-9a-f]{64}/[0-9a-f]{32}|quarantine/[0-9a-f]{32}\.(object|json))$')
 
 
 class StoreUrlError(ValueError):

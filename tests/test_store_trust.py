@@ -1,0 +1,195 @@
+"""A store you can share: a writer who is wrong, readers who choose whom to trust, and nothing
+sound lost. tiny_gemma3, random weights, memory:// stores; exactness is SHA-256 equality.
+
+The forgery every test uses is the one an audit found grafted: a block whose header, per-leaf
+SHA-256 and index entry are all correct for its bytes, but one K value of a global layer is off
+by 1e-3.
+"""
+
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gemma_jax import weights
+from gemma_jax.compare import sha256_bytes
+from gemma_jax.config import AttentionType
+from graft.engine import Engine, EngineConfig
+from graft.store import Store, blocks, signing
+from graft.store.kvstore import KvStore
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+B = 8
+
+
+@pytest.fixture(scope='module')
+def eng():
+  return Engine(weights.load('tiny_gemma3', 'random:0', 'float32'),
+                EngineConfig(rows_per_call=B, cache_len=512, attention_tile=8))
+
+
+def tokens(n, seed):
+  return [2] + [int(t) for t in np.random.default_rng(seed).integers(3, 512, n - 1)]
+
+
+def answer(store, context, query):
+  """SHA-256 of the query logits after what the store grafts, and the tokens grafted."""
+  ctx, match = store.graft(context)
+  _, logits = store.engine.extend(ctx, list(context[match.tokens:]) + list(query),
+                                  logits=len(query))
+  return sha256_bytes(logits), match.tokens
+
+
+def fresh(eng, context, query):
+  return sha256_bytes(eng.extend(eng.empty(), list(context) + list(query),
+                                 logits=len(query))[1])
+
+
+def forge(store: Store, entry: dict) -> None:
+  """Rewrites a published block self-consistently with one global-layer K value off by 1e-3."""
+  name = f'objects/{entry["object"]}'
+  data = store.backing.read(name)
+  offset, length = blocks.header_span(data)
+  header = json.loads(data[offset:offset + length])
+  leaves = blocks.decode_leaves(header, data[offset + length:], offset + length,
+                                global_only=False, layout=store.block_layout)
+  cfg = store.engine.config
+  layer = next(i for i in cfg.cache_layers
+               if cfg.layer_spec(i).attention_type is AttentionType.GLOBAL)
+  leaves = {k: v.copy() for k, v in leaves.items()}
+  leaves[f'layer_{layer}/k'][0, 0, 0] += np.float32(1e-3)
+  hashed = blocks.hash_leaves(leaves, len(header['tokens']), store.block_layout)
+  _, forged, new_header = blocks.encode_block(
+      store.namespace, header['parent'], header['parent_header_sha256'], header['start'],
+      header['tokens'], hashed, store.block_layout)
+  store.backing.write(name, forged)
+  offset, length = blocks.header_span(forged)
+  store.backing.write(f'index/{header["parent"]}/{header["key"]}', blocks.encode_entry(
+      new_header, entry['object'], len(forged), forged[offset:offset + length]))
+
+
+def test_a_self_consistent_forgery_is_found_by_recomputation_not_by_hashes(eng):
+  store = Store('memory://', eng)
+  library, query = tokens(40, 1), tokens(6, 2)[1:]
+  store.put(library)
+  forge(store, store.lookup(library).entries[2])
+  reader = Store(store.backing, eng)
+  assert reader.verify() == []  # every hash checks out: hashes cannot see it
+  assert answer(reader, library, query)[0] != fresh(eng, library, query)  # and it is grafted
+  (problem,) = Store(store.backing, eng).audit(1.0)
+  assert problem.key == store.lookup(library).entries[2]['key'] and 'forged' in problem.reason
+
+
+def test_an_honest_put_replaces_a_forgery_and_reports_the_conflict(eng):
+  store = Store('memory://', eng)
+  library, query = tokens(40, 3), tokens(6, 4)[1:]
+  store.put(library)
+  victim = store.lookup(library).entries[4]
+  forge(store, victim)
+  honest = Store(store.backing, eng)
+  # An honest writer of a text that diverges inside block 4 recomputes block 4 itself.
+  report = honest.put(library[:4 * B] + tokens(20, 5))
+  assert report['conflicts'] == 0  # another block: no conflict there
+  report = Store(store.backing, eng).put(library, recompute=True)  # every block computed
+  assert report['conflicts'] == 1 and report['blocks_written'] == 1
+  assert any('conflict' in json.loads(store.backing.read(n)).get('reason', '')
+             for n in store.backing.list('quarantine/') if n.endswith('.json'))
+  reader = Store(store.backing, eng)
+  assert answer(reader, library, query) == (fresh(eng, library, query), len(library))
+  assert reader.audit(1.0) == []
+
+
+def test_blocks_built_on_a_forgery_are_found_and_never_grafted_after_it_is_replaced(eng):
+  store = Store('memory://', eng)
+  short, longer, query = tokens(24, 6), None, tokens(6, 7)[1:]
+  longer = short + tokens(25, 8)[1:]
+  store.put(short)
+  forged = store.lookup(short).entries[1]
+  forge(store, forged)
+  Store(store.backing, eng).put(longer)  # grafts the forged prefix, builds on it
+  problems = Store(store.backing, eng).audit(1.0)
+  assert problems[0].key == forged['key'] and 'forged' in problems[0].reason
+  descendants = [p for p in problems[1:] if 'built on a forged block' in p.reason]
+  assert len(descendants) == len(blocks.chain_keys(store.namespace, longer, B)) - 2
+  # An honest recomputation of the short text replaces the forgery and block 2, which the
+  # longer put had recomputed on the forgery: two conflicts.
+  assert Store(store.backing, eng).put(short, recompute=True)['conflicts'] == 2
+  reader = Store(store.backing, eng)
+  assert answer(reader, longer, query) == (fresh(eng, longer, query), len(short))
+  assert any('another version of its parent' in p.reason for p in reader.problems)
+
+
+def test_readers_graft_only_what_a_trusted_key_signed(eng, tmp_path):
+  alice = signing.generate(str(tmp_path / 'alice'))
+  bob = signing.generate(str(tmp_path / 'bob'))
+  backing = KvStore('memory://')
+  library, query = tokens(30, 9), tokens(6, 10)[1:]
+  Store(backing, eng, signing_key=alice).put(library)
+  want = fresh(eng, library, query)
+  trusting_alice = Store(backing, eng, trusted_keys=(alice.public,))
+  assert answer(trusting_alice, library, query) == (want, len(library))
+  trusting_bob = Store(backing, eng, trusted_keys=(bob.public,))
+  assert answer(trusting_bob, library, query) == (want, 0)  # a miss, recomputed
+  assert trusting_bob.problems and 'not signed by a trusted key' in trusting_bob.problems[0].reason
+  # Bob computes the same blocks and vouches for them too: one object, two signatures.
+  Store(backing, eng, signing_key=bob).put(library + tokens(9, 11)[1:])
+  assert answer(Store(backing, eng, trusted_keys=(bob.public,)), library, query)[0] == want
+  # A signature over another header does not count.
+  entry = trusting_alice.lookup(library).entries[0]
+  backing.write(f'signatures/{entry["key"]}/{bob.public.id}', bob.sign('00' * 32))
+  reader = Store(backing, eng, trusted_keys=(bob.public,))
+  assert reader.lookup(library).tokens == 0
+
+
+def test_a_forgery_signed_by_nobody_trusted_is_never_grafted(eng, tmp_path):
+  alice = signing.generate(str(tmp_path / 'alice'))
+  backing = KvStore('memory://')
+  library, query = tokens(30, 12), tokens(6, 13)[1:]
+  store = Store(backing, eng, signing_key=alice)
+  store.put(library)
+  forge(store, store.lookup(library).entries[1])  # the forger cannot sign as alice
+  reader = Store(backing, eng, trusted_keys=(alice.public,))
+  assert answer(reader, library, query) == (fresh(eng, library, query), B)
+  # Alice, trusting only herself, misses the forgery, computes the block and finds the conflict.
+  report = Store(backing, eng, signing_key=alice, trusted_keys=(alice.public,)).put(library)
+  assert report['conflicts'] == 1
+  reader = Store(backing, eng, trusted_keys=(alice.public,))  # a reader that cached nothing
+  assert answer(reader, library, query) == (fresh(eng, library, query), len(library))
+
+
+def test_keys_are_never_overwritten_and_bad_key_files_are_refused(tmp_path):
+  signing.generate(str(tmp_path / 'k'))
+  with pytest.raises(signing.SigningKeyError, match='already exists'):
+    signing.generate(str(tmp_path / 'k'))
+  assert oct(os.stat(tmp_path / 'k').st_mode & 0o777) == '0o600'
+  (tmp_path / 'bad.pub').write_text('zz')
+  with pytest.raises(signing.SigningKeyError, match='not a hex Ed25519 public key'):
+    signing.load_public(str(tmp_path / 'bad.pub'))
+
+
+def test_the_command_line_signs_audits_and_names_what_it_refuses(tmp_path):
+  env = {**os.environ, 'PYTHONPATH': str(REPO)}
+  common = ['--model=tiny_gemma3', '--weights=random:0', f'--rows_per_call={B}',
+            '--cache_len=512']
+  url = f'file://{tmp_path}/store/'
+
+  def store(*args):
+    return subprocess.run([sys.executable, '-m', 'experiments.store', *args, *common],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+  assert store('keygen', f'--output={tmp_path}/key').returncode == 0
+  (tmp_path / 'in.jsonl').write_text(json.dumps({'tokens': tokens(30, 14)}) + '\n')
+  assert store('put', f'--store={url}', f'--input={tmp_path}/in.jsonl',
+               f'--signing_key={tmp_path}/key').returncode == 0
+  audited = store('verify', f'--store={url}', '--recompute=1.0')
+  assert audited.returncode == 0 and '0 problems' in audited.stdout
+  missing = store('verify', f'--store=file://{tmp_path}/no-such-store/')
+  last = missing.stderr.strip().splitlines()[-1]  # (after absl's log lines)
+  assert missing.returncode == 2 and last.startswith('error: ') and 'no store at' in last
+  assert 'Traceback' not in missing.stderr
+  assert not (tmp_path / 'no-such-store').exists()  # a read-only command created nothing
