@@ -99,19 +99,31 @@ def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096
   flags.DEFINE_alias('layout', 'mesh_layout')
 
 
-def define_signing_flags() -> None:
+def define_store_flags() -> None:
+  """Flags of every tool that reads or writes a store: signing, trust, the tenant's salt."""
+  flags.DEFINE_string('namespace_salt', '', 'A tenant\'s secret: stores written with another '
+                      'salt are another namespace (unset: none).')
   flags.DEFINE_string('signing_key', None, 'Sign what this process writes to a store with this '
                       'Ed25519 key (python -m experiments.store keygen --output=KEY).')
   flags.DEFINE_list('trusted_keys', None, 'Graft only store blocks signed by one of these public '
                     'keys (KEY.pub files); without it every verified block is trusted.')
 
 
-def signing_args() -> dict:
-  """Store(...) keyword arguments from the signing flags."""
+def store_args(writer: bool = True) -> dict:
+  """Store(...) keyword arguments from the store flags (a reader that writes nothing signs
+  nothing)."""
   from graft.store import signing
-  return {'signing_key': signing.load_private(FLAGS.signing_key) if FLAGS.signing_key else None,
+  return {'namespace_salt': FLAGS.namespace_salt,
+          'signing_key': (signing.load_private(FLAGS.signing_key)
+                          if FLAGS.signing_key and writer else None),
           'trusted_keys': (signing.load_trusted(FLAGS.trusted_keys)
                            if FLAGS.trusted_keys is not None else None)}
+
+
+def store_flag_args() -> list[str]:
+  """The store flags as given, for a subprocess that writes the same store."""
+  args = [f'--namespace_salt={FLAGS.namespace_salt}'] if FLAGS.namespace_salt else []
+  return args + ([f'--signing_key={FLAGS.signing_key}'] if FLAGS.signing_key else [])
 
 
 def engine_flag_args() -> list[str]:

@@ -74,6 +74,7 @@ def define_flags() -> None:
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the task set).')
   flags.DEFINE_string('manifest', None, 'Also write a replayable manifest here.')
   common.define_model_flags()
+  common.define_store_flags()
   common.define_engine_flags(cache_len=1024)
 
 
@@ -125,7 +126,7 @@ def main(argv):
   if not url:
     scratch = tempfile.mkdtemp(prefix='flywheel.')
     url = f'file://{scratch}/store/'
-  store = Store(url, engine)
+  store = Store(url, engine, **common.store_args())
   try:
     settings = Settings(attempts=FLAGS.attempts, temperature=FLAGS.temperature, seed=FLAGS.seed,
                         budget=FLAGS.budget, k=FLAGS.k, sample_exact=FLAGS.sample_exact)

@@ -11,7 +11,7 @@ library's artifact to disk, restores it (verified) and processes the query (graf
 
 With --source=store the libraries are deposited into the store at --store by a separate process
 (`python -m experiments.store put`, its own engine), and each query grafts the longest stored
-prefix of its library from it (graft/store.py). The samples then include libraries that share a
+prefix of its library from it (graft/store/_store.py). The samples then include libraries that share a
 prefix ending mid-block with another (their shared blocks stored once) and libraries that were
 never deposited but diverge mid-block from one that was (the store gives the shared block's
 first rows); see experiments/samples.py `with_shared_prefixes`. Rows add `grafted_tokens`,
@@ -62,6 +62,7 @@ def define_flags() -> None:
   flags.DEFINE_string('store', None, 'Store URL for --source=store (default: a temporary '
                       'file:// store); another process deposits into it, so not memory://.')
   common.define_model_flags()
+  common.define_store_flags()
   common.define_engine_flags(cache_len=common.GRAFT_CACHE_LEN)
 
 
@@ -120,7 +121,7 @@ def deposit(url: str, libraries: list, scratch: str) -> None:
       f.write(json.dumps({'tokens': [int(t) for t in library]}) + '\n')
   command = [sys.executable, '-m', 'experiments.store', 'put', f'--store={url}',
              f'--input={path}', f'--model={FLAGS.model}', f'--weights={FLAGS.weights}',
-             f'--dtype={FLAGS.dtype}', *common.engine_flag_args()]
+             f'--dtype={FLAGS.dtype}', *common.engine_flag_args(), *common.store_flag_args()]
   logging.info('depositing %d libraries: %s', len(libraries), ' '.join(command))
   subprocess.run(command, check=True, cwd=common.REPO,
                  env={**os.environ, 'PYTHONPATH': common.REPO})
@@ -146,7 +147,7 @@ def main(argv):
                                              seed=FLAGS.seed)
       pairs = [p.sample for p in planned]
       deposit(url, [p.sample.library for p in planned if p.deposited], scratch)
-      store = Store(url, engine)
+      store = Store(url, engine, create=False, **common.store_args(writer=False))
       grafts = [lambda library, store=store: store.graft(library)[0]] * len(pairs)
     else:
       writer = common.make_engine(loaded)  # separately constructed: it writes the artifacts

@@ -1,4 +1,4 @@
-"""The knowledge store from the command line (graft/store.py).
+"""The knowledge store from the command line (graft/store/_store.py).
 
   python -m experiments.store put    --store=URL --input=FILE.jsonl
   python -m experiments.store get    --store=URL --text="..."
@@ -34,13 +34,15 @@ def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_string('store', None, 'Store URL (file:///abs/path/, memory://, gs://...).')
   flags.DEFINE_string('input', None, 'put: JSONL of {"text": ...} or {"tokens": [...]}.')
+  flags.DEFINE_bool('recompute_put', False, 'put: compute every block and compare it with what '
+                    'is stored (conflicts replaced and reported).')
   flags.DEFINE_string('text', None, 'get: the text whose longest stored prefix to find.')
   flags.DEFINE_integer('host_cache_bytes', 1 << 30, 'Bound of the host LRU of verified blocks.')
   flags.DEFINE_float('recompute', 0.0, 'verify: also recompute this fraction of the blocks (1.0: '
                      'every one) with this engine and compare bytes: forgeries and what was '
                      'built on them.')
   flags.DEFINE_string('output', None, 'keygen: where the private key goes (and OUTPUT.pub).')
-  common.define_signing_flags()
+  common.define_store_flags()
   common.define_model_flags()
   common.define_engine_flags()
 
@@ -64,7 +66,7 @@ def open_store(create: bool = False) -> Store:
   error naming the URL)."""
   engine = common.make_engine(common.load_model())
   return Store(FLAGS.store, engine, host_cache_bytes=FLAGS.host_cache_bytes, create=create,
-               **common.signing_args())
+               **common.store_args())
 
 
 def main(argv):
@@ -85,10 +87,11 @@ def main(argv):
     loaded = common.load_model()
     contexts = read_contexts(FLAGS.input, loaded.tokenizer)  # checked before anything is made
     store = Store(FLAGS.store, common.make_engine(loaded),
-                  host_cache_bytes=FLAGS.host_cache_bytes, create=True, **common.signing_args())
-    totals = {'tokens': 0, 'reused_tokens': 0, 'blocks_written': 0, 'bytes_written': 0}
+                  host_cache_bytes=FLAGS.host_cache_bytes, create=True, **common.store_args())
+    totals = {'tokens': 0, 'reused_tokens': 0, 'blocks_written': 0, 'bytes_written': 0,
+              'conflicts': 0}
     for i, tokens in enumerate(contexts):
-      report = store.put(tokens)
+      report = store.put(tokens, recompute=FLAGS.recompute_put)
       for key in totals:
         totals[key] += report[key]
       logging.info('put %d/%d: %d tokens, %d reused, %d blocks written (%d bytes), %.2fs',

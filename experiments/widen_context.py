@@ -64,6 +64,7 @@ def define_flags() -> None:
   flags.DEFINE_bool('keep_store', False, 'Keep the store afterwards (default: delete it).')
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
   common.define_model_flags()
+  common.define_store_flags()
   common.define_engine_flags()
 
 
@@ -165,7 +166,7 @@ def main(argv):
   if not url:
     scratch = tempfile.mkdtemp(prefix='widen_context.')
     url = f'file://{scratch}/store/'
-  store = Store(url, engine, host_cache_bytes=FLAGS.host_cache_bytes)
+  store = Store(url, engine, host_cache_bytes=FLAGS.host_cache_bytes, **common.store_args())
   directory = local_directory(store.url)
   disk = ceilings.disk_gbps(directory) if directory else {}
   engine.prefill([2, 3], logits='last')  # compile before measuring what the device holds

@@ -125,7 +125,7 @@ def _tiled(tile_size: int | None, platform: str | None) -> AttendFn:
 
 # name -> a builder taking the KV tile size (None: the implementation's default) and the
 # platform to build for ('cpu', 'gpu', 'tpu'; None: the default backend's; another platform than
-# this host's gives a function that lowers for it, graft/lowering.py, but does not run).
+# this host's gives a function that lowers for it, graft/engine/lowering.py, but does not run).
 IMPLEMENTATIONS: dict[str, Callable[[int | None, str | None], AttendFn]] = {
     'xla': _xla, 'pallas': _pallas, 'tiled': _tiled}
 

@@ -3,7 +3,7 @@
     attention_fn = TiledAttention(tile=256).reading(4)  # the first 4 tiles
     out = attention_fn(q, k, v, q_pos, k_pos, window=None, softcap=None)
 
-The pinned engine's attention (graft/engine.py). Plain XLA (no Pallas), built so that a query
+The spec and pinned engines' attention (graft/engine/plans.py). Plain XLA (no Pallas), built so that a query
 row's bits are a function of the row (its q and position) and of the cache alone, whatever the
 number of rows in the call and however many tiles are read, so that the cost follows the
 context, not the cache length:

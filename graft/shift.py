@@ -1,6 +1,6 @@
 """Shifted grafts: a library computed at positions [s, s + L) placed at [s + δ, s + δ + L).
 
-An own-position graft (graft/artifact.py) restores a KV state where it was computed. A shifted
+An own-position graft (graft/store/artifact.py) restores a KV state where it was computed. A shifted
 graft moves it by an offset δ; with float RoPE the keys then have to be rotated to their new
 positions, and there are two ways to do it:
 

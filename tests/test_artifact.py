@@ -1,6 +1,7 @@
 """Artifacts: saved atomically, verified on restore, refused with the reason when anything is
 off."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -98,7 +99,9 @@ def test_refuses_an_artifact_of_another_model(saved):
 
 
 def test_refuses_another_dtype(saved):
-  other = Engine(weights.load('tiny_gemma3', 'random:0', 'bfloat16'), PINNED)
+  # (The spec's arithmetic is float32: a bfloat16 engine is a pinned one.)
+  other = Engine(weights.load('tiny_gemma3', 'random:0', 'bfloat16'),
+                 dataclasses.replace(PINNED, mode='pinned'))
   with pytest.raises(ArtifactError, match="dtype: the artifact has 'float32', expected "
                                           "'bfloat16'"):
     artifact.load(str(saved), other)
@@ -203,7 +206,7 @@ def test_positions_must_follow_from_the_start_and_token_count(eng, tmp_path):
 
 
 def test_refuses_an_artifact_of_another_slot_layout_version(eng, saved, monkeypatch):
-  monkeypatch.setattr('graft.engine._engine.SLOT_LAYOUT_VERSION', 1)
+  monkeypatch.setattr('graft.engine.plans.SLOT_LAYOUT_VERSION', 1)
   old = Engine(eng.loaded, PINNED)
   with pytest.raises(ArtifactError, match='slot_layout_version: the artifact has 2, expected 1'):
     artifact.load(str(saved), old)

@@ -1,7 +1,7 @@
 """The pinned engine's functions lower for GPU (cuda) and TPU on a host without either.
 
 For each platform x attention x function the engine's `_step` (the transformer over one block
-with the KV state) and `_head` (logits) are lowered from abstract shapes (graft/lowering.py):
+with the KV state) and `_head` (logits) are lowered from abstract shapes (graft/engine/lowering.py):
 the Pallas kernel must appear as the platform's kernel custom call (Triton on cuda, Mosaic on
 tpu) in the step and nowhere else, and XLA attention must lower to plain StableHLO (no custom
 call at all, and jax.export's compatibility checks pass). The kernels' own IR is decoded from

@@ -1,4 +1,4 @@
-"""The knowledge store (graft/store.py): content addressing, byte-exact grafts from it, and no
+"""The knowledge store (graft/store/_store.py): content addressing, byte-exact grafts from it, and no
 bad object ever grafted. Tiny models with random weights; exactness is SHA-256 equality.
 """
 
@@ -80,13 +80,22 @@ def test_block_keys_are_a_sha256_chain_over_a_canonical_encoding():
   assert blocks.block_key(ns, blocks.ROOT, [1, 2]) != blocks.block_key(ns, blocks.ROOT, [1, 2, 0])
 
 
-def test_namespace_binds_model_dtype_and_engine():
+PINNED = EngineConfig(mode='pinned', rows_per_call=B, cache_len=512)
+
+
+def test_namespace_binds_model_dtype_and_engine_not_the_cache_length():
   base = engine()
-  others = [engine(seed=1), engine(dtype='bfloat16'),
-            engine(config=EngineConfig(rows_per_call=16, cache_len=512)),
-            engine(config=EngineConfig(rows_per_call=B, cache_len=256))]
+  others = [engine(seed=1), engine(config=EngineConfig(rows_per_call=16, cache_len=512)),
+            engine(config=PINNED), engine(dtype='bfloat16', config=PINNED)]
   spaces = {blocks.namespace(e.model_fingerprint, e.fingerprint) for e in [base] + others}
   assert len(spaces) == 5
+  # The spec engine's cache length decides no bit (tests/test_spec.py), so it is not bound.
+  shorter = engine(config=EngineConfig(rows_per_call=B, cache_len=256))
+  assert (blocks.namespace(shorter.model_fingerprint, shorter.fingerprint)
+          == blocks.namespace(base.model_fingerprint, base.fingerprint))
+  salted = blocks.namespace(base.model_fingerprint, base.fingerprint, 'tenant-a')
+  assert salted not in spaces and salted != blocks.namespace(
+      base.model_fingerprint, base.fingerprint, 'tenant-b')
 
 
 @pytest.mark.parametrize('name', ['tiny_gemma2', 'tiny_gemma3', 'tiny_gemma4'])
@@ -211,7 +220,7 @@ def test_a_store_of_another_model_engine_or_dtype_is_refused_with_the_reason(tmp
   with pytest.raises(StoreError, match='another model or engine.*params_sha256'):
     Store(url, engine(seed=1))
   with pytest.raises(StoreError, match="dtype: the store has 'float32', expected 'bfloat16'"):
-    Store(url, engine(dtype='bfloat16'))
+    Store(url, engine(dtype='bfloat16', config=PINNED))
   with pytest.raises(StoreError, match='rows_per_call: the store has 8, expected 16'):
     Store(url, engine(config=EngineConfig(rows_per_call=16, cache_len=512)))
   with pytest.raises(StoreError, match='byte-exact engine only'):

@@ -348,7 +348,7 @@ def make_pallas_attention(*, tile_size: int | None = None, block_q: int | None =
   interpret=True runs that backend's blocks and driver in interpret mode (how the tests check
   them on CPU). Passing platform='gpu' or 'tpu' with interpret=False on any host builds the
   compiled kernel for that platform: on a host without it, functions using it can be lowered
-  for it (graft/lowering.py) but not run. The cpu driver exists only in interpret mode."""
+  for it (graft/engine/lowering.py) but not run. The cpu driver exists only in interpret mode."""
   backend = jax.default_backend()
   if platform is None:
     platform = {'cuda': 'gpu', 'rocm': 'gpu'}.get(backend, backend)

@@ -11,10 +11,9 @@ model and an engine), lowering (the engine's functions for GPU and TPU without t
 """
 
 from graft.engine import fingerprint, plans
-from graft.engine._engine import (SLOT_LAYOUT_VERSION, Context, Decoded, Engine, call_inputs,
-                                  sample)
+from graft.engine._engine import Context, Decoded, Engine, call_inputs, sample
 from graft.engine.config import EngineConfig
-from graft.engine.plans import PLANS
+from graft.engine.plans import PLANS, SLOT_LAYOUT_VERSION
 
 __all__ = ['PLANS', 'SLOT_LAYOUT_VERSION', 'Context', 'Decoded', 'Engine', 'EngineConfig',
            'call_inputs', 'fingerprint', 'plans', 'sample']

@@ -32,13 +32,6 @@ from gemma_jax.weights import LoadedModel
 from graft.engine import fingerprint, plans
 from graft.engine.config import EngineConfig
 
-# The version of everything outside the config that decides a byte-exact engine's bits: how
-# tokens are laid out in calls and slots (2: token j in slot j, mod the ring on local layers;
-# blocked calls aligned to the sequence). Artifacts and store objects record it; a change here
-# must bump it, so that KV computed under the old layout is refused instead of grafted.
-SLOT_LAYOUT_VERSION = 2
-
-
 @dataclasses.dataclass(frozen=True)
 class Context:
   """A context: its KV state, the tokens in it, and where the next token goes."""

@@ -11,10 +11,13 @@ different core counts.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
+import os
 import platform
 
 import jax
@@ -53,15 +56,64 @@ def params_digest(params) -> str:
 
 
 def model_fingerprint(loaded) -> dict:
-  """Fingerprint of a `gemma_jax.weights.LoadedModel`: {'sha256', and what went into it}."""
+  """Fingerprint of a `gemma_jax.weights.LoadedModel`: {'sha256', what went into it, and the
+  model's name and weights spec (not hashed: two names of the same bytes are one model)}."""
   parts = {
-      'config': loaded.config,
+      'config': json.loads(canonical_json(loaded.config)),
       'dtype': loaded.dtype,
       'params_sha256': params_digest(loaded.params),
       'tokenizer_sha256': hashlib.sha256(loaded.tokenizer.model_proto).hexdigest(),
   }
-  return {'sha256': digest(parts), 'model': loaded.config.name, 'weights': loaded.weights,
-          **{k: v for k, v in parts.items() if k != 'config'}}
+  return {'sha256': digest(parts), **parts, 'model': loaded.config.name,
+          'weights': loaded.weights}
+
+
+# Fields of a fingerprint that are recorded beside what its sha256 covers (names, provenance).
+_UNHASHED = ('sha256', 'model', 'weights', 'made_on')
+
+
+def hashes_to_its_fields(record) -> bool:
+  """Whether a recorded fingerprint's sha256 is the digest of the fields recorded beside it
+  (a record whose fields were changed and whose sha256 was kept, or resealed under the old
+  one, does not)."""
+  if not isinstance(record, dict) or not isinstance(record.get('sha256'), str):
+    return False
+  try:
+    return digest({k: v for k, v in record.items() if k not in _UNHASHED}) == record['sha256']
+  except (TypeError, ValueError):
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+  """SHA-256 of the code of the source files that decide an engine's bits (the model, its
+  numerics and the written arithmetic, the engine and its plans, the slot layout): bound into
+  every engine fingerprint, so that changed code never reuses KV computed by the old (edited
+  comments and docstrings do not count)."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  h = hashlib.sha256()
+  for relative in _SOURCES:
+    with open(os.path.join(root, relative)) as f:
+      h.update(relative.encode() + b'\0' + _code_only(f.read()).encode() + b'\0')
+  return h.hexdigest()
+
+
+def _code_only(source: str) -> str:
+  """The program in `source` without its comments, docstrings and layout (its AST), so that
+  editing prose does not change the digest."""
+  tree = ast.parse(source)
+  for node in ast.walk(tree):
+    body = getattr(node, 'body', None)
+    if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+      node.body = body[1:] or [ast.Pass()]
+  return ast.dump(tree, annotate_fields=False)
+
+
+_SOURCES = tuple(f'gemma_jax/{m}.py' for m in (
+    'model', 'layers', 'attention', 'tiled_attention', 'rope', 'numerics', 'kv_state',
+    'spec/functions', 'kernels/online_softmax', 'kernels/pallas_attention')) + (
+    'graft/engine/_engine.py', 'graft/engine/plans.py')
 
 
 def _cpuinfo() -> dict[str, str]:
@@ -115,7 +167,8 @@ def engine_fingerprint(engine_config, dtype: str, *, slot_layout_version: int,
   """Fingerprint of an engine: its config, dtype, slot layout version, kernel blocks, what its
   plan records (numerics) and the environment: {'sha256', and what went into it}."""
   parts = {'engine_config': engine_config, 'dtype': dtype,
-           'slot_layout_version': slot_layout_version, 'environment': environment()}
+           'slot_layout_version': slot_layout_version, 'source_sha256': source_digest(),
+           'environment': environment()}
   if kernel_blocks:
     parts['kernel_blocks'] = kernel_blocks
   if plan:

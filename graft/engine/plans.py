@@ -39,6 +39,11 @@ from gemma_jax.numerics import XLA, FixedOrder, Numerics, Spec as SpecNumerics
 if TYPE_CHECKING:  # config.py reads the plans; the plans only name its class
   from graft.engine.config import EngineConfig
 
+# The version of how tokens are laid out in calls and cache slots (2: token j in slot j, mod the
+# ring on local layers; blocked calls aligned to the sequence). Every fingerprint records it; a
+# change of layout must bump it, so that KV computed under the old one is refused.
+SLOT_LAYOUT_VERSION = 2
+
 # XLA:CPU debug options per dot library, passed to every compilation of a fixed-order plan (so
 # its numerics do not depend on the process's XLA_FLAGS defaults).
 DOT_LIBRARIES = {'eigen': {'xla_cpu_experimental_ynn_fusion_type': ''}, 'ynn': {}}
@@ -141,7 +146,7 @@ class Plan:
     """What names the engine's bits: {'sha256', and what went into it}. Every plan but spec binds
     the whole config and this machine's environment (their bits follow the compiler's choices
     there)."""
-    from graft.engine import fingerprint, SLOT_LAYOUT_VERSION
+    from graft.engine import fingerprint
     return fingerprint.engine_fingerprint(
         self.config, engine.loaded.dtype, slot_layout_version=SLOT_LAYOUT_VERSION,
         kernel_blocks=engine.kernel_blocks, plan={'numerics': self.numerics.describe()})
@@ -262,11 +267,12 @@ class Spec(Pinned):
                   head_dims=head_dims, tile=engine.attention_tile, kv_heads=1)
 
   def fingerprint(self, engine) -> dict:
-    from graft.engine import fingerprint, SLOT_LAYOUT_VERSION
+    from graft.engine import fingerprint
     parts = {'mode': self.name, 'numerics': self.numerics.describe(),
              'attention': 'tiled', 'attention_tile': engine.attention_tile,
              'rows_per_call': self.config.rows_per_call, 'dtype': engine.loaded.dtype,
-             'slot_layout_version': SLOT_LAYOUT_VERSION}
+             'slot_layout_version': SLOT_LAYOUT_VERSION,
+             'source_sha256': fingerprint.source_digest()}
     return {'sha256': fingerprint.digest(parts), **parts,
             'made_on': fingerprint.environment()}
 

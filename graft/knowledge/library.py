@@ -1,7 +1,7 @@
 """The verified-knowledge library: verified solutions kept as KV in the store, grafted on demand.
 
 An entry is a problem, a worked solution and its answer, accepted only when a verifier
-(graft/verifiers.py) has checked the answer. Its canonical text is one template:
+(graft/knowledge/verifiers.py) has checked the answer. Its canonical text is one template:
 
     Problem: {problem}
     Solution: {solution}
@@ -9,9 +9,9 @@ An entry is a problem, a worked solution and its answer, accepted only when a ve
     <blank line>
 
 and a question is asked as `QUESTION` ("Problem: {problem}\\nSolution:"): the model writes a
-worked solution and an "Answer:" line, from which graft/verifiers.py reads the answer. A library prefix is BOS followed by the canonical texts of some entries in a
+worked solution and an "Answer:" line, from which graft/knowledge/verifiers.py reads the answer. A library prefix is BOS followed by the canonical texts of some entries in a
 fixed order, tokenized as one text; it is computed once by the pinned engine and deposited in
-the store (graft/store.py), so the same entries in the same order are a store hit the next time,
+the store (graft/store/_store.py), so the same entries in the same order are a store hit the next time,
 and every entry deposited alone is its own prefix.
 
 Lookup: `find` (the exact problem: the recurring case), or `retrieve`: the k entries most similar

@@ -59,7 +59,7 @@ from gemma_jax import kv_state as kvs
 from graft.store import blocks, signing
 from graft.store.artifact import differences
 from graft.store.blocks import BlockError
-from graft.engine import Context, Engine
+from graft.engine import Context, Engine, fingerprint
 from graft.store.kvstore import KvStore, ShortValueError
 
 _DESCRIPTION = 'store.json'
@@ -144,12 +144,14 @@ class Store:
 
   def __init__(self, url: str | KvStore, engine: Engine, *, host_cache_bytes: int = 1 << 30,
                create: bool = True, signing_key: signing.SigningKey | None = None,
-               trusted_keys: tuple[signing.PublicKey, ...] | None = None):
+               trusted_keys: tuple[signing.PublicKey, ...] | None = None,
+               namespace_salt: str = ''):
     """`url` is a kvstore URL, or an open KvStore (another view of the same storage: a memory://
     store is private to the KvStore that opened it; a wrapper that injects faults).
     signing_key: this writer's key; every block it publishes or finds identical is signed.
     trusted_keys: when given, only blocks signed by one of them are grafted (the rest are
-    misses, reported); when None, every verified block is (the writers are trusted)."""
+    misses, reported); when None, every verified block is (the writers are trusted).
+    namespace_salt: a tenant's secret; stores of another salt are another namespace."""
     if not engine.plan.byte_exact:
       raise StoreError('a store holds KV of a byte-exact engine only; this engine is '
                        f'{engine.engine_config.mode!r}')
@@ -158,7 +160,9 @@ class Store:
     self.engine = engine
     self.block_layout = blocks.BlockLayout.of(engine)
     self.block_tokens = engine.engine_config.rows_per_call
-    self.namespace = blocks.namespace(engine.model_fingerprint, engine.fingerprint)
+    self.salt = namespace_salt
+    self.namespace = blocks.namespace(engine.model_fingerprint, engine.fingerprint,
+                                      namespace_salt)
     self.host = HostCache(host_cache_bytes)
     self.signing_key, self.trusted_keys = signing_key, trusted_keys
     self._trusted: dict[str, bool] = {}  # header SHA-256 -> signed by a trusted key
@@ -190,6 +194,10 @@ class Store:
       raise StoreError(f'{self.url}{_DESCRIPTION} is damaged ({e})') from None
     if not isinstance(theirs, dict) or theirs.get('format') != blocks.STORE_FORMAT:
       raise StoreError(f'{self.url} is not a {blocks.STORE_FORMAT} store')
+    for part in ('model', 'engine'):
+      if not fingerprint.hashes_to_its_fields(theirs.get(part)):
+        raise StoreError(f'{self.url}{_DESCRIPTION}: its {part} fingerprint does not hash to the '
+                         'fields recorded beside it (altered?)')
     if theirs.get('namespace') != mine['namespace']:
       diffs = [d.replace('the artifact has', 'the store has') for d in
                differences({k: mine[k] for k in ('model', 'engine')},
@@ -198,7 +206,7 @@ class Store:
       raise StoreError(f'{self.url} was made under another model or engine configuration '
                        f'(namespace {str(theirs.get("namespace"))[:16]}..): '
                        + ('; '.join(diffs[:8]) or 'the fingerprints differ'))
-    if blocks.namespace(theirs.get('model', {}), theirs.get('engine', {})) != mine['namespace']:
+    if blocks.namespace(theirs['model'], theirs['engine'], self.salt) != mine['namespace']:
       raise StoreError(f'{self.url}{_DESCRIPTION} does not hash to its namespace')
 
   # --------------------------------------------------------------------------------------------
@@ -443,14 +451,14 @@ class Store:
 
   def _on_parent(self, entry: dict, parent_header: str) -> bool:
     """Whether the block was computed on the parent stored now (its recorded parent header is
-    that parent's); one computed on another version (a forgery since removed, say) is as wrong
-    as its parent was, so it is quarantined and the prefix ends before it."""
+    that parent's). One computed on another version (a forgery since replaced, say) is as wrong
+    as its parent was: it is a miss, reported, and the next put of its text replaces it (a
+    conflict). It is not deleted here: the parent's own entry may be the damaged one."""
     if entry['parent_header_sha256'] == parent_header:
       return True
-    self.quarantine(entry['key'], f'objects/{entry["object"]}',
-                    'computed on another version of its parent (its recorded parent header is '
-                    'not the stored parent\'s)',
-                    entry_name=f'index/{entry["parent"]}/{entry["key"]}')
+    self._report(entry['key'], f'objects/{entry["object"]}',
+                 'computed on another version of its parent (its recorded parent header is not '
+                 'the stored parent\'s): a miss')
     return False
 
   def graft(self, tokens) -> tuple[Context, Match]:

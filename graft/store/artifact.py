@@ -183,6 +183,10 @@ def _read_manifest(path: str) -> dict:
 
 
 def _check_fingerprints(path: str, manifest: dict, engine: Engine) -> None:
+  for part in ('model', 'engine'):
+    if not fingerprint.hashes_to_its_fields(manifest.get(part)):
+      raise ArtifactError(f'{path}: the manifest\'s {part} fingerprint does not hash to the '
+                          'fields recorded beside it (altered and resealed?)')
   if manifest['model']['sha256'] != engine.model_fingerprint['sha256']:
     diffs = differences(engine.model_fingerprint, manifest['model'])
     raise ArtifactError(f'{path} was made by another model: ' + '; '.join(diffs))

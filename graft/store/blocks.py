@@ -64,9 +64,12 @@ class BlockError(ValueError):
   """An object or entry that must not be used; the message says why."""
 
 
-def namespace(model_fp: dict, engine_fp: dict) -> str:
-  return fingerprint.digest({'format': STORE_FORMAT, 'model': model_fp['sha256'],
-                             'engine': engine_fp['sha256']})
+def namespace(model_fp: dict, engine_fp: dict, salt: str = '') -> str:
+  """The namespace of a model and an engine; a salt separates tenants who share a backing store
+  (a stored prefix answers ~20x faster than a miss, which would let one tenant probe another's
+  prefixes)."""
+  parts = {'format': STORE_FORMAT, 'model': model_fp['sha256'], 'engine': engine_fp['sha256']}
+  return fingerprint.digest({**parts, 'salt': salt} if salt else parts)
 
 
 def block_key(ns: str, parent: str, tokens) -> str:
