@@ -300,7 +300,7 @@ def test_bytes_a_graft_does_not_read_cannot_harm_it_and_verify_still_finds_them(
   assert reader.problems and reader.problems[0].key == victim['key']
 
 
-def test_verify_names_every_bad_object_and_gc_removes_what_no_entry_reaches(tmp_path):
+def test_verify_names_every_bad_object_and_gc_loses_nothing_sound(tmp_path):
   url = f'file://{tmp_path}/s/'
   eng = engine()
   store = Store(url, eng)
@@ -318,8 +318,11 @@ def test_verify_names_every_bad_object_and_gc_removes_what_no_entry_reaches(tmp_
   assert 'not published' in out.stdout
   removed = store.gc()
   assert removed['objects'] >= 1 and removed['entries'] >= 1
-  assert store.verify() == []
-  assert store.lookup(library).tokens == B  # blocks 2, 3 are gone with their bad parent
+  # Blocks 2 and 3 wait for their parent (sound, unreachable, kept): nothing sound is lost.
+  assert {p.reason.split(':')[0] for p in store.verify()} == {'unreachable'}
+  assert store.lookup(library).tokens == B
+  assert store.put(library)['blocks_written'] == 1  # block 1 again; 2 and 3 reachable again
+  assert store.verify() == [] and store.lookup(library).tokens == len(library)
 
 
 def test_the_index_can_be_rebuilt_from_the_objects_alone():

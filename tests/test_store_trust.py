@@ -193,3 +193,75 @@ def test_the_command_line_signs_audits_and_names_what_it_refuses(tmp_path):
   assert missing.returncode == 2 and last.startswith('error: ') and 'no store at' in last
   assert 'Traceback' not in missing.stderr
   assert not (tmp_path / 'no-such-store').exists()  # a read-only command created nothing
+
+
+# ----------------------------------------------------------------------------------------------
+# Nothing sound is lost, with other processes at work
+
+
+def test_an_entry_that_no_longer_decodes_is_rebuilt_from_its_sound_object(eng):
+  store = Store('memory://', eng)
+  library = tokens(30, 15)
+  store.put(library)
+  entry = store.lookup(library).entries[1]
+  name = f'index/{entry["parent"]}/{entry["key"]}'
+  store.backing.write(name, b'{"format": "not json')
+  reader = Store(store.backing, eng)
+  assert reader.lookup(library).tokens == len(library)  # rebuilt from the object, re-read
+  assert json.loads(store.backing.read(name))['object'] == entry['object']
+  assert any(n.endswith('.object') for n in store.backing.list('quarantine/'))  # kept aside
+
+
+def test_a_stale_reader_never_deletes_an_entry_another_writer_republished(eng):
+  store = Store('memory://', eng)
+  library = tokens(30, 16)
+  store.put(library)
+  entry = store.lookup(library).entries[1]
+  stale = Store(store.backing, eng)
+  stale.lookup(library)  # caches every entry
+  # Another process finds block 1's object damaged and replaces it with a sound copy.
+  other = Store(store.backing, eng)
+  store.backing.write(f'objects/{entry["object"]}', b'KVGRAFT1 damaged')
+  other.put(library, recompute=True)
+  republished = store.backing.read(f'index/{entry["parent"]}/{entry["key"]}')
+  # The stale reader judges its cached entry bad (its object is gone) and would delete it.
+  stale.quarantine_object(entry, 'the object is missing')
+  assert store.backing.read(f'index/{entry["parent"]}/{entry["key"]}') == republished
+  assert Store(store.backing, eng).audit(1.0) == []
+
+
+def test_a_rebuild_beside_a_put_costs_the_put_nothing(eng, monkeypatch):
+  store = Store('memory://', eng)
+  library = tokens(30, 17)
+
+  def rebuild_now(self, step, names):  # another process rebuilds the index mid-put
+    if step == 'verified':
+      Store(self.backing, eng).rebuild_index()
+
+  monkeypatch.setattr(Store, '_step', rebuild_now)
+  report = store.put(library)
+  monkeypatch.undo()
+  assert report['blocks_written'] == len(blocks.chain_keys(store.namespace, library, B))
+  reader = Store(store.backing, eng)
+  assert reader.verify() == [] and reader.lookup(library).tokens == len(library)
+
+
+def test_gc_beside_a_put_keeps_what_the_put_publishes(eng, monkeypatch):
+  store = Store('memory://', eng)
+  library = tokens(30, 18)
+  collector = Store(store.backing, eng)
+  seen = {}
+
+  def step(self, step, names):
+    if step == 'verified':  # gc lists the put's objects while they are unpublished...
+      seen['problems'] = collector.verify()
+    elif step == 'published':  # ...and deletes after the put has published them
+      monkeypatch.setattr(collector, 'verify', lambda: seen['problems'])
+      collector.gc()
+
+  monkeypatch.setattr(Store, '_step', step)
+  store.put(library)
+  monkeypatch.undo()
+  assert any('not published' in p.reason for p in seen['problems'])
+  reader = Store(store.backing, eng)
+  assert reader.verify() == [] and reader.lookup(library).tokens == len(library)

@@ -232,8 +232,20 @@ class Store:
             data, ns=self.namespace, parent=parent, key=key, expected_start=start,
             layout=self.block_layout, vocab_size=self.engine.config.vocab_size)
       except BlockError as e:
-        self.quarantine(key, name, str(e), entry_name=name, data=data)
+        self.quarantine(key, name, str(e), entry_name=name, data=data, judged=data)
+        self._rebuild_entry(parent, key)
+        if self.backing.read(name) is not None:  # rebuilt: read it as any entry
+          self._entries_many([(parent, key, start)])
     return [self._entries.get(key) for _, key, _ in wanted]
+
+  def _rebuild_entry(self, parent: str, key: str) -> None:
+    """Publishes the entry of the block's sound object, if one is stored (an entry that was
+    damaged costs no sound object)."""
+    for name in self.backing.list(f'objects/{key}.'):
+      entry = self._sound_object(name, key)
+      if entry is not None and json.loads(entry)['parent'] == parent:
+        self.backing.write_if_absent(f'index/{parent}/{key}', entry)
+        return
 
   def _entry(self, parent: str, key: str, start: int) -> dict | None:
     return self._entries_many([(parent, key, start)])[0]
@@ -335,20 +347,22 @@ class Store:
     self.counters['backing_reads'] += len(missing)
     return out
 
-  def quarantine_object(self, entry: dict, reason: str) -> None:
+  def quarantine_object(self, entry: dict, reason: str, judged=None) -> None:
     """A published block that failed verification. The object is checked on its own (its
     header, key chain and every leaf, not against the entry): if it is sound, the entry was the
     damaged one, and only the entry is moved aside and rebuilt from the object; otherwise the
-    object and its entry are moved aside."""
+    object and its entry are moved aside. judged: what the entry was judged as (default
+    `entry`): it is removed only if it still holds that."""
+    judged = entry if judged is None else judged
     name = f'objects/{entry["object"]}'
     entry_name = f'index/{entry["parent"]}/{entry["key"]}'
     sound = self._sound_object(name, entry['key'])
     if sound is None:
-      self.quarantine(entry['key'], name, reason, entry_name=entry_name)
+      self.quarantine(entry['key'], name, reason, entry_name=entry_name, judged=judged)
       return
     self.quarantine(entry['key'], entry_name, f'{reason}; the object is sound: the entry was '
                     'damaged and is rebuilt from it', entry_name=entry_name,
-                    data=self.backing.read(entry_name))
+                    data=self.backing.read(entry_name), judged=judged)
     self.backing.write_if_absent(entry_name, sound)
 
   def _sound_object(self, name: str, key: str) -> bytes | None:
@@ -371,10 +385,11 @@ class Store:
     return blocks.encode_entry(header, name.split('/', 1)[1], len(data), header_bytes)
 
   def quarantine(self, key: str, name: str, reason: str, *, entry_name: str | None = None,
-                 data: bytes | None = None) -> None:
+                 data: bytes | None = None, judged=None) -> None:
     """Reports a bad entry or object and moves it aside: a copy and the reason go under
-    quarantine/, the entry is removed (so lookups miss and a later put rewrites the block), and
-    the object is deleted."""
+    quarantine/, the entry is removed if it still holds what was judged (`judged`: its bytes or
+    decoded entry; so lookups miss and a later put rewrites the block), and the object is
+    deleted."""
     self._report(key, name, reason)
     self._entries.pop(key, None)
     if data is None and name.startswith('objects/'):
@@ -385,10 +400,25 @@ class Store:
     if data is not None:
       self.backing.write(f'quarantine/{record}.object', data)
     if entry_name:
-      self.backing.delete(entry_name)
+      self._delete_entry_if(entry_name, judged)
     if name.startswith('objects/'):
       self.host.drop(name.split('/', 1)[1])
       self.backing.delete(name)
+
+  def _delete_entry_if(self, entry_name: str, judged) -> bool:
+    """Deletes an index entry only if it still holds what was judged bad (bytes, or the decoded
+    entry; None: whatever it holds), conditionally on the generation read: another writer that
+    has just re-published the key keeps its entry. True when this call deleted it."""
+    current, generation = self.backing.read_versioned(entry_name)
+    if current is None:
+      return False
+    if judged is not None and current != judged:
+      try:
+        if json.loads(current) != judged:
+          return False
+      except (ValueError, TypeError):
+        return False
+    return self.backing.delete_if(entry_name, generation)
 
   # --------------------------------------------------------------------------------------------
   # Lookup and graft
@@ -561,17 +591,20 @@ class Store:
       parent_header = blocks.header_sha256(encoded[-1][1])
     names = [f'objects/{key}.{uuid.uuid4().hex}' for key, _, _ in encoded]
     self.backing.write_many([(name, data) for name, (_, data, _) in zip(names, encoded)])
+    self._step('written', names)
     for name, (_, data, _), kept in zip(names, encoded,
                                         self.backing.read_many([(n, None) for n in names])):
       if kept != data:  # what the storage layer kept
         self.backing.delete(name)
         raise StoreError(f'{self.url}: object {name} did not read back as written')
+    self._step('verified', names)
     entries = []
     for (parent, _, _, _), name, (key, data, header) in zip(batch, names, encoded):
       offset, length = blocks.header_span(data)
       entries.append((f'index/{parent}/{key}', blocks.encode_entry(
           header, name.split('/', 1)[1], len(data), data[offset:offset + length])))
     published = self.backing.write_if_absent_many(entries)
+    self._step('published', names)
     out, conflicts = [], 0
     for (parent, start, _, _), name, (key, data, header), (entry_name, entry_bytes), won in zip(
         batch, names, encoded, entries, published):
@@ -584,6 +617,10 @@ class Store:
       out.append(len(data) if won else 0)
     return out, parent_header, conflicts
 
+  def _step(self, step: str, names: list[str]) -> None:
+    """Called after each step of a put ('written', 'verified', 'published') with the objects'
+    names: nothing here; tests pause or interleave other processes' operations at a step."""
+
   def _publish_over(self, parent, start, key, name, header, entry_name,
                     entry_bytes) -> tuple[bool, bool]:
     """Another writer published this block first. Its copy is kept only if it verifies and is
@@ -594,6 +631,8 @@ class Store:
     conflict = False
     for _ in range(3):
       existing = self._entry(parent, key, start)
+      if existing is not None and f'objects/{existing["object"]}' == name:
+        return True, conflict  # ours, published by a rebuild_index that ran beside this put
       if existing is not None:
         try:
           self._read_object(existing, global_only=False)
@@ -609,7 +648,7 @@ class Store:
           self.quarantine(existing['key'], f'objects/{existing["object"]}',
                           'conflict: its bytes differ from this writer\'s computation of the '
                           'same block (or it was computed on another version of its parent)',
-                          entry_name=entry_name)
+                          entry_name=entry_name, judged=existing)
         except BlockError as e:
           self.quarantine_object(existing, str(e))
       if self.backing.write_if_absent(entry_name, entry_bytes):
@@ -718,26 +757,48 @@ class Store:
     return problems
 
   def gc(self) -> dict:
-    """Removes what no published entry reaches: unpublished objects, entries whose parent is
-    not published, entries whose object is bad (quarantined). Run it when no put is running:
-    a put's object is unpublished until its entry is written."""
-    bad = self.verify()
+    """Removes what cannot be used and is not sound: unpublished objects (left by an
+    interrupted or losing put) and entries whose object fails verification (quarantined, with a
+    copy). An entry whose parent is not published is kept while its object is sound: the parent
+    is addressed by its tokens, so a later put of them makes it reachable again. Run it when no
+    put is running: a put's object is unpublished until its entry is written (an object that
+    has been published meanwhile is kept)."""
     removed = {'objects': 0, 'entries': 0}
-    for problem in bad:
+    for problem in self.verify():
       if problem.name.startswith('objects/'):
+        key = problem.name.split('/', 1)[1].split('.')[0]
+        if any(e.get('object') == problem.name.split('/', 1)[1]
+               for e in self._published_entries(key)):
+          continue  # published since verify listed it
         self.backing.delete(problem.name)
         removed['objects'] += 1
-      elif problem.name.startswith('index/'):
-        if 'unreachable' not in problem.reason:
-          self.quarantine(problem.key, problem.name, problem.reason, entry_name=problem.name)
-        else:
-          self.backing.delete(problem.name)
-        self._entries.pop(problem.key, None)
+      elif problem.name.startswith('index/') and 'unreachable' not in problem.reason:
+        data = self.backing.read(problem.name)
+        try:
+          entry = json.loads(data)
+          if not isinstance(entry, dict) or not isinstance(entry.get('object'), str):
+            raise ValueError('not an entry')
+          self.quarantine_object({**entry, 'key': problem.key,
+                                  'parent': problem.name.split('/')[1]}, problem.reason,
+                                 judged=entry)
+        except (ValueError, TypeError):
+          self.quarantine(problem.key, problem.name, problem.reason, entry_name=problem.name,
+                          judged=data)
+          self._rebuild_entry(problem.name.split('/')[1], problem.key)
         removed['entries'] += 1
-    if removed['entries']:  # removing entries can orphan objects and descendants
-      again = self.gc()
-      removed = {k: removed[k] + again[k] for k in removed}
     return removed
+
+  def _published_entries(self, key: str) -> list[dict]:
+    """The decoded entries stored under any parent for `key` (as written; not verified)."""
+    out = []
+    for name in self.backing.list('index/'):
+      if name.endswith('/' + key):
+        try:
+          value = json.loads(self.backing.read(name) or b'null')
+          out.append(value if isinstance(value, dict) else {})
+        except ValueError:
+          pass
+    return out
 
   def stats(self) -> dict:
     entries = self.entries()

@@ -106,6 +106,24 @@ class KvStore:
   def delete(self, key: str) -> None:
     self._kv.write(check_key(key), None).result()
 
+  def read_versioned(self, key: str) -> tuple[bytes | None, bytes]:
+    """(value or None, its generation): what `replace_if` and `delete_if` compare against."""
+    try:
+      result = self._kv.read(check_key(key)).result()
+    except Exception as e:
+      raise StoreUrlError(f'{self.url}: reading {key} failed: {e}') from None
+    value = result.value if result.state == 'value' else None
+    return value, result.stamp.generation
+
+  def delete_if(self, key: str, generation: bytes) -> bool:
+    """Deletes `key` only if it is still the value of `generation` (nobody rewrote it since it
+    was read); True when this call deleted it."""
+    return self._kv.write(check_key(key), None, if_equal=generation).result().generation != b''
+
+  def replace_if(self, key: str, value: bytes, generation: bytes) -> bool:
+    """Writes `value` only if `key` still holds `generation`; True when this call wrote it."""
+    return self._kv.write(check_key(key), value, if_equal=generation).result().generation != b''
+
   def delete_all(self) -> None:
     """Deletes every key under the URL."""
     self._kv.delete_range(ts.KvStore.KeyRange(b'', b'')).result()
