@@ -265,3 +265,52 @@ def test_gc_beside_a_put_keeps_what_the_put_publishes(eng, monkeypatch):
   assert any('not published' in p.reason for p in seen['problems'])
   reader = Store(store.backing, eng)
   assert reader.verify() == [] and reader.lookup(library).tokens == len(library)
+
+
+def test_verify_and_gc_leave_stray_names_alone(eng, tmp_path):
+  store = Store(f'file://{tmp_path}/s/', eng)
+  library = tokens(20, 19)
+  store.put(library)
+  for stray in ('index/README', f'index/{"ab" * 32}/notes.txt', 'objects/..hidden', 'objects/x'):
+    path = tmp_path / 's' / stray
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b'put there by hand')
+  problems = store.verify()
+  assert sorted(p.name for p in problems) == sorted(
+      ['index/README', f'index/{"ab" * 32}/notes.txt', 'objects/..hidden', 'objects/x'])
+  assert all(p.reason.startswith('stray') for p in problems)
+  assert store.gc() == {'objects': 0, 'entries': 0}
+  assert (tmp_path / 's' / 'objects' / 'x').exists()
+  assert Store(store.backing, eng).lookup(library).tokens == len(library)
+
+
+def test_manifest_fields_of_the_wrong_json_type_are_refused_in_one_line(eng, tmp_path):
+  from graft.store import ArtifactError, StoreError, artifact
+  library, _ = eng.prefill(tokens(12, 20), logits='none')
+  artifact.save(str(tmp_path / 'a'), eng, library)
+  manifest = json.loads((tmp_path / 'a' / 'manifest.json').read_text())
+  for field, value in (('leaves', ['not', 'a', 'dict']), ('num_tokens', '12'),
+                       ('next_position', None)):
+    changed = {**manifest, field: value}
+    changed['manifest_sha256'] = artifact.manifest_digest(changed)  # resealed
+    (tmp_path / 'a' / 'manifest.json').write_text(json.dumps(changed))
+    with pytest.raises(ArtifactError):
+      artifact.load(str(tmp_path / 'a'), eng)
+  store = Store(f'file://{tmp_path}/s/', eng)
+  description = json.loads(store.backing.read('store.json'))
+  for field, value in (('model', ['x']), ('engine', 7), ('namespace', {})):
+    store.backing.write('store.json', json.dumps({**description, field: value}).encode())
+    with pytest.raises(StoreError):
+      Store(store.backing, eng)
+
+
+def test_a_resealed_manifest_claiming_another_machine_is_refused(eng, tmp_path):
+  from graft.store import ArtifactError, artifact
+  library, _ = eng.prefill(tokens(12, 21), logits='none')
+  artifact.save(str(tmp_path / 'a'), eng, library)
+  manifest = json.loads((tmp_path / 'a' / 'manifest.json').read_text())
+  manifest['model'] = {**manifest['model'], 'params_sha256': '0' * 64}
+  manifest['manifest_sha256'] = artifact.manifest_digest(manifest)
+  (tmp_path / 'a' / 'manifest.json').write_text(json.dumps(manifest))
+  with pytest.raises(ArtifactError, match='does not hash to the fields recorded beside it'):
+    artifact.load(str(tmp_path / 'a'), eng)

@@ -66,6 +66,7 @@ _DESCRIPTION = 'store.json'
 # Hashing runs in threads: hashlib releases the GIL on large buffers.
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
 _HEX64 = re.compile('[0-9a-f]{64}')
+_OBJECT_NAME = re.compile('objects/[0-9a-f]{64}\\.[0-9a-f]{32}')
 _WRITE_BATCH = 64  # blocks computed before they are written together (bounds host memory)
 # Bytes read for a header: enough for any block object's preamble and header (about 150 bytes
 # per leaf), so a graft reads a block far behind its end (global layers only) in one read.
@@ -688,8 +689,9 @@ class Store:
     by_parent = collections.defaultdict(list)
     for name in names:
       parts = name.split('/')
-      if len(parts) != 3:
-        problems.append(Problem('', name, 'not an index entry name'))
+      if len(parts) != 3 or not all(_HEX64.fullmatch(p) for p in parts[1:]):
+        problems.append(Problem('', name[:200], 'stray: not a name this store makes (left '
+                                'alone: never read, followed or deleted)'))
         continue
       by_parent[parts[1]].append(parts[2])
     frontier = [(blocks.ROOT, 0)]
@@ -718,7 +720,10 @@ class Store:
         problems += [Problem(k, f'index/{parent}/{k}', 'unreachable: its parent is not '
                      'published') for k in keys]
     for name in self.backing.list('objects/'):
-      if name.split('/', 1)[1] not in published:
+      if not _OBJECT_NAME.fullmatch(name):
+        problems.append(Problem('', name[:200], 'stray: not a name this store makes (left '
+                                'alone: never read, followed or deleted)'))
+      elif name.split('/', 1)[1] not in published:
         problems.append(Problem(name.split('/', 1)[1][:64], name,
                                 'not published (left by an interrupted or losing put)'))
     return problems
@@ -765,6 +770,8 @@ class Store:
     has been published meanwhile is kept)."""
     removed = {'objects': 0, 'entries': 0}
     for problem in self.verify():
+      if problem.reason.startswith('stray'):
+        continue
       if problem.name.startswith('objects/'):
         key = problem.name.split('/', 1)[1].split('.')[0]
         if any(e.get('object') == problem.name.split('/', 1)[1]

@@ -229,6 +229,14 @@ def load(path: str, engine: Engine, *, timings: dict | None = None) -> Artifact:
   """Reads and verifies an artifact for `engine`; raises ArtifactError naming what is wrong.
   `timings`, when given, receives the seconds spent reading ('read_s', with the file hashes
   that run alongside) and hashing and checking what was read ('verify_s')."""
+  try:
+    return _load(path, engine, timings)
+  except (TypeError, KeyError, AttributeError, IndexError) as e:  # a field of the wrong type
+    raise ArtifactError(f'{path}: the manifest is malformed ({type(e).__name__}: '
+                        f'{str(e)[:120]})') from None
+
+
+def _load(path: str, engine: Engine, timings: dict | None) -> Artifact:
   start = time.perf_counter()
   verify = 0.0
   manifest = _read_manifest(path)
