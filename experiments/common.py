@@ -92,6 +92,8 @@ def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096
                        'blocked: the rows of every call (default 16).')
   flags.DEFINE_alias('block_size', 'rows_per_call')
   flags.DEFINE_integer('cache_len', cache_len, 'KV slots: the most tokens a context holds.')
+  flags.DEFINE_integer('attention_tile', None, 'KV tile of the tiled or Pallas attention '
+                       '(default: the implementation\'s, 256 for tiled).')
   flags.DEFINE_string('mesh', '', "Devices to run on: '' (one), or a mesh such as model:4 or "
                       'model:2,data:2 (on a CPU host the device count is set from it).')
   flags.DEFINE_enum('mesh_layout', 'gather', list(sharding.LAYOUTS),
@@ -133,6 +135,8 @@ def engine_flag_args() -> list[str]:
     args.append(f'--attention={FLAGS.attention}')
   if FLAGS.rows_per_call is not None:
     args.append(f'--rows_per_call={FLAGS.rows_per_call}')
+  if FLAGS.attention_tile is not None:
+    args.append(f'--attention_tile={FLAGS.attention_tile}')
   if FLAGS.mesh:
     args += [f'--mesh={FLAGS.mesh}', f'--mesh_layout={FLAGS.mesh_layout}']
   return args
@@ -150,6 +154,7 @@ def load_model() -> weights.LoadedModel:
 def engine_config(**overrides) -> EngineConfig:
   """The EngineConfig the engine flags describe (with `overrides`)."""
   values = dict(mode=FLAGS.engine, attention=FLAGS.attention, rows_per_call=FLAGS.rows_per_call,
+                attention_tile=FLAGS.attention_tile,
                 cache_len=FLAGS.cache_len, mesh=FLAGS.mesh, mesh_layout=FLAGS.mesh_layout,
                 xla_flags=sharding.xla_flags())
   values.update(overrides)

@@ -64,6 +64,8 @@ def define_flags() -> None:
                       'default: a temporary directory). In-process kinds use memory:// stores.')
   flags.DEFINE_integer('trials', 100, 'Trials per in-process kind.')
   flags.DEFINE_integer('process_trials', 8, 'Trials per kind that starts processes.')
+  flags.DEFINE_bool('signed', False, 'The golden store is written by an honest writer\'s key '
+                    'and every reader trusts only it (forgeries are then misses).')
   flags.DEFINE_integer('seed', 0, 'Seed of the contexts and of every fault\'s place.')
   flags.DEFINE_list('kinds', list(KINDS), f'Fault kinds: any of {", ".join(KINDS)}.')
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
@@ -79,11 +81,14 @@ def main(argv):
   if unknown:
     raise app.UsageError(f'--kinds: unknown {unknown}; expected some of {KINDS}')
   loaded = weights.load(FLAGS.model, FLAGS.weights, FLAGS.dtype)
+  # 8-slot attention tiles: a local ring of 16 slots, so the contexts run past it and the
+  # reader's global-layer-only (ranged) reads are exercised.
   engine = Engine(loaded, EngineConfig(rows_per_call=FLAGS.rows_per_call,
-                                        cache_len=FLAGS.cache_len))
+                                        cache_len=FLAGS.cache_len, attention_tile=8))
   model_args = [f'--model={FLAGS.model}', f'--weights={FLAGS.weights}', f'--dtype={FLAGS.dtype}',
-                f'--rows_per_call={FLAGS.rows_per_call}', f'--cache_len={FLAGS.cache_len}']
-  world = make_world(engine, np.random.default_rng(FLAGS.seed), model_args)
+                f'--rows_per_call={FLAGS.rows_per_call}', f'--cache_len={FLAGS.cache_len}',
+                '--attention_tile=8']
+  world = make_world(engine, np.random.default_rng(FLAGS.seed), model_args, signed=FLAGS.signed)
   others = other_engines(loaded, engine)
   scratch_root = None
   if FLAGS.store:
@@ -99,24 +104,24 @@ def main(argv):
   finally:
     if scratch_root:
       shutil.rmtree(scratch_root, ignore_errors=True)
-  summary = {'trials': sum(k['trials'] for k in kinds.values()),
-             'exact': sum(k['exact'] for k in kinds.values()),
-             'refused': sum(k['refused'] for k in kinds.values()),
-             'silent_wrong': sum(k['silent_wrong'] for k in kinds.values()),
-             'lost': sum(k['lost'] for k in kinds.values())}
+  summary = {field: sum(k[field] for k in kinds.values())
+             for field in ('trials', 'exact', 'untouched', 'refused', 'silent_wrong', 'crashed',
+                           'lost')}
   config = {'model': FLAGS.model, 'weights': FLAGS.weights, 'dtype': FLAGS.dtype,
             'rows_per_call': FLAGS.rows_per_call, 'cache_len': FLAGS.cache_len,
             'trials_per_kind': FLAGS.trials, 'process_trials_per_kind': FLAGS.process_trials,
-            'seed': FLAGS.seed, 'kinds': list(FLAGS.kinds),
+            'seed': FLAGS.seed, 'kinds': list(FLAGS.kinds), 'signed': FLAGS.signed,
             'contexts': [len(c) for c in world.contexts],
             'engine_fingerprint': engine.fingerprint}
-  output = FLAGS.output or common.default_output('faults', FLAGS.model, FLAGS.dtype)
+  output = FLAGS.output or common.default_output('faults', FLAGS.model, FLAGS.dtype,
+                                                 'signed' if FLAGS.signed else '')
   common.write_result(output, 'faults', {'config': config, 'kinds': kinds, 'summary': summary})
   for kind, t in kinds.items():
-    print(f"{kind:18s} {t['trials']:5d} trials  exact {t['exact']:5d}  refused {t['refused']:5d}"
-          f"  silent-wrong {t['silent_wrong']}  lost {t['lost']}")
+    print(f"{kind:20s} {t['trials']:5d} trials  exact {t['exact']:5d}  untouched "
+          f"{t['untouched']:5d}  refused {t['refused']:5d}  silent-wrong {t['silent_wrong']}  "
+          f"crashed {t['crashed']}  lost {t['lost']}")
   print(json.dumps(summary))
-  if summary['silent_wrong'] or summary['lost']:
+  if summary['silent_wrong'] or summary['crashed'] or summary['lost']:
     sys.exit(1)
 
 

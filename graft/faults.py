@@ -61,7 +61,8 @@ import numpy as np
 from gemma_jax import compare, weights
 from graft import exactness
 from graft.engine import Engine
-from graft.store import Store, StoreError, artifact, blocks
+from gemma_jax.config import AttentionType
+from graft.store import Store, StoreError, artifact, blocks, signing
 from graft.store.artifact import ArtifactError
 from graft.store.kvstore import KvStore, StoreUrlError
 
@@ -70,7 +71,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 STORE_KINDS = ('bitflip_data', 'bitflip_header', 'bitflip_index', 'truncate', 'empty', 'delete',
                'rename', 'copy_other_key', 'failing_write', 'foreign_store', 'shape_twin',
-               'hostile_key', 'huge_header', 'bad_index_types', 'artifact_manifest')
+               'hostile_key', 'huge_header', 'bad_index_types', 'artifact_manifest',
+               # a writer who is wrong, and other processes at work
+               'forgery', 'forgery_descendants', 'stale_reader', 'rebuild_beside_put',
+               'gc_beside_put', 'stray_names', 'wrong_json_types')
 PROCESS_KINDS = ('kill_put', 'concurrent_put')
 KINDS = STORE_KINDS + PROCESS_KINDS
 
@@ -90,9 +94,21 @@ class World:
   fresh: list[str]  # SHA-256 of the fresh query logits, per context
   golden: dict[str, bytes]  # kvstore key -> value of a store holding every context
   model_args: list[str]
+  # Signed campaigns: the honest writer's key, and what readers trust (None: every writer).
+  signing_key: signing.SigningKey | None = None
+  trusted: tuple | None = None
+
+  def store(self, kv: KvStore, engine: Engine | None = None, *, writer: bool = False) -> Store:
+    """A reader (or, `writer`, the honest writer) of a trial's store."""
+    return Store(kv, engine or self.engine, trusted_keys=self.trusted,
+                 signing_key=self.signing_key if writer else None)
 
 
-def make_world(engine: Engine, rng: np.random.Generator, model_args: list[str]) -> World:
+def make_world(engine: Engine, rng: np.random.Generator, model_args: list[str],
+               signed: bool = False) -> World:
+  """Contexts (some sharing a prefix that ends mid-block), their queries and fresh answers, and
+  a golden store holding them; `signed`: written by an honest writer whose key every reader
+  trusts."""
   vocab = engine.config.vocab_size
   B = engine.engine_config.rows_per_call
   draw = lambda n: [int(t) for t in rng.integers(3, vocab, n)]
@@ -105,12 +121,14 @@ def make_world(engine: Engine, rng: np.random.Generator, model_args: list[str]) 
     contexts.append(base[:shared] + draw(int(rng.integers(3, 4 * B))))
   queries = [draw(int(rng.integers(1, 6))) for _ in contexts]
   fresh = [exactness.fresh_sha256(engine, c, q) for c, q in zip(contexts, queries)]
+  key = signing.SigningKey(signing.ed25519.Ed25519PrivateKey.generate()) if signed else None
   kv = KvStore('memory://')
-  store = Store(kv, engine)
+  store = Store(kv, engine, signing_key=key)
   for context in contexts:
     store.put(context)
-  golden = {key: kv.read(key) for key in kv.list('')}
-  return World(engine, contexts, queries, fresh, golden, model_args)
+  golden = {k: kv.read(k) for k in kv.list('')}
+  return World(engine, contexts, queries, fresh, golden, model_args, key,
+               (key.public,) if signed else None)
 
 
 def trial_store(world: World) -> KvStore:
@@ -125,7 +143,9 @@ def trial_store(world: World) -> KvStore:
 
 @dataclasses.dataclass
 class Outcome:
-  outcome: str  # 'exact', 'refused' or 'silent_wrong'
+  # 'untouched' (the fault missed what the reader used), 'exact' (no fault on stored data),
+  # 'refused' (found, named, answered around), 'silent_wrong', or 'crashed' (a traceback)
+  outcome: str
   reasons: list[str]
   lost: bool
   grafted: int
@@ -154,14 +174,33 @@ def classify(sha: str, want: str, reasons: list[str], grafted: int) -> str:
     return 'silent_wrong'
   if reasons:
     return 'refused'
-  return 'exact' if grafted else 'silent_wrong'  # nothing refused must mean a graft was used
+  return 'untouched' if grafted else 'silent_wrong'  # nothing refused: a graft was used
 
 
 def untouched_intact(kv: KvStore, golden: dict[str, bytes], touched: set[str]) -> bool:
-  """Every golden key the fault did not touch still holds its bytes (quarantine may move only
-  what was touched)."""
-  keys = [k for k in golden if k not in touched and not k.startswith('quarantine/')]
-  return all(v == golden[k] for k, v in zip(keys, kv.read_many([(k, None) for k in keys])))
+  """Every committed block the fault did not touch is still published with its content, and
+  every other committed key (the description, signatures) still holds its bytes. A block counts
+  by content: its entry may now name another object of the same header (a writer that replaced
+  it with an identical recomputation), not a missing or different one."""
+  keys = [k for k in golden if k not in touched and not k.startswith(('quarantine/', 'objects/'))]
+  now = dict(zip(keys, kv.read_many([(k, None) for k in keys])))
+  for key in keys:
+    if not key.startswith('index/'):
+      if now[key] != golden[key]:
+        return False
+      continue
+    try:
+      was, is_ = json.loads(golden[key]), json.loads(now[key] or b'null')
+    except ValueError:
+      return False
+    if not isinstance(is_, dict) or is_.get('header_sha256') != was.get('header_sha256'):
+      return False
+    if is_['object'] != was['object'] and kv.read(f'objects/{is_["object"]}') is None:
+      return False
+    if is_['object'] == was['object'] and f'objects/{was["object"]}' not in touched and (
+        kv.read(f'objects/{was["object"]}') != golden.get(f'objects/{was["object"]}')):
+      return False
+  return True
 
 
 def reason_class(reason: str) -> str:
@@ -329,13 +368,70 @@ class FailingKvStore(KvStore):
 # Trials
 
 
+def forge(store: Store, entry: dict, rng=None) -> set[str]:
+  """Rewrites a published block self-consistently (header, per-leaf SHA-256 and index entry all
+  correct for its bytes) with one K value of a global layer off by 1e-3: what no hash can see.
+  Returns the keys it changed."""
+  name = f'objects/{entry["object"]}'
+  data = store.backing.read(name)
+  offset, length = blocks.header_span(data)
+  header = json.loads(data[offset:offset + length])
+  leaves = blocks.decode_leaves(header, data[offset + length:], offset + length,
+                                global_only=False, layout=store.block_layout)
+  cfg = store.engine.config
+  layer = next(i for i in cfg.cache_layers
+               if cfg.layer_spec(i).attention_type is AttentionType.GLOBAL)
+  leaves = {k: v.copy() for k, v in leaves.items()}
+  row = 0 if rng is None else int(rng.integers(len(header['tokens'])))
+  leaves[f'layer_{layer}/k'][row, 0, 0] += np.float32(1e-3)
+  hashed = blocks.hash_leaves(leaves, len(header['tokens']), store.block_layout)
+  _, forged, new_header = blocks.encode_block(
+      store.namespace, header['parent'], header['parent_header_sha256'], header['start'],
+      header['tokens'], hashed, store.block_layout)
+  entry_name = f'index/{header["parent"]}/{header["key"]}'
+  store.backing.write(name, forged)
+  offset, length = blocks.header_span(forged)
+  store.backing.write(entry_name, blocks.encode_entry(
+      new_header, entry['object'], len(forged), forged[offset:offset + length]))
+  return {name, entry_name}
+
+
+def _on_path_entry(world: World, kv: KvStore, context, rng) -> dict:
+  """The index entry of a random block of the context's chain."""
+  store = Store(kv, world.engine)
+  entries = store.lookup(context).entries
+  return entries[int(rng.integers(len(entries)))]
+
+
+def _repair(world: World, kv: KvStore, context) -> list[str]:
+  """An honest writer puts the context again: recomputing every block when readers trust every
+  writer; trusting only itself when the campaign is signed (an unsigned forgery is then a miss
+  it computes). Returns what it reported."""
+  writer = world.store(kv, writer=True)
+  writer.put(context, recompute=world.trusted is None)
+  return [p.reason for p in writer.problems]
+
+
+def _extended(world: World, context, rng) -> list[int]:
+  vocab = world.engine.config.vocab_size
+  return list(context) + [int(t) for t in rng.integers(3, vocab, int(rng.integers(8, 40)))]
+
+
 def store_trial(kind: str, world: World, rng, others: dict, scratch: str) -> Outcome:
+  try:
+    return _store_trial(kind, world, rng, others, scratch)
+  except Exception as e:  # noqa: BLE001 (a traceback is a finding, counted, never hidden)
+    logging.exception('%s trial crashed', kind)
+    return Outcome('crashed', [f'{type(e).__name__}: {e}'], False, 0, kind)
+
+
+def _store_trial(kind: str, world: World, rng, others: dict, scratch: str) -> Outcome:
   engine = world.engine
   c = int(rng.integers(len(world.contexts)))
   context, query, want = world.contexts[c], world.queries[c], world.fresh[c]
   kv = trial_store(world)
   reasons: list[str] = []
-  open_store = lambda: Store(kv, engine)
+  open_store = lambda: world.store(kv)
   if kind in ('bitflip_data', 'bitflip_header', 'truncate', 'empty', 'delete', 'rename',
               'copy_other_key'):
     touched, fault = _object_fault(kind, kv, pick_place(world, kv, context, rng), rng)
@@ -384,13 +480,85 @@ def store_trial(kind: str, world: World, rng, others: dict, scratch: str) -> Out
     touched, fault = set(), 'blocks of another model of the same shapes'
   elif kind == 'artifact_manifest':
     return artifact_manifest_trial(world, rng, context, query, want, scratch)
+  elif kind == 'forgery':
+    touched = forge(Store(kv, engine), _on_path_entry(world, kv, context, rng), rng)
+    repaired = world.trusted is None or rng.random() < 0.5  # signed: a reader distrusts it
+    if repaired:
+      reasons += _repair(world, kv, context)
+    fault = 'a self-consistent forgery' + (', then an honest put' if repaired else '')
+  elif kind == 'forgery_descendants':
+    touched = forge(Store(kv, engine), _on_path_entry(world, kv, context, rng), rng)
+    longer = _extended(world, context, rng)
+    world.store(kv, writer=True).put(longer)  # built on the forgery unless it is distrusted
+    reasons += _repair(world, kv, context)
+    context, want = longer, exactness.fresh_sha256(engine, longer, query)
+    fault = 'a forgery, a longer put built on it, then an honest put of its text'
+  elif kind == 'stale_reader':
+    stale = world.store(kv)
+    stale.lookup(context)  # caches every entry of the chain
+    entry = _on_path_entry(world, kv, context, rng)
+    entry_name = f'index/{entry["parent"]}/{entry["key"]}'
+    kv.delete(f'objects/{entry["object"]}')  # lost by another process...
+    world.store(kv, writer=True).put(context)  # ...which writes the block again
+    republished = kv.read(entry_name)
+    touched = {f'objects/{entry["object"]}', entry_name}
+    open_store = lambda: stale  # the reader holding the stale entry answers
+    fault = 'a reader with a stale entry of a block another writer rewrote'
+    sha, found, grafted = answer(engine, open_store, context, query)
+    reasons += found
+    lost = kv.read(entry_name) != republished
+    return _finish(world, kv, touched, Outcome(classify(sha, want, reasons, grafted), reasons,
+                                               lost, grafted, fault))
+  elif kind in ('rebuild_beside_put', 'gc_beside_put'):
+    context = _extended(world, context, rng)
+    want = exactness.fresh_sha256(engine, context, query)
+    other, seen = world.store(kv), {}
+
+    class Beside(Store):
+      def _step(self, step, names):
+        if kind == 'rebuild_beside_put' and step == str(rng.choice(['written', 'verified'])):
+          other.rebuild_index()
+        elif kind == 'gc_beside_put' and step == 'verified':
+          seen['problems'] = other.verify()  # the put's objects, unpublished
+        elif kind == 'gc_beside_put' and step == 'published':
+          other.verify = lambda: seen['problems']  # ...removed after they are published
+          other.gc()
+
+    Beside(kv, engine, trusted_keys=world.trusted, signing_key=world.signing_key).put(context)
+    touched, fault = set(), f'{kind.split("_")[0]} beside a put'
+  elif kind == 'stray_names':
+    strays = ['index/README', f'index/{"ab" * 32}/notes.txt', 'objects/x', 'objects/..hidden']
+    for name in strays:
+      kv._kv.write(name, b'put there by hand').result()  # past the store's own key check
+    world.store(kv).verify()
+    world.store(kv).gc()
+    touched, fault = set(strays), 'names the store never makes, then verify and gc'
+  elif kind == 'wrong_json_types':
+    description = json.loads(kv.read('store.json'))
+    field = ['model', 'engine', 'namespace', 'format'][int(rng.integers(4))]
+    description[field] = [None, 7, 'text', {'sha256': 3}][int(rng.integers(4))]
+    kv.write('store.json', json.dumps(description).encode())
+    touched, fault = {'store.json'}, f'store.json {field} of another JSON type'
   else:
     raise ValueError(kind)
   sha, found, grafted = answer(engine, open_store, context, query)
   reasons += found
   golden = world.golden if kind != 'shape_twin' else {}
-  lost = not untouched_intact(kv, golden, touched)
-  return Outcome(classify(sha, want, reasons, grafted), reasons, lost, grafted, fault)
+  return _finish(world, kv, touched, Outcome(
+      classify(sha, want, reasons, grafted), reasons, not untouched_intact(kv, golden, touched),
+      grafted, fault), golden)
+
+
+def _finish(world: World, kv: KvStore, touched: set, outcome: Outcome,
+            golden: dict | None = None) -> Outcome:
+  """gc after the trial: what it removes of what the fault did not touch is lost too."""
+  golden = world.golden if golden is None else golden
+  try:
+    world.store(kv).gc()
+  except StoreError:
+    pass  # a store that cannot be opened is not collected
+  outcome.lost = outcome.lost or not untouched_intact(kv, golden, touched)
+  return outcome
 
 
 def artifact_answer(engine: Engine, path: str, context, query) -> tuple[str, list[str], int]:
@@ -523,8 +691,9 @@ def campaign(world: World, kinds, trials: int, process_trials: int, seed: int, o
   for k, kind in enumerate(kinds):
     rng = np.random.default_rng([seed, k])
     count = process_trials if kind in PROCESS_KINDS else trials
-    tally = {'trials': 0, 'exact': 0, 'refused': 0, 'reasons': collections.Counter(),
-             'silent_wrong': 0, 'lost': 0, 'examples': []}
+    tally = {'trials': 0, 'exact': 0, 'untouched': 0, 'refused': 0,
+             'reasons': collections.Counter(), 'silent_wrong': 0, 'crashed': 0, 'lost': 0,
+             'examples': []}
     start = time.perf_counter()
     for i in range(count):
       if kind in PROCESS_KINDS:
@@ -536,7 +705,7 @@ def campaign(world: World, kinds, trials: int, process_trials: int, seed: int, o
       tally['lost'] += outcome.lost
       if outcome.outcome == 'refused':
         tally['reasons'][reason_class(outcome.reasons[0])] += 1
-      if outcome.outcome == 'silent_wrong' or outcome.lost:
+      if outcome.outcome in ('silent_wrong', 'crashed') or outcome.lost:
         tally['examples'].append({'fault': outcome.fault, 'reasons': outcome.reasons[:3],
                                   'grafted': outcome.grafted})
         logging.error('%s trial %d: %s, lost=%s (%s)', kind, i, outcome.outcome, outcome.lost,
@@ -544,8 +713,9 @@ def campaign(world: World, kinds, trials: int, process_trials: int, seed: int, o
     tally['reasons'] = dict(tally['reasons'].most_common())
     tally['seconds'] = round(time.perf_counter() - start, 1)
     results[kind] = tally
-    logging.info('%s: %d trials, %d exact, %d refused, %d silent-wrong, %d lost (%.0f s)', kind,
-                 tally['trials'], tally['exact'], tally['refused'], tally['silent_wrong'],
+    logging.info('%s: %d trials, %d exact, %d untouched, %d refused, %d silent-wrong, %d '
+                 'crashed, %d lost (%.0f s)', kind, tally['trials'], tally['exact'],
+                 tally['untouched'], tally['refused'], tally['silent_wrong'], tally['crashed'],
                  tally['lost'], tally['seconds'])
   return results
 

@@ -1,6 +1,7 @@
-"""The fault campaign at CI size: hundreds of random faults, none silently wrong, nothing lost.
-And the campaign itself can fail: with the per-leaf hash check planted out of the reader, it
-counts the silent-wrong answers that result."""
+"""The fault campaign at CI size: hundreds of random faults, none silently wrong, nothing lost
+(after gc), with and without signed writers. And the campaign itself can fail: with a defense
+planted out of the reader or the writer (the per-leaf hashes, the byte comparison of a taken
+key, the parent-header check, the trust list, the conditional delete), it counts what results."""
 
 import hashlib
 
@@ -16,30 +17,53 @@ from graft.engine import Engine, EngineConfig
 # refuse when the fault lands away from what the trial reads, and are then exact).
 ALWAYS_REFUSED = ('bitflip_header', 'truncate', 'empty', 'delete', 'rename', 'copy_other_key',
                   'foreign_store', 'shape_twin', 'huge_header', 'bad_index_types',
-                  'artifact_manifest')
+                  'artifact_manifest', 'forgery', 'forgery_descendants', 'wrong_json_types')
+
+
+def _setup(tmp_path_factory, signed):
+  loaded = weights.load('tiny_gemma3', 'random:0', 'float32')
+  engine = Engine(loaded, EngineConfig(rows_per_call=8, cache_len=512, attention_tile=8))
+  model_args = ['--model=tiny_gemma3', '--weights=random:0', '--block_size=8',
+                '--cache_len=512', '--attention_tile=8']
+  world = faults.make_world(engine, np.random.default_rng(1), model_args, signed=signed)
+  return world, faults.other_engines(loaded, engine), str(tmp_path_factory.mktemp('faults'))
 
 
 @pytest.fixture(scope='module')
 def setup(tmp_path_factory):
-  loaded = weights.load('tiny_gemma3', 'random:0', 'float32')
-  engine = Engine(loaded, EngineConfig(rows_per_call=8, cache_len=512))
-  model_args = ['--model=tiny_gemma3', '--weights=random:0', '--block_size=8',
-                '--cache_len=512']
-  world = faults.make_world(engine, np.random.default_rng(1), model_args)
-  return world, faults.other_engines(loaded, engine), str(tmp_path_factory.mktemp('faults'))
+  return _setup(tmp_path_factory, signed=False)
+
+
+@pytest.fixture(scope='module')
+def signed(tmp_path_factory):
+  return _setup(tmp_path_factory, signed=True)
+
+
+def _check(kinds, trials):
+  for name, kind in kinds.items():
+    assert kind['silent_wrong'] == 0 and kind['crashed'] == 0 and kind['lost'] == 0, (
+        name, kind['examples'])
+    assert kind['exact'] + kind['untouched'] + kind['refused'] == kind['trials']
+  for name in ALWAYS_REFUSED:
+    if name in kinds:
+      assert kinds[name]['refused'] > 0 and kinds[name]['reasons'], name
 
 
 @pytest.mark.slow
 def test_a_ci_sized_campaign_has_no_silent_wrong_answer_and_loses_nothing(setup):
   world, others, scratch = setup
-  kinds = faults.campaign(world, faults.KINDS, trials=15, process_trials=1, seed=3,
+  kinds = faults.campaign(world, faults.KINDS, trials=10, process_trials=1, seed=3,
                           others=others, scratch=scratch)
-  assert sum(k['trials'] for k in kinds.values()) == 15 * len(faults.STORE_KINDS) + 2
-  for name, kind in kinds.items():
-    assert kind['silent_wrong'] == 0 and kind['lost'] == 0, (name, kind['examples'])
-    assert kind['exact'] + kind['refused'] == kind['trials']
-  for name in ALWAYS_REFUSED:
-    assert kinds[name]['refused'] > 0 and kinds[name]['reasons'], name
+  assert sum(k['trials'] for k in kinds.values()) == 10 * len(faults.STORE_KINDS) + 2
+  _check(kinds, 10)
+
+
+def test_a_signed_campaign_never_grafts_a_forgery(signed):
+  world, others, scratch = signed
+  kinds = faults.campaign(world, ['forgery', 'forgery_descendants', 'stale_reader',
+                                  'bitflip_data'], trials=8, process_trials=0, seed=4,
+                          others=others, scratch=scratch)
+  _check(kinds, 8)
 
 
 def test_the_campaign_catches_a_reader_that_skips_the_leaf_hashes(setup, monkeypatch):
@@ -61,3 +85,39 @@ def test_the_campaign_catches_a_reader_that_skips_the_leaf_hashes(setup, monkeyp
   kinds = faults.campaign(world, ['bitflip_data'], trials=30, process_trials=0, seed=5,
                           others=others, scratch=scratch)
   assert kinds['bitflip_data']['silent_wrong'] > 0
+
+
+def test_the_campaign_catches_a_writer_that_keeps_a_forgery(setup, monkeypatch):
+  world, others, scratch = setup
+  # A planted bug: the writer keeps what is stored under a taken key without comparing bytes.
+  monkeypatch.setattr(faults.Store, '_publish_over',
+                      lambda self, *a, **k: (self.backing.delete(a[3]), (False, False))[1])
+  kinds = faults.campaign(world, ['forgery'], trials=6, process_trials=0, seed=6, others=others,
+                          scratch=scratch)
+  assert kinds['forgery']['silent_wrong'] > 0
+
+
+def test_the_campaign_catches_a_reader_that_ignores_the_parent_header(setup, monkeypatch):
+  world, others, scratch = setup
+  monkeypatch.setattr(faults.Store, '_on_parent', lambda self, entry, parent_header: True)
+  monkeypatch.setattr(faults.Store, '_children', lambda self, parent, start: [])
+  kinds = faults.campaign(world, ['forgery_descendants'], trials=6, process_trials=0, seed=7,
+                          others=others, scratch=scratch)
+  assert kinds['forgery_descendants']['silent_wrong'] > 0
+
+
+def test_the_campaign_catches_a_reader_that_trusts_every_signature(signed, monkeypatch):
+  world, others, scratch = signed
+  monkeypatch.setattr(faults.signing, 'signed_by', lambda record, digest, trusted: True)
+  kinds = faults.campaign(world, ['forgery'], trials=8, process_trials=0, seed=8, others=others,
+                          scratch=scratch)
+  assert kinds['forgery']['silent_wrong'] > 0
+
+
+def test_the_campaign_catches_an_unconditional_delete(setup, monkeypatch):
+  world, others, scratch = setup
+  monkeypatch.setattr(faults.Store, '_delete_entry_if',
+                      lambda self, name, judged: self.backing.delete(name) or True)
+  kinds = faults.campaign(world, ['stale_reader'], trials=6, process_trials=0, seed=9,
+                          others=others, scratch=scratch)
+  assert kinds['stale_reader']['lost'] > 0

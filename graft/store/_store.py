@@ -360,6 +360,7 @@ class Store:
     sound = self._sound_object(name, entry['key'])
     if sound is None:
       self.quarantine(entry['key'], name, reason, entry_name=entry_name, judged=judged)
+      self._rebuild_entry(entry['parent'], entry['key'])  # from another sound copy, if any
       return
     self.quarantine(entry['key'], entry_name, f'{reason}; the object is sound: the entry was '
                     'damaged and is rebuilt from it', entry_name=entry_name,
