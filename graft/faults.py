@@ -74,7 +74,7 @@ STORE_KINDS = ('bitflip_data', 'bitflip_header', 'bitflip_index', 'truncate', 'e
                'hostile_key', 'huge_header', 'bad_index_types', 'artifact_manifest',
                # a writer who is wrong, and other processes at work
                'forgery', 'forgery_descendants', 'stale_reader', 'rebuild_beside_put',
-               'gc_beside_put', 'stray_names', 'wrong_json_types')
+               'gc_beside_put', 'stray_names', 'wrong_json_types', 'borrowed_signature')
 PROCESS_KINDS = ('kill_put', 'concurrent_put')
 KINDS = STORE_KINDS + PROCESS_KINDS
 
@@ -533,6 +533,21 @@ def _store_trial(kind: str, world: World, rng, others: dict, scratch: str) -> Ou
     world.store(kv).verify()
     world.store(kv).gc()
     touched, fault = set(strays), 'names the store never makes, then verify and gc'
+  elif kind == 'borrowed_signature':
+    # A forgery that carries a trusted signature: one copied from another block, or one made
+    # over another header (what a forger who cannot sign can do with signatures it has seen).
+    entries = Store(kv, engine).lookup(context).entries
+    victim = entries[int(rng.integers(len(entries)))]
+    touched = forge(Store(kv, engine), victim, rng)
+    donors = [n for n in kv.list('signatures/') if not n.startswith(f'signatures/{victim["key"]}')]
+    if donors:
+      record = kv.read(donors[int(rng.integers(len(donors)))])
+      name = f'signatures/{victim["key"]}/{donors[0].rsplit("/", 1)[1]}'
+      kv.write(name, record)
+      touched.add(name)
+    if world.trusted is None:  # readers trust every writer: only an honest put finds it
+      reasons += _repair(world, kv, context)
+    fault = 'a forgery with a signature borrowed from another block'
   elif kind == 'wrong_json_types':
     description = json.loads(kv.read('store.json'))
     field = ['model', 'engine', 'namespace', 'format'][int(rng.integers(4))]

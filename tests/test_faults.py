@@ -17,7 +17,8 @@ from graft.engine import Engine, EngineConfig
 # refuse when the fault lands away from what the trial reads, and are then exact).
 ALWAYS_REFUSED = ('bitflip_header', 'truncate', 'empty', 'delete', 'rename', 'copy_other_key',
                   'foreign_store', 'shape_twin', 'huge_header', 'bad_index_types',
-                  'artifact_manifest', 'forgery', 'forgery_descendants', 'wrong_json_types')
+                  'artifact_manifest', 'forgery', 'forgery_descendants', 'wrong_json_types',
+                  'borrowed_signature')
 
 
 def _setup(tmp_path_factory, signed):
@@ -60,8 +61,9 @@ def test_a_ci_sized_campaign_has_no_silent_wrong_answer_and_loses_nothing(setup)
 
 def test_a_signed_campaign_never_grafts_a_forgery(signed):
   world, others, scratch = signed
-  kinds = faults.campaign(world, ['forgery', 'forgery_descendants', 'stale_reader',
-                                  'bitflip_data'], trials=8, process_trials=0, seed=4,
+  kinds = faults.campaign(world, ['forgery', 'forgery_descendants', 'borrowed_signature',
+                                  'stale_reader', 'bitflip_data'], trials=8, process_trials=0,
+                          seed=4,
                           others=others, scratch=scratch)
   _check(kinds, 8)
 
