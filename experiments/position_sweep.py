@@ -90,7 +90,9 @@ def define_flags() -> None:
   flags.DEFINE_string('output', None, 'Results JSON (default results/position_sweep_<label>_'
                       '<dtype>_<rope>.json).')
   common.define_model_flags()
-  common.define_engine_flags(cache_len=0)  # 0: just enough for library + query
+  # Pinned: the sweep runs RoPE controls and pre-RoPE models, which the spec (version 1) does not
+  # define. cache_len 0: just enough for library + query.
+  common.define_engine_flags(engine_default='pinned', cache_len=0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,16 +1,34 @@
-"""Suite-wide fixtures.
+"""Suite-wide fixtures and the suite's time report.
 
 XLA:CPU maps memory for every executable it compiles, and the pinned engine compiles one per
 (row bucket, attention tiles) it meets, so a whole-suite process accumulates tens of thousands of
 mappings; past the kernel's vm.max_map_count (65,530 by default) the next mapping fails and XLA
 crashes inside compilation (seen as a segfault in tests/test_graft_exact.py after the modules
 before it). Each module's compiled executables are released when it ends.
+
+The report at the end of a run names the tests that took the longest and how much of each was
+XLA compiling in the test's own process (subprocesses are counted in the wall time only): most of
+this suite's time on a CPU is compiling, which the persistent compilation cache
+(gemma_jax/compilation_cache.py) keeps for the next run.
 """
 
+import collections
 import gc
 
 import jax
 import pytest
+from jax import monitoring
+
+_COMPILE = {'seconds': 0.0}
+_START = pytest.StashKey[float]()
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+  if event == '/jax/core/compile/backend_compile_duration':
+    _COMPILE['seconds'] += seconds
+
+
+monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 @pytest.fixture(autouse=True, scope='module')
@@ -18,3 +36,42 @@ def release_compiled_executables():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+  item.stash[_START] = _COMPILE['seconds']
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_makereport(item, call):
+  """Each report carries the seconds compiled in this process since the test's setup began."""
+  spent = round(_COMPILE['seconds'] - item.stash.get(_START, _COMPILE['seconds']), 2)
+  item.user_properties[:] = [p for p in item.user_properties if p[0] != 'compile_s']
+  item.user_properties.append(('compile_s', spent))
+
+
+_TIMES: dict = collections.defaultdict(lambda: [0.0, 0.0])
+
+
+def pytest_runtest_logreport(report):
+  compile_s = dict(report.user_properties).get('compile_s')
+  _TIMES[report.nodeid][0] += report.duration
+  if report.when == 'teardown' and isinstance(compile_s, (int, float)):
+    _TIMES[report.nodeid][1] = compile_s
+
+
+def pytest_terminal_summary(terminalreporter):
+  if not _TIMES:
+    return
+  total = sum(t for t, _ in _TIMES.values())
+  compiled = sum(c for _, c in _TIMES.values())
+  terminalreporter.section('where the time went')
+  terminalreporter.write_line(f'{total:.0f} s in tests (summed over workers), {compiled:.0f} s of '
+                              'it XLA compiling in-process')
+  by_module = collections.defaultdict(lambda: [0.0, 0.0])
+  for nodeid, (seconds, compile_s) in _TIMES.items():
+    by_module[nodeid.split('::')[0]][0] += seconds
+    by_module[nodeid.split('::')[0]][1] += compile_s
+  for module, (seconds, compile_s) in sorted(by_module.items(), key=lambda kv: -kv[1][0]):
+    terminalreporter.write_line(f'{seconds:8.1f} s {compile_s:8.1f} s compiling  {module}')

@@ -118,8 +118,11 @@ def test_the_campaign_catches_a_reader_that_trusts_every_signature(signed, monke
 
 def test_the_campaign_catches_an_unconditional_delete(setup, monkeypatch):
   world, others, scratch = setup
+  # A planted bug: an entry judged bad is deleted whatever it holds by then (and not rebuilt from
+  # the sound object, which would heal the loss within the same reader).
   monkeypatch.setattr(faults.Store, '_delete_entry_if',
                       lambda self, name, judged: self.backing.delete(name) or True)
+  monkeypatch.setattr(faults.Store, '_rebuild_entry', lambda self, parent, key: None)
   kinds = faults.campaign(world, ['stale_reader'], trials=6, process_trials=0, seed=9,
                           others=others, scratch=scratch)
   assert kinds['stale_reader']['lost'] > 0

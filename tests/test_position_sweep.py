@@ -38,7 +38,8 @@ LIBRARY, QUERY, BLOCK = 24, 6, 8  # the library crosses tiny_gemma3's 8-token wi
 def engines(rope_mode='float'):
   loaded = shift.with_config(weights.load('tiny_gemma3', 'random:0', 'float32'),
                              rope_mode=rope_mode)
-  pinned = EngineConfig(rows_per_call=BLOCK, cache_len=ps.auto_cache_len(LIBRARY, QUERY, BLOCK))
+  pinned = EngineConfig(mode='pinned', rows_per_call=BLOCK,
+                        cache_len=ps.auto_cache_len(LIBRARY, QUERY, BLOCK))
   return ps.build_engines(loaded, pinned, shift.METHODS)
 
 
@@ -97,7 +98,8 @@ def test_quarter_turn_scores_need_relative_rotations():
   assert np.array_equal(d0, d2)
   np.testing.assert_allclose(s0, d0, rtol=1e-5, atol=1e-4)  # the same scores, rounded otherwise
   with pytest.raises(ValueError, match="'quarter_turn' RoPE mode needs attention in"):
-    Engine(engines('quarter_turn')['standard'].loaded, EngineConfig(attention='pallas'))
+    Engine(engines('quarter_turn')['standard'].loaded,
+           EngineConfig(mode='pinned', attention='pallas'))
 
 
 def test_float_rope_is_inexact_at_some_nonzero_offset():

@@ -347,13 +347,15 @@ def test_hostile_entries_are_refused_not_followed():
   store.put(library)
   entry = store.lookup(library).entries[0]
   name = f'index/{entry["parent"]}/{entry["key"]}'
+  original = store.backing.read(name)
   for hostile in ({**entry, 'object': '../../etc/passwd'}, {**entry, 'tokens': 'abc'},
                   {**entry, 'object_bytes': 1 << 60}, [1, 2, 3], {**entry, 'start': -8}):
     store.backing.write(name, json.dumps(hostile).encode())
     reader = Store(store.backing, eng)
-    assert reader.lookup(library).tokens == 0
-    assert reader.problems
-    store.put(library)  # rewrites the removed entry
+    match = reader.lookup(library)
+    assert reader.problems and reader.problems[0].name == name  # refused, named
+    # Never followed: the entry is rebuilt from the block's sound object, and matches again.
+    assert store.backing.read(name) == original and match.tokens == len(library)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,11 +407,15 @@ def test_a_process_killed_mid_put_leaves_no_half_object_and_loses_nothing(tmp_pa
     assert store.backing.read(name) == data
   reader = Store(url, eng)
   problems = reader.verify()
-  assert all(p.reason.startswith('not published') for p in problems), problems
+  # Objects written but not published; and, when the kill fell inside a batch's concurrent
+  # publication, sound entries whose parent's entry was not written yet (kept by gc: the next
+  # put of the text makes them reachable).
+  allowed = ('not published', 'unreachable')
+  assert all(p.reason.startswith(allowed) for p in problems), problems
   assert not any(name.startswith('objects/.') for name in reader.backing.list(''))
   # A second process reads and writes the same store: the earlier text grafts exactly.
   logits, match = grafted_logits(reader, earlier, [3, 4])
   assert match.tokens == len(earlier)
   assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, earlier, [3, 4]))
   reader.gc()
-  assert reader.verify() == []
+  assert all(p.reason.startswith('unreachable') for p in reader.verify())

@@ -720,6 +720,7 @@ class Store:
       if parent not in reachable:
         problems += [Problem(k, f'index/{parent}/{k}', 'unreachable: its parent is not '
                      'published') for k in keys]
+        published.update(self._object_named(f'index/{parent}/{k}') for k in keys)
     for name in self.backing.list('objects/'):
       if not _OBJECT_NAME.fullmatch(name):
         problems.append(Problem('', name[:200], 'stray: not a name this store makes (left '
@@ -728,6 +729,14 @@ class Store:
         problems.append(Problem(name.split('/', 1)[1][:64], name,
                                 'not published (left by an interrupted or losing put)'))
     return problems
+
+  def _object_named(self, entry_name: str) -> str | None:
+    """The object an entry names, as written (not verified; None if it names none)."""
+    try:
+      entry = json.loads(self.backing.read(entry_name) or b'null')
+    except ValueError:
+      return None
+    return entry.get('object') if isinstance(entry, dict) else None
 
   def audit(self, fraction: float = 1.0, *, seed: int = 0) -> list[Problem]:
     """Recomputes the store's blocks in chain order with this store's engine and compares the
