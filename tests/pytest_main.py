@@ -28,7 +28,7 @@ def _repo_root() -> str:
 
 
 def _pytest_args(test_file: str, extra: list[str]) -> list[str]:
-  args = [test_file, '-p', 'no:cacheprovider', '-ra']
+  args = [test_file, '-p', 'no:cacheprovider', '-ra', '-n', '0']  # Bazel runs targets in parallel
   xml = os.environ.get('XML_OUTPUT_FILE')
   if xml:
     args += ['--junitxml', xml]

@@ -20,8 +20,12 @@ def loaded(name='tiny_gemma3', seed=0, dtype='float32'):
   return weights.load(name, f'random:{seed}', dtype)
 
 
-@functools.lru_cache(maxsize=None)
 def engine(block_size=8, name='tiny_gemma3', dtype='float32', kind='pinned'):
+  return _engine(block_size, name, dtype, kind)  # one engine per configuration, however called
+
+
+@functools.lru_cache(maxsize=8)  # an engine's executables go with it: a bounded number live
+def _engine(block_size, name, dtype, kind):
   # Spec and pinned: 16-slot attention tiles, so that the local rings (W + B - 1 = 15..23 slots
   # rounded up to tiles) wrap many times in these contexts, as the 270M's 768-slot rings do.
   tile = 16 if kind in ('spec', 'pinned') else None
@@ -46,8 +50,8 @@ def fresh_and_graft(eng, library, query):
 
 
 @pytest.mark.parametrize('name', ['tiny_gemma2', 'tiny_gemma3', 'tiny_gemma4'])
-@settings(max_examples=15, deadline=None)
-@given(split=st.integers(1, 90), query_len=st.integers(1, 40),
+@settings(max_examples=10, deadline=None)
+@given(split=st.integers(1, 70), query_len=st.integers(1, 30),
        block_size=st.sampled_from([1, 3, 8, 16]), chunks=st.lists(st.integers(1, 20), max_size=3),
        seed=st.integers(0, 2**16))
 def test_graft_equals_fresh_for_any_split_chunking_and_query(name, split, query_len, block_size,
@@ -69,10 +73,15 @@ def test_graft_equals_fresh_for_any_split_chunking_and_query(name, split, query_
   assert sha256_bytes(fresh) == sha256_bytes(grafted)
 
 
+# Every engine mode on every family; bfloat16 where the mode defines it; blocked also at 16 rows
+# (tiny_gemma4's bits depend on a token's row in the block).
+CASES = ([(kind, 8, 'float32') for kind in ('spec', 'pinned', 'blocked')]
+         + [(kind, 8, 'bfloat16') for kind in ('spec', 'pinned', 'blocked')]
+         + [('blocked', 16, 'float32')])
+
+
 @pytest.mark.parametrize('name', ['tiny_gemma2', 'tiny_gemma3', 'tiny_gemma4'])
-@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
-@pytest.mark.parametrize('block_size', [8, 16])  # blocked, 16: tiny_gemma4's bits depend on the row
-@pytest.mark.parametrize('kind', ['spec', 'pinned', 'blocked'])
+@pytest.mark.parametrize('kind, block_size, dtype', CASES)
 def test_graft_is_byte_exact_on_every_family_and_dtype(name, dtype, block_size, kind):
   if kind == 'spec' and dtype == 'bfloat16':  # the written arithmetic (version 1) is float32
     with pytest.raises(ValueError, match='is float32; this model is bfloat16'):

@@ -63,8 +63,10 @@ def test_270m_weights_match_hf_gguf_loader(ours_270m, hf_270m):
     assert np.array_equal(theirs, value), f'{name}: max |diff| {np.max(np.abs(theirs - value))}'
 
 
+# Three of experiments/peers/parity.py's nine prompts, one per property: the README's example, a
+# non-Latin script, and a prompt past the 512-token window (the committed result has all nine).
 @pytest.mark.slow
-@pytest.mark.parametrize('prompt', list(hf_parity.PROMPTS))
+@pytest.mark.parametrize('prompt', ['capital', 'chinese', 'long_prose'])
 def test_270m_matches_hf(ours_270m, hf_270m, prompt):
   row = hf_parity.compare_prompt(ours_270m, hf_270m, hf_parity.PROMPTS[prompt])
   print(f'\n{prompt}: {row}')

@@ -51,8 +51,12 @@ def test_corrupt_embedded_gguf_is_refused_with_its_hash(tmp_path, monkeypatch):
     f.seek(1 << 20)
     f.write(bytes([byte[0] ^ 0xFF]))
   monkeypatch.setattr(package, 'assemble', lambda *a, **k: corrupt)
-  with pytest.raises(ValueError, match='is corrupt: SHA-256 .* != expected'):
-    weights.embedded_gguf_path()
+  weights._embedded_gguf.cache_clear()  # checked once per process: check again
+  try:
+    with pytest.raises(ValueError, match='is corrupt: SHA-256 .* != expected'):
+      weights.embedded_gguf_path()
+  finally:
+    weights._embedded_gguf.cache_clear()
 
 
 def test_parameter_cache_is_atomic(tmp_path):

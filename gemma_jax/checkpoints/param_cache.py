@@ -80,6 +80,22 @@ def load_entry(directory: str):
   return tree.unflatten(flat), Tokenizer.from_model_proto(proto)
 
 
+def cached_tokenizer(key: str, root: str | None = None) -> Tokenizer | None:
+  """The tokenizer of entry `key` alone (without reading its parameters), verified against the
+  entry's hashes; None when there is no such entry or it does not verify."""
+  directory = os.path.join(root or cache_root(), key)
+  try:
+    with open(os.path.join(directory, _HASHES_FILE)) as f:
+      expected = json.load(f)['tokenizer_sha256']
+    with open(os.path.join(directory, _TOKENIZER_FILE), 'rb') as f:
+      proto = f.read()
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+  if sha256_bytes(np.frombuffer(proto, np.uint8)) != expected:
+    return None
+  return Tokenizer.from_model_proto(proto)
+
+
 def cached(key: str, build: Callable[[], tuple], root: str | None = None):
   """Returns (params, tokenizer) for `key`, building and caching them on a miss or when the
   cached entry fails verification."""
