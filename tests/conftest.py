@@ -7,10 +7,10 @@ crashes inside compilation (seen as a segfault in tests/test_graft_exact.py afte
 before it). Each module's compiled executables are released when it ends; a worker of a parallel
 run goes through many modules.
 
-The report at the end of a run names the tests that took the longest and how much of each was
-XLA compiling in the test's own process (subprocesses are counted in the wall time only): most of
-this suite's time on a CPU is compiling, which the persistent compilation cache
-(gemma_jax/compilation_cache.py) keeps for the next run.
+The report at the end of a run gives each module's test time and how much of it was XLA
+compiling in the test's own process (subprocesses count in the time only): most of this suite's
+time on a CPU is compiling, which the persistent compilation cache (gemma_jax/compilation_cache.py)
+keeps for the next run.
 """
 
 import collections
