@@ -1,8 +1,9 @@
 """JAX's persistent compilation cache, on by default under $GEMMA_JAX_CACHE/xla.
 
 Compiled executables are kept on disk and loaded by later processes, so a fresh process reaches
-its first logits in seconds instead of compiling some forty executables (tests/test_compilation_cache.py
-checks that an executable loaded from the cache gives the bits of a fresh compile). Set
+its first logits in seconds instead of compiling some forty executables
+(tests/test_compilation_cache.py checks that an executable loaded from the cache gives the bits of
+a fresh compile). Set
 GEMMA_JAX_COMPILATION_CACHE=0, or pass --nocompilation_cache to an entry point, to compile
 everything afresh.
 """
