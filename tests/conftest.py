@@ -7,14 +7,16 @@ crashes inside compilation (seen as a segfault in tests/test_graft_exact.py afte
 before it). Each module's compiled executables are released when it ends; a worker of a parallel
 run goes through many modules.
 
-The report at the end of a run gives each module's test time and how much of it was XLA
-compiling in the test's own process (subprocesses count in the time only): most of this suite's
-time on a CPU is compiling, which the persistent compilation cache (gemma_jax/compilation_cache.py)
-keeps for the next run.
+The report at the end of a run gives each module's test time, how much of it was XLA
+compiling in the test's own process (subprocesses count in the time only) and how far it raised
+its process's peak resident memory: most of this suite's time on a CPU is compiling, which the
+persistent compilation cache (gemma_jax/compilation_cache.py) keeps for the next run, and a worker
+that runs out of memory is killed and fails the run.
 """
 
 import collections
 import gc
+import resource
 
 import jax
 import pytest
@@ -53,18 +55,28 @@ def pytest_runtest_setup(item):
 def pytest_runtest_makereport(item, call):
   """Each report carries the seconds compiled in this process since the test's setup began."""
   spent = round(_COMPILE['seconds'] - item.stash.get(_START, _COMPILE['seconds']), 2)
-  item.user_properties[:] = [p for p in item.user_properties if p[0] != 'compile_s']
+  item.user_properties[:] = [p for p in item.user_properties if p[0] not in ('compile_s', 'peak_mb')]
   item.user_properties.append(('compile_s', spent))
+  # The process's peak resident memory so far (ru_maxrss is in kB on Linux).
+  item.user_properties.append(('peak_mb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
 
 
 _TIMES: dict = collections.defaultdict(lambda: [0.0, 0.0])
+_PEAK_MB: dict = {}  # process (worker id) -> its peak so far
+_RAISED_MB: dict = collections.defaultdict(float)  # module -> how far it raised its process's peak
 
 
 def pytest_runtest_logreport(report):
-  compile_s = dict(report.user_properties).get('compile_s')
+  properties = dict(report.user_properties)
   _TIMES[report.nodeid][0] += report.duration
-  if report.when == 'teardown' and isinstance(compile_s, (int, float)):
-    _TIMES[report.nodeid][1] = compile_s
+  if report.when != 'teardown' or not isinstance(properties.get('compile_s'), (int, float)):
+    return
+  _TIMES[report.nodeid][1] = properties['compile_s']
+  worker = getattr(getattr(report, 'node', None), 'gateway', None)
+  worker = getattr(worker, 'id', 'main')
+  before = _PEAK_MB.get(worker, 0.0)
+  _PEAK_MB[worker] = max(before, properties['peak_mb'])
+  _RAISED_MB[report.nodeid.split('::')[0]] += _PEAK_MB[worker] - before
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -74,10 +86,12 @@ def pytest_terminal_summary(terminalreporter):
   compiled = sum(c for _, c in _TIMES.values())
   terminalreporter.section('where the time went')
   terminalreporter.write_line(f'{total:.0f} s in tests (summed over workers), {compiled:.0f} s of '
-                              'it XLA compiling in-process')
+                              'it XLA compiling in-process; peak resident memory per process: '
+                              + ', '.join(f'{w} {mb / 1024:.1f} GiB' for w, mb in _PEAK_MB.items()))
   by_module = collections.defaultdict(lambda: [0.0, 0.0])
   for nodeid, (seconds, compile_s) in _TIMES.items():
     by_module[nodeid.split('::')[0]][0] += seconds
     by_module[nodeid.split('::')[0]][1] += compile_s
   for module, (seconds, compile_s) in sorted(by_module.items(), key=lambda kv: -kv[1][0]):
-    terminalreporter.write_line(f'{seconds:8.1f} s {compile_s:8.1f} s compiling  {module}')
+    terminalreporter.write_line(f'{seconds:8.1f} s {compile_s:8.1f} s compiling '
+                                f'{_RAISED_MB[module] / 1024:5.1f} GiB peak raised  {module}')
