@@ -34,10 +34,11 @@ def test_slot_equals_alone_whatever_the_other_slots_hold(name):
   # Four texts together, then each next to idle slots and next to other texts.
   _, together = eng.extend_batch([eng.empty()] * 4, texts, logits=[len(t) for t in texts])
   assert [sha256_bytes(r) for r in together] == alone
-  _, with_idle = eng.extend_batch([eng.empty()] * 3, [[], texts[2], []], logits=[0, 70, 0])
+  _, with_idle = eng.extend_batch([eng.empty()] * 4, [[], texts[2], [], []], logits=[0, 70, 0, 0])
   assert with_idle[0] is None and sha256_bytes(with_idle[1]) == alone[2]
-  _, pair = eng.extend_batch([eng.empty()] * 2, [texts[3], texts[0]], logits=[1, 37])
-  assert sha256_bytes(pair[1]) == alone[0]
+  _, swapped = eng.extend_batch([eng.empty()] * 4, [texts[3], texts[0], [], texts[1]],
+                                logits=[1, 37, 0, 5])
+  assert [sha256_bytes(swapped[i]) for i in (0, 1, 3)] == [alone[3], alone[0], alone[1]]
 
 
 def test_batched_grafts_and_decoding_equal_alone():

@@ -52,7 +52,7 @@ def fresh_and_graft(eng, library, query):
 @pytest.mark.parametrize('name', ['tiny_gemma2', 'tiny_gemma3', 'tiny_gemma4'])
 @settings(max_examples=10, deadline=None)
 @given(split=st.integers(1, 70), query_len=st.integers(1, 30),
-       block_size=st.sampled_from([1, 3, 8, 16]), chunks=st.lists(st.integers(1, 20), max_size=3),
+       block_size=st.sampled_from([3, 8]), chunks=st.lists(st.integers(1, 20), max_size=3),
        seed=st.integers(0, 2**16))
 def test_graft_equals_fresh_for_any_split_chunking_and_query(name, split, query_len, block_size,
                                                              chunks, seed):

@@ -4,7 +4,7 @@ JAX lowers a jitted function for any platform it knows, whatever it runs on
 (`jax.jit(f).trace(*args).lower(lowering_platforms=('tpu',))`, `jax.export`), and the Pallas
 kernels lower too: the tpu driver to Mosaic (a `tpu_custom_call` carrying the serialized Mosaic
 module), the gpu driver to Triton (a `__gpu$xla.gpu.triton` custom call carrying the Triton IR).
-So a CPU-only machine can check that the pinned engine's two functions, with either attention,
+So a CPU-only machine can check that the engine's two functions, with either attention,
 get through JAX's lowering for `cuda` and `tpu`, and that the kernel is in the module:
 
     texts = lower_engine(config, EngineConfig(attention='pallas'), 'tpu')
@@ -101,7 +101,7 @@ def abstract_engine(config: TransformerConfig, engine_config: EngineConfig, plat
 def abstract_inputs(engine: Engine) -> dict[str, tuple]:
   """The abstract arguments of the step and logits functions for one call of each with the most
   rows a call has."""
-  config, pinned = engine.config, engine.engine_config
+  config, engine_config = engine.config, engine.engine_config
   i32 = jnp.int32
   kv = jax.eval_shape(engine.empty_kv)
   rows = engine.max_rows
@@ -111,7 +111,7 @@ def abstract_inputs(engine: Engine) -> dict[str, tuple]:
                jax.ShapeDtypeStruct((1, rows), i32), kv),
       'logits': (params, engine.output_table,
                  jax.ShapeDtypeStruct((1, rows, config.embed_dim), engine.dtype),
-                 jax.ShapeDtypeStruct((pinned.logits_rows,), i32)),
+                 jax.ShapeDtypeStruct((engine_config.logits_rows,), i32)),
   }
 
 
@@ -231,13 +231,13 @@ def summary(config_names=('tiny_gemma3', 'gemma3_270m'), platforms=('cuda', 'tpu
   host's own compile of the same functions."""
   from gemma_jax import config as gcfg
   rows = []
-  pinned = EngineConfig()
+  engine_config = EngineConfig()  # the default engine (spec)
   for name in config_names:
     for platform in platforms:
       for attention in ('xla', 'pallas'):
         row = dict(config=name, platform=platform, attention=attention, dtype=dtype)
         try:
-          texts = lower_engine(gcfg.get_config(name), pinned, platform, attention, dtype=dtype)
+          texts = lower_engine(gcfg.get_config(name), engine_config, platform, attention, dtype=dtype)
         except MissingComponent as e:
           rows.append(dict(row, missing=e.component, error=str(e)))
           continue
