@@ -56,10 +56,12 @@ def pytest_runtest_makereport(item, call):
   """Each report carries the seconds compiled in this process since the test's setup began and
   the process's peak resident memory so far."""
   spent = round(_COMPILE['seconds'] - item.stash.get(_START, _COMPILE['seconds']), 2)
-  item.user_properties[:] = [p for p in item.user_properties if p[0] not in ('compile_s', 'peak_mb')]
+  item.user_properties[:] = [p for p in item.user_properties
+                             if p[0] not in ('compile_s', 'peak_mb')]
   item.user_properties.append(('compile_s', spent))
   # ru_maxrss is in kB on Linux.
-  item.user_properties.append(('peak_mb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+  peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  item.user_properties.append(('peak_mb', peak_kb / 1024))
 
 
 _TIMES: dict = collections.defaultdict(lambda: [0.0, 0.0])

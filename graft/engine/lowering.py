@@ -237,7 +237,8 @@ def summary(config_names=('tiny_gemma3', 'gemma3_270m'), platforms=('cuda', 'tpu
       for attention in ('xla', 'pallas'):
         row = dict(config=name, platform=platform, attention=attention, dtype=dtype)
         try:
-          texts = lower_engine(gcfg.get_config(name), engine_config, platform, attention, dtype=dtype)
+          texts = lower_engine(gcfg.get_config(name), engine_config, platform, attention,
+                               dtype=dtype)
         except MissingComponent as e:
           rows.append(dict(row, missing=e.component, error=str(e)))
           continue
