@@ -29,6 +29,7 @@ from analysis import results as results_schema
 from gemma_jax import compilation_cache, files, sharding, weights
 from gemma_jax.attention import IMPLEMENTATIONS
 from graft.engine import PLANS, Engine, EngineConfig
+from graft.engine.plans import DOT_LIBRARIES
 
 FLAGS = flags.FLAGS
 
@@ -99,6 +100,9 @@ def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096
   flags.DEFINE_enum('mesh_layout', 'gather', list(sharding.LAYOUTS),
                     'Mesh layout: gather (no contraction split) or split (Megatron).')
   flags.DEFINE_alias('layout', 'mesh_layout')
+  flags.DEFINE_enum('dot_library', EngineConfig.dot_library, list(DOT_LIBRARIES),
+                    "What computes the fixed-order engines' dots: eigen, ynn (XLA's default) or, "
+                    'for the spec engine, pallas (the spec dot kernel; interpret mode on CPU).')
 
 
 def define_store_flags() -> None:
@@ -137,6 +141,8 @@ def engine_flag_args() -> list[str]:
     args.append(f'--rows_per_call={FLAGS.rows_per_call}')
   if FLAGS.attention_tile is not None:
     args.append(f'--attention_tile={FLAGS.attention_tile}')
+  if FLAGS.dot_library != EngineConfig.dot_library:
+    args.append(f'--dot_library={FLAGS.dot_library}')
   if FLAGS.mesh:
     args += [f'--mesh={FLAGS.mesh}', f'--mesh_layout={FLAGS.mesh_layout}']
   return args
@@ -156,7 +162,7 @@ def engine_config(**overrides) -> EngineConfig:
   values = dict(mode=FLAGS.engine, attention=FLAGS.attention, rows_per_call=FLAGS.rows_per_call,
                 attention_tile=FLAGS.attention_tile,
                 cache_len=FLAGS.cache_len, mesh=FLAGS.mesh, mesh_layout=FLAGS.mesh_layout,
-                xla_flags=sharding.xla_flags())
+                dot_library=FLAGS.dot_library, xla_flags=sharding.xla_flags())
   values.update(overrides)
   return EngineConfig(**values)
 

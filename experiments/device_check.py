@@ -6,8 +6,9 @@
 2. graft exactness on the embedded 270M, 10 samples, with XLA attention and with the Pallas
    kernel, fresh and grafted logits compared by SHA-256 (a manifest of the run is written for
    later replays on the same kind of device);
-3. a replay of the committed CI manifest (made on a CPU: the hashes are expected to differ on
-   another backend, and the result says whether they do);
+3. a replay of the committed CI manifest (made on a CPU by the spec engine), as recorded and
+   with the spec engine's dots in the spec dot kernel (gemma_jax/kernels/spec_dot.py): where
+   the device passes the spec self-check, its hashes are the CPU's;
 4. hashes and timings of all of it to results/device_<kind>.json (kind from the device).
 
 Every step records what it printed and how long it took; a step that fails is recorded and the
@@ -36,11 +37,12 @@ def define_flags() -> None:
   flags.DEFINE_string('manifest_dir', 'manifests', 'Where the run\'s manifests go.')
 
 
-def _run(command: list[str], timeout: int = 600) -> dict:
+def _run(command: list[str], timeout: int = 600, env: dict | None = None) -> dict:
   start = time.perf_counter()
   try:
     proc = subprocess.run(command, cwd=common.REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, 'PYTHONPATH': common.REPO})
+                          timeout=timeout,
+                          env={**os.environ, 'PYTHONPATH': common.REPO, **(env or {})})
     status, out = proc.returncode, proc.stdout + proc.stderr
   except subprocess.TimeoutExpired as e:
     status, out = 'timeout', (e.stdout or b'').decode(errors='replace') if isinstance(
@@ -76,6 +78,12 @@ def main(argv):
           for s in result['samples']]
   steps['replay_ci_manifest'] = _run([sys.executable, '-m', 'experiments.replay',
                                       '--manifest=manifests/ci_gemma3_270m_float32.json'])
+  # The same CPU-made manifest with the spec engine's dots in the spec dot kernel (Triton, one
+  # fma.rn.ftz.f32 per term) and XLA:GPU flushing subnormals as the spec does: equal hashes are
+  # a CPU <-> GPU byte-exact graft; a refusal names the self-check probe that differs.
+  steps['replay_ci_manifest_spec_dot'] = _run(
+      [sys.executable, '-m', 'experiments.replay', '--manifest=manifests/ci_gemma3_270m_float32.json',
+       '--dot_library=pallas'], env={'XLA_FLAGS': '--xla_gpu_ftz=true'})
   steps['lowering_summary'] = _run([sys.executable, '-m', 'graft.engine.lowering', 'gemma3_270m'])
   exact = all(steps[f'graft_exactness_{a}'].get('summary', {}).get('equal') == FLAGS.samples
               for a in ('xla', 'pallas'))

@@ -2,6 +2,7 @@
 
   python -m experiments.replay --manifest=manifests/NAME.json
   python -m experiments.replay --manifest=manifests/ci_gemma3_270m_float32.json
+  python -m experiments.replay --manifest=manifests/ci_gemma3_270m_float32.json --dot_library=pallas
 
 A graft-exactness manifest (experiments.graft_exactness --manifest) holds the token ids of
 every sample, the model and engine fingerprints, and the SHA-256 of the fresh and grafted query
@@ -25,6 +26,7 @@ import sys
 from absl import flags
 
 from experiments import common
+from graft.engine.plans import DOT_LIBRARIES
 from graft.replay import records, replay, select
 
 FLAGS = flags.FLAGS
@@ -34,6 +36,9 @@ def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_string('manifest', None, 'Manifest JSON to replay.', required=True)
   flags.DEFINE_integer('limit', 0, 'Replay only the first N samples (0: all).')
+  flags.DEFINE_enum('dot_library', None, list(DOT_LIBRARIES),
+                    "A spec manifest's engine with another dot library (default: the "
+                    "manifest's; 'pallas': the spec dot kernel, how a GPU follows the spec).")
 
 
 def main(argv):
@@ -41,7 +46,7 @@ def main(argv):
   path = select(FLAGS.manifest)
   with open(path) as f:
     manifest = json.load(f)
-  failures = replay(manifest, FLAGS.limit)
+  failures = replay(manifest, FLAGS.limit, FLAGS.dot_library)
   count = len(records(manifest)[:FLAGS.limit or None])
   if failures:
     print(f'{len(failures)} of {count} records differ from {path}:')

@@ -130,6 +130,11 @@ class Numerics:
     (gemma_jax.tiled_attention)."""
     return jnp.einsum('bkjrh,bkjsh->bkjrs', q, k)
 
+  def tile_values(self, p: jax.Array, v: jax.Array) -> jax.Array:
+    """Probabilities times values per KV tile: p [B, K, n, R, S] . v [B, K, n, S, H] ->
+    [B, K, n, R, H] (gemma_jax.tiled_attention)."""
+    return jnp.einsum('bkjrs,bkjsh->bkjrh', p, v)
+
   def mean_square(self, x: jax.Array) -> jax.Array:
     """mean(x^2) over the last axis (kept), float32 in and out."""
     return jnp.mean(jnp.square(x), axis=-1, keepdims=True)
@@ -284,14 +289,32 @@ class Spec(FixedOrder):
   from a correctly rounded table of inverse frequencies, RMSNorm's reciprocal square root as
   1 / sqrt, divisions by a row's shared value as multiplications by its reciprocal, no product
   contracted with an add outside a dot, and the logits as a chunked dot against a transposed
-  copy of the embedding table. float32 only."""
+  copy of the embedding table. float32 only.
+
+  dot: what computes the dots, each output one sequential FMA chain over at most k_chunk terms:
+  None for XLA's own dot (Eigen on XLA:CPU, which does so for these sizes: the self-check says
+  where), or a kernel with the signature [J, M, C] @ [J, C, N] (gemma_jax.kernels.spec_dot, for
+  platforms whose library dots do not). It decides no bit, so it is not part of the value's
+  identity (`describe`)."""
 
   name: ClassVar[str] = 'spec'
   output_table: ClassVar[str] = 'transposed'
   version: int = 1  # gemma_jax.spec.SPEC_VERSION when the value was made
+  dot: Any = dataclasses.field(default=None, compare=False, repr=False)
 
   def _ops(self):
     return _SpecOps(self)
+
+  def matmul(self, x, w):
+    k, n = w.shape
+    if self.dot is None or k * n <= self.small:
+      return super().matmul(x, w)
+    c = chunk_size(k, self.k_chunk) if k > self.k_chunk else k
+    parts = self.dot(x.reshape(-1, k // c, c).transpose(1, 0, 2), w.reshape(k // c, c, n))
+    acc = parts[0]
+    for i in range(1, k // c):
+      acc = acc + parts[i]
+    return acc
 
   def product(self, a, b):
     return self.materialize(a * b)
@@ -304,9 +327,22 @@ class Spec(FixedOrder):
     c = chunk_size(h, self.k_chunk) if h > self.k_chunk else h
     acc = None
     for j in range(h // c):
-      part = jnp.einsum('bkjrh,bkjsh->bkjrs', q[..., j * c:(j + 1) * c], k[..., j * c:(j + 1) * c])
+      qj, kj = q[..., j * c:(j + 1) * c], k[..., j * c:(j + 1) * c]
+      if self.dot is None:
+        part = jnp.einsum('bkjrh,bkjsh->bkjrs', qj, kj)
+      else:
+        part = self._batched(qj, jnp.swapaxes(kj, -1, -2))
       acc = part if acc is None else acc + part
     return acc
+
+  def tile_values(self, p, v):
+    return super().tile_values(p, v) if self.dot is None else self._batched(p, v)
+
+  def _batched(self, a, b):
+    """a [..., M, C] . b [..., C, N] through the dot kernel."""
+    lead = a.shape[:-2]
+    out = self.dot(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+    return out.reshape(*lead, *out.shape[-2:])
 
   def mean_square(self, x):
     ops = self._ops()

@@ -79,7 +79,7 @@ def tiled_attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_p
   saw = tile_max > MASKED  # scores are finite, so a row that sees a slot has a larger max
   m = jnp.max(tile_max, axis=2, keepdims=True)  # the row's max over everything it sees (exact)
   p = numerics.materialize(jnp.where(visible, numerics.exp(s - m), 0.0))
-  pv = jnp.einsum('bkjrs,bkjsh->bkjrh', p, vt)  # [B, K, n, R, H]
+  pv = numerics.tile_values(p, vt)  # [B, K, n, R, H]
   sums = tree_sum(p)  # [B, K, n, R, 1]
   # Tiles are added in slot order; a tile the row does not see leaves its sums as they were
   # (so reading more tiles than needed does not change a bit).

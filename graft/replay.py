@@ -11,13 +11,14 @@ entry point.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import tempfile
 
 from absl import logging
 
-from gemma_jax import weights
+from gemma_jax import sharding, weights
 from graft import exactness
 from graft.engine import Engine, EngineConfig, fingerprint
 from graft.knowledge.flywheel import Asker  # the decoding a flywheel run used
@@ -69,13 +70,22 @@ def select(pattern: str) -> str:
       '--manifest=manifests/<name>.json')
 
 
-def _engine(manifest: dict) -> tuple[Engine, Engine]:
+def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Engine]:
   """Two separately constructed engines of the manifest's model and configuration, after
-  checking that this machine loads the same model."""
+  checking that this machine loads the same model. A spec manifest's engine runs under this
+  process's XLA_FLAGS and, if given, another `dot_library` (neither decides a bit there: the
+  self-check says whether this machine computes the spec under them)."""
   config = manifest['config']
   loaded = weights.load(config['model'], config['weights'], config['dtype'])
   # Manifests made before the config was named EngineConfig hold it under 'pinned'.
   engine_config = EngineConfig.from_dict(config.get('engine_config') or config['pinned'])
+  if machine_independent(manifest):
+    engine_config = dataclasses.replace(
+        engine_config, xla_flags=sharding.xla_flags(),
+        dot_library=dot_library or engine_config.dot_library)
+  elif dot_library:
+    raise ValueError(f'dot library {dot_library!r}: only a spec manifest replays with another '
+                     'dot library (the others\' bits follow it)')
   engine, writer = Engine(loaded, engine_config), Engine(loaded, engine_config)
   if engine.model_fingerprint['sha256'] != manifest['model_fingerprint']['sha256']:
     raise ValueError('this machine loads a different model than the manifest was made with: '
@@ -102,12 +112,13 @@ def records(manifest: dict) -> list[dict]:
   return manifest['answers'] if manifest.get('kind') == 'flywheel' else manifest['samples']
 
 
-def replay(manifest: dict, limit: int = 0) -> list[str]:
-  """Recomputes the manifest's records; returns a line per differing one (empty: all equal)."""
+def replay(manifest: dict, limit: int = 0, dot_library: str | None = None) -> list[str]:
+  """Recomputes the manifest's records; returns a line per differing one (empty: all equal).
+  dot_library: another one for a spec manifest's engine (EngineConfig.dot_library)."""
   if manifest.get('kind') == 'flywheel':
-    return replay_answers(manifest, limit)
+    return replay_answers(manifest, limit, dot_library)
   config = manifest['config']
-  engine, writer = _engine(manifest)
+  engine, writer = _engine(manifest, dot_library)
   chosen = manifest['samples'][:limit or None]
   failures = []
   with tempfile.TemporaryDirectory() as scratch:
@@ -125,10 +136,10 @@ def replay(manifest: dict, limit: int = 0) -> list[str]:
   return failures
 
 
-def replay_answers(manifest: dict, limit: int = 0) -> list[str]:
+def replay_answers(manifest: dict, limit: int = 0, dot_library: str | None = None) -> list[str]:
   """A flywheel manifest: every answer decoded again from a fresh computation of its whole
   prompt (a grafted answer is byte-equal to that, so the recorded hashes must reproduce)."""
-  engine, _ = _engine(manifest)
+  engine, _ = _engine(manifest, dot_library)
   asker = Asker(engine, manifest['budget'])
   chosen = manifest['answers'][:limit or None]
   failures = []

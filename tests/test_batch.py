@@ -55,6 +55,15 @@ def test_batched_grafts_and_decoding_equal_alone():
     assert continuation == eng.generate(fresh, 12, stop_at_eos=False)[1]
 
 
+def test_one_slot_leaves_the_callers_context_valid():
+  """The batched state is donated to the call: with one slot it must still be a copy (the
+  benchmark's one-slot row reused its context and found its buffers deleted)."""
+  eng = engine()
+  ctx, _ = eng.extend(eng.empty(), tokens(9, 5), logits=1)
+  first = eng.generate_batch([ctx], 3)
+  assert eng.generate_batch([ctx], 3) == first == [eng.generate(ctx, 3, stop_at_eos=False)[1]]
+
+
 def test_batch_slots_refuse_bad_input():
   eng = engine()
   with pytest.raises(ValueError, match='2 contexts and 1 token lists'):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import pytest
 
 from gemma_jax import config as gcfg
-from gemma_jax.kernels import default_block_config
+from gemma_jax.kernels import default_block_config, spec_dot
 from graft.engine import lowering
 from graft.engine import EngineConfig
 
@@ -101,6 +101,30 @@ def test_triton_kernel_ir(dtype):
     assert not any('inputPrecision' in d for d in dots), dots  # IEEE is the elided default
     elem = 'bf16' if dtype == 'bfloat16' else 'f32'
     assert all(f'x{elem}> *' in d and '-> tensor<' in d and 'xf32>' in d for d in dots), dots
+
+
+def test_spec_engine_dots_lower_to_the_spec_dot_kernel_for_cuda():
+  """The spec engine with dot_library='pallas' for cuda (how a GPU follows the written
+  arithmetic): no dot is left for XLA:GPU's libraries to order; every one is the spec dot
+  kernel, a loop over the terms with one `fma.rn.ftz.f32` per term and no Triton dot."""
+  engine_config = EngineConfig(mode='spec', dot_library='pallas', cache_len=1024)
+  try:
+    lowered = lowering.lower_engine_functions(CONFIGS['gemma3_270m'], engine_config, 'cuda')
+  except lowering.MissingComponent as e:
+    pytest.xfail(f'missing component: {e.component} ({e})')
+  for name, low in lowered.items():
+    text = low.as_text()
+    assert 'stablehlo.dot' not in text, name  # dot and dot_general
+    assert lowering.custom_call_targets(text) == ['__gpu$xla.gpu.triton'], name
+    kernels = lowering.kernel_ir(low)
+    assert kernels, name
+    for _, ir in kernels:
+      assert ir.count(spec_dot.FMA_PTX.split()[0]) == 1 and 'scf.for' in ir, ir[:2000]
+      assert 'tt.dot' not in ir
+  # q, k/v, o, gate/up, down and the per-tile scores and values in the step; the output table's
+  # chunks in the logits.
+  assert len(lowering.kernel_ir(lowered['step'])) > 5
+  assert len(lowering.kernel_ir(lowered['logits'])) >= 1
 
 
 def test_triton_precision_marker_means_what_we_think():

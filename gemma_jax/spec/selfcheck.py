@@ -121,7 +121,7 @@ def attention_failures(numerics, compiler_options, *, head_dims, rows, tile: int
 
   def probe(zero, cases):
     n = numerics.with_zero(zero)
-    return {key: (n.tile_scores(q, k), jnp.einsum('bkjrs,bkjsh->bkjrh', p, v))
+    return {key: (n.tile_scores(q, k), n.tile_values(p, v))
             for key, (q, k, p, v) in cases.items()}
 
   got = jax.jit(probe, compiler_options=compiler_options)(jnp.uint32(0), cases)
@@ -148,7 +148,7 @@ def run(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...],
         head_rows: tuple[int, ...], attention_rows: tuple[int, ...], head_dims: tuple[int, ...],
         tile: int, kv_heads: int) -> None:
   """Raises SpecError naming every probe whose bits differ from the spec's."""
-  key = (numerics, tuple(sorted((compiler_options or {}).items())),
+  key = (numerics, getattr(numerics, 'dot', None), tuple(sorted((compiler_options or {}).items())),
          tuple((n, tuple(w.shape)) for n, w in sorted(weights.items())), rows, head_rows,
          attention_rows,
          head_dims, tile, kv_heads, jax.device_count(), _xla_flags())

@@ -106,7 +106,7 @@ class Engine:
     self.mesh = sharding.make_mesh(sharding.parse_mesh(config.mesh)) if config.mesh else None
     self._params = (sharding.shard_params(loaded.params, self.mesh, config.mesh_layout)
                     if self.mesh is not None else loaded.params)
-    self.numerics = self.plan.numerics.on_mesh(
+    self.numerics = self.plan.numerics_on(kernel_platform).on_mesh(
         self.mesh if config.mesh_layout == 'gather' else None)
     # The numerics' output table: the tied embedding itself, or a [D, V] float32 copy made once.
     self._output_table = None
@@ -348,8 +348,10 @@ class Engine:
     for i, (k, t) in enumerate(zip(wanted, tokens)):
       if not 0 <= k <= len(t):
         raise ValueError(f'slot {i}: {k} logit rows asked of {len(t)} tokens')
-    # Copies (the stacked state is this call's own, so the callers' contexts stay valid).
-    kv = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *[c.kv for c in ctxs])
+    # Copies (the stacked state is this call's own and donated, so the callers' contexts stay
+    # valid; a concatenation of one array is that array, hence the explicit copy).
+    kv = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0) if len(xs) > 1 else jnp.copy(xs[0]),
+                      *[c.kv for c in ctxs])
     b = self.max_rows
     out = [[] for _ in ctxs]
     for first in range(0, max(len(t) for t in tokens), b):

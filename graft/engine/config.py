@@ -29,7 +29,8 @@ class EngineConfig:
   xla_flags: str | None = None  # None: the process's $XLA_FLAGS, which the engine must find
   # Fixed-order numerics: calls of 2 .. min_rows - 1 tokens are padded to min_rows rows (XLA:CPU
   # gives such small GEMMs kernels of their own); k_chunk: the contraction chunk of every
-  # projection; dot_library: 'eigen' (YNNPACK dot fusion off) or 'ynn' (XLA's default).
+  # projection; dot_library: 'eigen' (YNNPACK dot fusion off), 'ynn' (XLA's default) or, for
+  # mode spec, 'pallas' (the spec's dot as a Pallas kernel: how an accelerator follows it).
   min_rows: int = 8
   k_chunk: int = 256
   dot_library: str = 'eigen'
@@ -48,9 +49,9 @@ class EngineConfig:
     if self.attention is not None and self.attention not in attention_lib.IMPLEMENTATIONS:
       raise ValueError(f'unknown attention {self.attention!r}; expected one of '
                        f'{tuple(attention_lib.IMPLEMENTATIONS)}')
-    if self.dot_library not in plans.DOT_LIBRARIES:
-      raise ValueError(f'unknown dot library {self.dot_library!r}; expected one of '
-                       f'{tuple(plans.DOT_LIBRARIES)}')
+    if self.dot_library not in plan.dot_libraries:
+      raise ValueError(f'dot library {self.dot_library!r} is not one of mode {self.mode}\'s: '
+                       f'{plan.dot_libraries}')
     if (self.rows_per_call < 1 or self.logits_rows < 1 or self.cache_len < self.rows_per_call
         or self.min_rows < 1 or self.k_chunk < 1):
       raise ValueError(f'invalid engine config {self}: need 1 <= rows_per_call <= cache_len and '

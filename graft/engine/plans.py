@@ -44,9 +44,11 @@ if TYPE_CHECKING:  # config.py reads the plans; the plans only name its class
 # change of layout must bump it, so that KV computed under the old one is refused.
 SLOT_LAYOUT_VERSION = 2
 
-# XLA:CPU debug options per dot library, passed to every compilation of a fixed-order plan (so
-# its numerics do not depend on the process's XLA_FLAGS defaults).
-DOT_LIBRARIES = {'eigen': {'xla_cpu_experimental_ynn_fusion_type': ''}, 'ynn': {}}
+# What computes a fixed-order plan's dots -> the XLA:CPU debug options passed to its every
+# compilation (so its numerics do not depend on the process's XLA_FLAGS defaults). 'pallas': the
+# spec's dot as a Pallas kernel (gemma_jax.kernels.spec_dot; mode spec only), which leaves no
+# library dot in the engine's functions.
+DOT_LIBRARIES = {'eigen': {'xla_cpu_experimental_ynn_fusion_type': ''}, 'ynn': {}, 'pallas': {}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +92,7 @@ class Plan:
   default_attention: ClassVar[str] = 'xla'
   byte_exact: ClassVar[bool] = False
   batch_slots: ClassVar[bool] = False
+  dot_libraries: ClassVar[tuple[str, ...]] = ('eigen', 'ynn')
   config: 'EngineConfig'
 
   @classmethod
@@ -98,7 +101,13 @@ class Plan:
 
   @property
   def numerics(self) -> Numerics:
+    """The arithmetic, as the fingerprint names it."""
     return XLA
+
+  def numerics_on(self, kernel_platform: str | None) -> Numerics:
+    """The arithmetic with the kernels it runs through on `kernel_platform` (None: the default
+    backend's), which decide no bit."""
+    return self.numerics
 
   @property
   def compiler_options(self) -> dict | None:
@@ -235,6 +244,7 @@ class Pinned(_Shaped):
 @dataclasses.dataclass(frozen=True)
 class Spec(Pinned):
   name: ClassVar[str] = 'spec'
+  dot_libraries: ClassVar[tuple[str, ...]] = tuple(DOT_LIBRARIES)
 
   @classmethod
   def check(cls, config) -> None:
@@ -248,6 +258,13 @@ class Spec(Pinned):
   def numerics(self) -> Numerics:
     return SpecNumerics(k_chunk=self.config.k_chunk)
 
+  def numerics_on(self, kernel_platform: str | None) -> Numerics:
+    if self.config.dot_library != 'pallas':
+      return self.numerics
+    from gemma_jax.kernels import spec_dot
+    return dataclasses.replace(self.numerics,
+                               dot=spec_dot.make_spec_dot(platform=kernel_platform))
+
   def check_engine(self, engine) -> None:
     from gemma_jax.spec import selfcheck
     if engine.loaded.dtype != 'float32':
@@ -256,7 +273,7 @@ class Spec(Pinned):
     cfg = engine.config
     if cfg.rope_mode != 'float' or cfg.kv_cache_pre_rope:
       raise ValueError('the spec engine runs the model as trained (float RoPE, rotated keys)')
-    numerics = self.numerics
+    numerics = dataclasses.replace(engine.numerics, mesh=None)  # with its dot kernel
     weights = engine.projection_weights()
     head_dims = tuple(sorted({cfg.layer_spec(i).head_dim for i in range(cfg.num_layers)}))
     groups = {cfg.num_heads // cfg.layer_spec(i).num_kv_heads for i in range(cfg.num_layers)}

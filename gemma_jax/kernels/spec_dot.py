@@ -1,0 +1,161 @@
+"""The written arithmetic's dot as a Pallas kernel: one sequential FMA chain per output.
+
+    dot = make_spec_dot()                      # backend defaults
+    out = dot(a, b)                            # a [J, M, C], b [J, C, N] float32 -> [J, M, N]
+
+Every output is c = fma(a[j, m, k], b[j, k, n], c) for k = 0, 1, ..., C - 1 from c = +0, each
+FMA rounded once to binary32 (nearest even) and a subnormal result flushed to a zero of its sign:
+the dot of docs/determinism.md ("Dots"), which gemma_jax.spec.binary32.dot computes in NumPy and
+which Eigen's dot computes on XLA:CPU for the contraction sizes the spec engine uses (checked by
+gemma_jax.spec.selfcheck). On an accelerator no library dot follows that order (cuBLAS and
+Triton's tensor-core dots split and reorder the contraction), so the spec engine's dots run
+through this kernel there (EngineConfig.dot_library='pallas').
+
+Kernel. A program owns a [block_m, block_n] block of outputs of one batch entry j and walks
+k = 0 .. C - 1 in order, folding the outer product of a's column k and b's row k into its
+accumulator with one FMA per output. Nothing is split, reordered or shared between programs,
+so an output's bits depend only on its row of a and column of b. Block shapes are powers of two
+(as Triton requires): M and N are padded with zero rows and columns (sliced off), and C with
+zero terms *in front*, which keep c = +0 exactly (fma(0, 0, +0) = +0), so the chain over the
+real terms starts from +0 as specified. (Zero terms after them would not be exact: they turn a
+-0 result into +0.)
+
+The FMA itself is the one thing each backend supplies:
+  gpu (Triton): inline PTX `fma.rn.ftz.f32`: round to nearest even, subnormals flushed, and no
+      contraction or reordering by the compiler (an explicit instruction, not a mul and an add).
+  interpret (any host, how the tests run it on CPU): an exact emulation from binary64, as
+      gemma_jax.spec.binary32.fma: the product of two binary32 numbers is exact in binary64,
+      the binary64 sum rounds once, and where that sum lies exactly on a binary32 midpoint its
+      TwoSum error breaks the tie.
+TPU has no binary32 FMA instruction to name; the kernel refuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+PLATFORMS = ('cpu', 'gpu')
+KERNEL_NAME = 'gemma_spec_dot'  # pl.pallas_call(name=...): how lowering finds it
+# PTX of one binary32 FMA: round to nearest even, subnormal inputs and results flushed to zero.
+FMA_PTX = 'fma.rn.ftz.f32 $0, $1, $2, $3;'
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecDot:
+  """The spec's dot on `platform` ('cpu': interpret mode only; 'gpu': Triton). block_m, block_n:
+  the output block of a program (powers of two; they decide no bit, only speed)."""
+
+  platform: str
+  interpret: bool
+  block_m: int = 16
+  block_n: int = 64
+  num_warps: int = 4
+
+  def __call__(self, a: jax.Array, b: jax.Array) -> jax.Array:
+    return spec_dot(a, b, config=self)
+
+
+def _next_power_of_two(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+def fma_emulated(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+  """RN_binary32(a * b + c), flushed, from binary64 operations (exact; see the module doc)."""
+  with jax.enable_x64(True):
+    f64 = jnp.float64
+    p = a.astype(f64) * b.astype(f64)
+    c64 = c.astype(f64)
+    s = p + c64
+    r = s.astype(jnp.float32)
+    midpoint = (jax.lax.bitcast_convert_type(s, jnp.int64) & 0x1FFFFFFF) == 0x10000000
+    t = s - p
+    err = (p - (s - t)) + (c64 - t)  # TwoSum: s + err == p + c64 exactly
+    r64 = r.astype(f64)
+    away = midpoint & (err != 0) & (jnp.sign(err) == jnp.sign(s - r64))
+    r = jnp.where(away, (r64 + 2 * (s - r64)).astype(jnp.float32), r)
+  return flush(r)
+
+
+def flush(x: jax.Array) -> jax.Array:
+  """Subnormal binary32 values as zeros of their sign."""
+  tiny = (jax.lax.bitcast_convert_type(x, jnp.uint32) & 0x7F800000) == 0
+  return jnp.where(tiny, jnp.copysign(jnp.zeros_like(x), x), x)
+
+
+def fma_ptx(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+  """RN_binary32(a * b + c), flushed, as one PTX instruction (Triton only)."""
+  from jax.experimental.pallas import triton as pltriton
+  [out] = pltriton.elementwise_inline_asm(
+      FMA_PTX, args=[a, b, c], constraints='=r,r,r,r', pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.float32)])
+  return out
+
+
+def _kernel(a_ref, b_ref, o_ref, *, fma):
+  # a_ref [bm, C], b_ref [C, bn], o_ref [bm, bn]; the chain walks k in order.
+  block_m, terms = a_ref.shape
+  block_n = b_ref.shape[1]
+
+  def step(k, acc):
+    column = jnp.broadcast_to(a_ref[:, pl.ds(k, 1)], (block_m, block_n))
+    row = jnp.broadcast_to(b_ref[pl.ds(k, 1), :], (block_m, block_n))
+    return fma(column, row, acc)
+
+  o_ref[...] = jax.lax.fori_loop(0, terms, step, jnp.zeros((block_m, block_n), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=('config',))
+def spec_dot(a: jax.Array, b: jax.Array, *, config: SpecDot) -> jax.Array:
+  """a [J, M, C] @ b [J, C, N] -> [J, M, N], float32, each output one sequential FMA chain."""
+  if a.dtype != jnp.float32 or b.dtype != jnp.float32:
+    raise ValueError(f'the spec dot is binary32; got {a.dtype} and {b.dtype}')
+  (j, m, c), n = a.shape, b.shape[-1]
+  if b.shape[:2] != (j, c):
+    raise ValueError(f'spec dot shapes do not contract: {a.shape} @ {b.shape}')
+  bm = min(config.block_m, _next_power_of_two(m))
+  bn = min(config.block_n, _next_power_of_two(n))
+  mp, np_, cp = -(-m // bm) * bm, -(-n // bn) * bn, _next_power_of_two(c)
+  # Zero terms in front (exact: the chain stays +0 through them), zero rows and columns after.
+  a = jnp.pad(a, ((0, 0), (0, mp - m), (cp - c, 0)))
+  b = jnp.pad(b, ((0, 0), (cp - c, 0), (0, np_ - n)))
+  compiler_params = None
+  if config.interpret:
+    fma = fma_emulated
+  else:
+    from jax.experimental.pallas import triton as pltriton
+    fma = fma_ptx
+    compiler_params = pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1)
+  out = pl.pallas_call(
+      functools.partial(_kernel, fma=fma),
+      out_shape=jax.ShapeDtypeStruct((j, mp, np_), jnp.float32),
+      grid=(j, mp // bm, np_ // bn),
+      in_specs=[pl.BlockSpec((None, bm, cp), lambda t, i, k: (t, i, 0)),
+                pl.BlockSpec((None, cp, bn), lambda t, i, k: (t, 0, k))],
+      out_specs=pl.BlockSpec((None, bm, bn), lambda t, i, k: (t, i, k)),
+      compiler_params=compiler_params,
+      interpret=config.interpret,
+      name=KERNEL_NAME,
+  )(a, b)
+  return out[:, :m, :n]
+
+
+def make_spec_dot(*, platform: str | None = None, interpret: bool | None = None) -> SpecDot:
+  """The spec dot for `platform` ('cpu', 'gpu'; None: the default backend's). interpret
+  defaults to True for 'cpu' only, so platform='gpu' builds the Triton kernel on any host (it
+  lowers there, graft/engine/lowering.py; it runs only on a GPU)."""
+  if platform is None:
+    backend = jax.default_backend()
+    platform = {'cuda': 'gpu', 'rocm': 'gpu'}.get(backend, backend)
+  if platform not in PLATFORMS:
+    raise ValueError(f'no spec dot kernel for platform {platform!r}: it needs a binary32 FMA '
+                     f'instruction ({", ".join(PLATFORMS)})')
+  if interpret is None:
+    interpret = platform == 'cpu'
+  if platform == 'cpu' and not interpret:
+    raise ValueError('Pallas kernels run on CPU only in interpret mode')
+  return SpecDot(platform=platform, interpret=bool(interpret))
