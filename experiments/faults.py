@@ -18,23 +18,10 @@ query. Outcomes, per trial:
 longer there, byte for byte, afterwards. The claim is silent_wrong = 0 and lost = 0 for every
 kind.
 
-Kinds (`--kinds`, default all; `PROCESS_KINDS` start processes and run --process_trials each):
-  bitflip_data, bitflip_header, bitflip_index   one bit flipped in an object's data or header,
-                                                or in an index entry
-  truncate, empty, delete, rename, copy_other_key   an object cut short, emptied, deleted,
-                                                moved to another name, or overwritten with
-                                                another block's object
-  failing_write     a kvstore that raises part way through a put (a full disk), after writing
-                    a value cut short
-  foreign_store     the store opened under another model, engine, dtype or tokenizer
-  shape_twin        an artifact or block of another model whose shapes match
-  hostile_key       keys shaped like paths ('../', absolute, very long) in listings and entries
-  huge_header       a header claiming huge shapes or length (its entry's hash recomputed)
-  bad_index_types   index entries of unexpected JSON types
-  artifact_manifest a field of an artifact's manifest changed (with its hash recomputed or not)
-  kill_put          a process killed (SIGKILL) at a random moment of a put, then this process
-                    reads and writes the same store
-  concurrent_put    2 to 8 processes putting the same and overlapping contexts at once
+Kinds (`--kinds`, default all; the process kinds start processes and run --process_trials
+each): the 25 of graft/faults.py's docstring, from bit flips, truncation and foreign stores to
+self-consistent forgeries (with descendants, with a borrowed signature), stale readers, gc and
+rebuilds beside a put, writers killed inside a put and concurrent writers.
 
 Output: schema faults (analysis/results.py).
 """

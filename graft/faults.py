@@ -32,7 +32,8 @@ Kinds (`--kinds`, default all; `PROCESS_KINDS` start processes and run --process
   huge_header       a header claiming huge shapes or length (its entry's hash recomputed)
   bad_index_types   index entries of unexpected JSON types
   artifact_manifest a field of an artifact's manifest changed (with its hash recomputed or not)
-  kill_put          a process killed (SIGKILL) at a random moment of a put, then this process
+  kill_put          a process killed (SIGKILL) inside a put, at a step it reports (objects of
+                    batch n written, read back or published), then this process
                     reads and writes the same store
   concurrent_put    2 to 8 processes putting the same and overlapping contexts at once
 
@@ -63,6 +64,7 @@ from graft import exactness
 from graft.engine import Engine
 from gemma_jax.config import AttentionType
 from graft.store import Store, StoreError, artifact, blocks, signing
+from graft.store._store import PAUSE_ENV, PAUSED
 from graft.store.artifact import ArtifactError
 from graft.store.kvstore import KvStore, StoreUrlError
 
@@ -617,11 +619,28 @@ def artifact_manifest_trial(world: World, rng, context, query, want, scratch) ->
                  f'manifest {field} changed{" and resealed" if resealed else ""}')
 
 
-def _put_process(url: str, path: str, model_args: list[str]) -> subprocess.Popen:
+def _put_process(url: str, path: str, model_args: list[str],
+                 pause: str | None = None) -> subprocess.Popen:
+  """`experiments.store put` in another process; pause: its PAUSE_ENV ('STEP:N')."""
   return subprocess.Popen([sys.executable, '-m', 'experiments.store', 'put', f'--store={url}',
                            f'--input={path}', *model_args], cwd=REPO,
-                          env={**os.environ, 'PYTHONPATH': REPO},
+                          env={**os.environ, 'PYTHONPATH': REPO,
+                               **({PAUSE_ENV: pause} if pause else {})},
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _kill_when_paused(proc: subprocess.Popen) -> str | None:
+  """Waits for the writer to report that it paused inside a put, kills it (SIGKILL) and returns
+  the step; None (the writer killed all the same) when it ended without reporting it or the
+  kill did not land."""
+  step = None
+  for line in proc.stderr:
+    if line.startswith(PAUSED):
+      step = line[len(PAUSED):].split()[0]
+      break
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  return step if proc.returncode == -signal.SIGKILL else None
 
 
 def _file_store(world: World, directory: str) -> tuple[str, KvStore]:
@@ -644,12 +663,15 @@ def process_trial(kind: str, world: World, rng, scratch: str) -> Outcome:
     path = os.path.join(directory, '..', os.path.basename(directory) + '.jsonl')
     with open(path, 'w') as f:
       f.writelines(json.dumps({'tokens': c}) + '\n' for c in new)
-    proc = _put_process(url, path, world.model_args)
-    delay = float(rng.uniform(0.5, 12.0))
-    time.sleep(delay)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    fault = f'put killed after {delay:.1f} s'
+    # Killed inside the put, at a step the writer reports: after batch n's objects were
+    # written, read back or published (each context is one write batch).
+    step, n = str(rng.choice(['written', 'verified', 'published'])), int(rng.integers(1, 4))
+    reached = _kill_when_paused(_put_process(url, path, world.model_args, f'{step}:{n}'))
+    fault = f'put killed after batch {n} was {step}'
+    if reached != step:
+      shutil.rmtree(directory, ignore_errors=True)
+      return Outcome('crashed', [f'the writer was not killed where asked ({step}:{n})'], False, 0,
+                     fault)
     context, query = new[int(rng.integers(len(new)))], draw(3)
     want = exactness.fresh_sha256(engine, context, query)
     # A second process (this one) reads, then writes the same store, then reads again.

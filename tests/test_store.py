@@ -8,7 +8,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from graft.store import blocks
 from graft.engine import Engine, EngineConfig
 from graft.store.kvstore import StoreUrlError
 from graft.store import Store, StoreError
+from graft.store._store import PAUSE_ENV, PAUSED
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 B = 8
@@ -362,10 +362,12 @@ def test_hostile_entries_are_refused_not_followed():
 # Several processes
 
 
-def _put_process(url, path):
+def _put_process(url, path, pause=None):
+  """`experiments.store put` in another process; pause: its PAUSE_ENV ('STEP:N')."""
   return subprocess.Popen([sys.executable, '-m', 'experiments.store', 'put', f'--store={url}',
                            f'--input={path}', *TINY_FLAGS], cwd=REPO,
-                          env={**os.environ, 'PYTHONPATH': str(REPO)},
+                          env={**os.environ, 'PYTHONPATH': str(REPO),
+                               **({PAUSE_ENV: pause} if pause else {})},
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -387,35 +389,54 @@ def test_two_processes_putting_the_same_texts_leave_one_copy(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_process_killed_mid_put_leaves_no_half_object_and_loses_nothing(tmp_path):
+@pytest.mark.parametrize('step', ['written', 'verified', 'published'])
+def test_a_writer_killed_inside_a_put_leaves_no_half_object_and_loses_nothing(tmp_path, step):
+  """The writer reports that it is inside a put (after the second batch's objects were written,
+  read back, or published) and is killed there: the kill must land (SIGKILL, the batch's
+  objects left behind), and nothing stored before is lost or wrong."""
   url = f'file://{tmp_path}/s/'
   eng = engine()
   store = Store(url, eng)
   earlier = tokens(3 * B, 40)
   store.put(earlier)
   before = {name: store.backing.read(name) for name in store.backing.list('')}
+  killed = [tokens(12 * B, 41 + i) for i in range(3)]  # one write batch each
   path = tmp_path / 'in.jsonl'
-  path.write_text(''.join(json.dumps({'tokens': tokens(30 * B, 41 + i)}) + '\n'
-                          for i in range(20)))
-  proc = _put_process(url, path)
-  deadline = time.time() + 300
-  while len(store.backing.list('index/')) < len(before) + 3 and time.time() < deadline:
-    time.sleep(0.05)
+  path.write_text(''.join(json.dumps({'tokens': c}) + '\n' for c in killed))
+  proc = _put_process(url, path, pause=f'{step}:2')
+  names = None
+  for line in proc.stderr:
+    if line.startswith(PAUSED):
+      reached, listed = line[len(PAUSED):].split(maxsplit=1)
+      assert reached == step
+      names = json.loads(listed)
+      break
+  assert names, 'the writer never reported the step (it ended or crashed before it)'
   proc.send_signal(signal.SIGKILL)
   proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  assert set(names) <= set(store.backing.list(''))  # the batch's objects: killed inside the put
+  keys = {name.split('/')[1].split('.')[0] for name in names}
+  published = {e['key'] for e in Store(url, eng).entries()} & keys
+  assert published == (keys if step == 'published' else set())
   for name, data in before.items():  # every earlier object and entry is intact
     assert store.backing.read(name) == data
   reader = Store(url, eng)
   problems = reader.verify()
-  # Objects written but not published; and, when the kill fell inside a batch's concurrent
-  # publication, sound entries whose parent's entry was not written yet (kept by gc: the next
-  # put of the text makes them reachable).
+  # Objects written but not published (killed before publication); the kill may also leave
+  # sound entries whose parent's entry was not written yet (kept by gc: the next put of the
+  # text makes them reachable).
   allowed = ('not published', 'unreachable')
   assert all(p.reason.startswith(allowed) for p in problems), problems
-  assert not any(name.startswith('objects/.') for name in reader.backing.list(''))
-  # A second process reads and writes the same store: the earlier text grafts exactly.
+  assert (step != 'published') == any(p.reason.startswith('not published') for p in problems)
+  # A second process reads and writes the same store: the earlier text and the killed one
+  # graft exactly.
   logits, match = grafted_logits(reader, earlier, [3, 4])
   assert match.tokens == len(earlier)
   assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, earlier, [3, 4]))
+  reader.put(killed[1])
+  logits, match = grafted_logits(Store(url, eng), killed[1], [5])
+  assert match.tokens == len(killed[1])
+  assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, killed[1], [5]))
   reader.gc()
   assert all(p.reason.startswith('unreachable') for p in reader.verify())

@@ -49,6 +49,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 import uuid
 
@@ -68,6 +69,13 @@ _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
 _HEX64 = re.compile('[0-9a-f]{64}')
 _OBJECT_NAME = re.compile('objects/[0-9a-f]{64}\\.[0-9a-f]{32}')
 _WRITE_BATCH = 64  # blocks computed before they are written together (bounds host memory)
+# A test hook for killing a writer process at a known point of a put: with PAUSE_ENV='STEP:N' in
+# its environment ('written', 'verified' or 'published'; N-th time, default 1), the process
+# prints PAUSED, the step and the batch's object names (JSON) on stderr and then waits to be
+# killed (tests/test_store.py, graft/faults.py's kill_put).
+PAUSE_ENV = 'GEMMA_JAX_STORE_PAUSE'
+PAUSED = 'store put paused after step'
+_steps_reached = collections.Counter()
 # Bytes read for a header: enough for any block object's preamble and header (about 150 bytes
 # per leaf), so a graft reads a block far behind its end (global layers only) in one read.
 _HEADER_PROBE = 1 << 16
@@ -621,7 +629,18 @@ class Store:
 
   def _step(self, step: str, names: list[str]) -> None:
     """Called after each step of a put ('written', 'verified', 'published') with the objects'
-    names: nothing here; tests pause or interleave other processes' operations at a step."""
+    names: tests pause or interleave other processes' operations at a step (in process by
+    replacing this method; in another process through PAUSE_ENV)."""
+    pause = os.environ.get(PAUSE_ENV)
+    if not pause:
+      return
+    at, _, count = pause.partition(':')
+    _steps_reached[step] += 1
+    if at == step and _steps_reached[step] == int(count or 1):
+      sys.stderr.write(f'{PAUSED} {step} {json.dumps(names)}\n')
+      sys.stderr.flush()
+      while True:  # until killed
+        time.sleep(3600)
 
   def _publish_over(self, parent, start, key, name, header, entry_name,
                     entry_bytes) -> tuple[bool, bool]:
