@@ -148,10 +148,11 @@ def test_contexts_that_share_a_prefix_share_its_blocks_and_a_divergence_mid_bloc
   second = shared + tokens(B + 4, 8)[1:]
   store.put(first)
   report = store.put(second)
-  # The 3 shared full blocks are reused; the 5 shared rows of block 3 come from first's block 3.
-  assert report['reused_tokens'] == len(shared)
+  # The 3 shared full blocks are reused; a put recomputes the 5 shared rows of block 3 (its block
+  # 3 names block 2 as its parent, not first's block 3: tests/test_store_trust.py).
+  assert report['reused_tokens'] == 3 * B
   assert report['blocks_written'] == len(blocks.chain_keys(store.namespace, second, B)) - 3
-  third = shared + tokens(10, 9)[1:]  # never deposited: diverges 5 rows into block 3
+  third = shared + tokens(10, 9)[1:]  # never deposited: a reader uses the 5 rows of a block 3
   logits, match = grafted_logits(store, third, tokens(4, 10)[1:])
   assert match.tokens == len(shared) and match.rows == 5
   assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, third, tokens(4, 10)[1:]))

@@ -501,13 +501,20 @@ class Store:
                  'the stored parent\'s): a miss')
     return False
 
-  def graft(self, tokens) -> tuple[Context, Match]:
+  def graft(self, tokens, *, whole_blocks: bool = False) -> tuple[Context, Match]:
     """A fresh context holding the longest stored prefix of `tokens` at its own positions. A
     block that fails verification is quarantined and the prefix ends before it (the caller's
-    engine computes the rest)."""
+    engine computes the rest). whole_blocks: a prefix that ends inside a block and is followed
+    by more tokens ends at that block's start instead (what a put builds on: the rows of a
+    partly matching block belong to another block, which a block computed after them would not
+    name as its parent, so a forgery there would pass into it unrecorded)."""
     tokens = [int(t) for t in tokens]
     while True:
       match = self.lookup(tokens)
+      if whole_blocks and match.tokens % self.block_tokens and match.tokens < len(tokens):
+        entries = match.entries[:-1]
+        match = Match(tokens=match.tokens - match.rows, entries=entries,
+                      rows=len(entries[-1]['tokens']) if entries else 0)
       if not match.tokens:
         return self.engine.empty(), match
       try:
@@ -540,17 +547,18 @@ class Store:
   # Put
 
   def put(self, tokens, *, recompute: bool = False) -> dict:
-    """Deposits `tokens` (a context from position 0): grafts the longest stored prefix (the
-    trusted one, with a trust list), computes the rest block by block with the engine and
-    writes every block not stored yet; `recompute` computes every block and compares it with
-    what is stored (a stored block that differs is a conflict: replaced, quarantined,
+    """Deposits `tokens` (a context from position 0): grafts the longest stored prefix of whole
+    blocks (the trusted one, with a trust list), computes the rest block by block with the
+    engine and writes every block not stored yet; `recompute` computes every block and compares
+    it with what is stored (a stored block that differs is a conflict: replaced, quarantined,
     reported). Returns what it did: tokens, blocks reused and written, conflicts, bytes,
     seconds computing and storing."""
     tokens = [int(t) for t in tokens]
     if not tokens:
       raise ValueError('nothing to put: the token list is empty')
     t0 = time.perf_counter()
-    ctx, match = (self.engine.empty(), Match(0, (), 0)) if recompute else self.graft(tokens)
+    ctx, match = ((self.engine.empty(), Match(0, (), 0)) if recompute
+                  else self.graft(tokens, whole_blocks=True))
     keys = blocks.chain_keys(self.namespace, tokens, self.block_tokens)
     # The block holding token `match.tokens` is the first one to write. (When every token is
     # matched, even a partial last block is addressable already: it is a prefix of a stored one.)
