@@ -472,8 +472,9 @@ def widen_context(found_results: Sequence[tuple[pathlib.Path, dict]],
 
 def faults(found_results: Sequence[tuple[pathlib.Path, dict]],
            path: pathlib.Path) -> pathlib.Path | None:
-  """Per fault kind, the trials' outcomes stacked: exact, refused and recomputed, silent-wrong
-  (and the lost count in the label)."""
+  """Per fault kind, the trials' outcomes stacked: exact, untouched (the fault missed what the
+  reader used), refused and recomputed, silent-wrong, crashed (and the lost count in the
+  label); one row per campaign, signed ones named."""
   if not found_results:
     logging.warning('faults: no faults results; skipped')
     return None
@@ -481,12 +482,12 @@ def faults(found_results: Sequence[tuple[pathlib.Path, dict]],
                            figsize=(12, 4.2 * len(found_results)))
   for (ax,), (_, data) in zip(axes, found_results):
     kinds = list(data['kinds'])
-    values = {o: np.array([data['kinds'][k][o] for k in kinds]) for o in
-              ('exact', 'refused', 'silent_wrong')}
+    outcomes = (('exact', 'tab:green'), ('untouched', 'tab:gray'), ('refused', 'tab:blue'),
+                ('silent_wrong', 'tab:red'), ('crashed', 'black'))
+    values = {o: np.array([data['kinds'][k].get(o, 0) for k in kinds]) for o, _ in outcomes}
     x = np.arange(len(kinds))
     bottom = np.zeros(len(kinds))
-    for outcome, color in (('exact', 'tab:green'), ('refused', 'tab:blue'),
-                           ('silent_wrong', 'tab:red')):
+    for outcome, color in outcomes:
       ax.bar(x, values[outcome], bottom=bottom, color=color,
              label={'refused': 'refused and recomputed'}.get(outcome, outcome.replace('_', '-')))
       bottom += values[outcome]
@@ -494,8 +495,10 @@ def faults(found_results: Sequence[tuple[pathlib.Path, dict]],
     ax.set_xticks(x, labels, rotation=60, ha='right', fontsize=7)
     ax.set_ylabel('trials')
     s, c = data['summary'], data['config']
-    ax.set_title(f"{c.get('model')} ({c.get('weights')}) {c.get('dtype')}: {s['trials']} trials, "
-                 f"{s['silent_wrong']} silent-wrong, {s['lost']} lost", fontsize=9)
+    ax.set_title(f"{c.get('model')} ({c.get('weights')}) {c.get('dtype')}"
+                 f"{', signed writer, readers trusting only it' if c.get('signed') else ''}: "
+                 f"{s['trials']} trials, {s['silent_wrong']} silent-wrong, "
+                 f"{s.get('crashed', 0)} crashed, {s['lost']} lost", fontsize=9)
     ax.legend(fontsize=8)
   fig.suptitle('Fault campaign: every trial\'s answer against a fresh computation (SHA-256)')
   return _save(fig, path)
