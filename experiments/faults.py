@@ -7,16 +7,8 @@ Each trial deposits content (contexts with shared prefixes, some ending mid-bloc
 fault of its kind at a random place, then answers: a reader that has cached nothing grafts the
 longest stored prefix of one context (or restores an artifact) and computes the rest and a
 query. Outcomes, per trial:
-
-  exact      the graft was used, nothing was refused, and the query's logits are SHA-256 equal
-             to a fresh computation;
-  refused    a fault was detected with a reason (refused object, refused store, failed write)
-             and the answer, computed around it, is still SHA-256 equal to fresh;
-  silent_wrong  anything else (the claim is that this never happens).
-
-`lost` counts trials in which a committed object or entry that the fault did not touch is no
-longer there, byte for byte, afterwards. The claim is silent_wrong = 0 and lost = 0 for every
-kind.
+  exact, untouched, refused, silent_wrong, crashed, and `lost`: as graft/faults.py defines them
+  (the claim: silent_wrong = crashed = lost = 0 for every kind).
 
 Kinds (`--kinds`, default all; the process kinds start processes and run --process_trials
 each): the 25 of graft/faults.py's docstring, from bit flips, truncation and foreign stores to

@@ -8,15 +8,18 @@ fault of its kind at a random place, then answers: a reader that has cached noth
 longest stored prefix of one context (or restores an artifact) and computes the rest and a
 query. Outcomes, per trial:
 
-  exact      the graft was used, nothing was refused, and the query's logits are SHA-256 equal
+  exact      no fault reached stored data (the process kinds), and the answer is SHA-256 equal
              to a fresh computation;
+  untouched  a graft was used, nothing was refused, and the answer is SHA-256 equal to fresh
+             (the fault missed what the reader used);
   refused    a fault was detected with a reason (refused object, refused store, failed write)
              and the answer, computed around it, is still SHA-256 equal to fresh;
-  silent_wrong  anything else (the claim is that this never happens).
+  silent_wrong  anything else (the claim is that this never happens);
+  crashed    the trial raised (a traceback is a finding, counted, never hidden).
 
 `lost` counts trials in which a committed object or entry that the fault did not touch is no
-longer there, byte for byte, afterwards. The claim is silent_wrong = 0 and lost = 0 for every
-kind.
+longer there, byte for byte, after the trial and a gc. The claim is silent_wrong = 0, crashed =
+0 and lost = 0 for every kind.
 
 Kinds (`--kinds`, default all; `PROCESS_KINDS` start processes and run --process_trials each):
   bitflip_data, bitflip_header, bitflip_index   one bit flipped in an object's data or header,
