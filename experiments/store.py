@@ -4,7 +4,7 @@
   python -m experiments.store get    --store=URL --text="..."
   python -m experiments.store ls     --store=URL
   python -m experiments.store verify --store=URL      # exit status 1 on any bad object, named
-  python -m experiments.store gc     --store=URL
+  python -m experiments.store gc     --store=URL [--lease_seconds=3600]
   python -m experiments.store stats  --store=URL
 
 URL is any kvstore URL TensorStore opens: file:///abs/path/, memory:// (this process only),
@@ -25,6 +25,7 @@ from absl import app, flags, logging
 from experiments import common
 from gemma_jax import files
 from graft.store import Store, signing
+from graft.store._store import LEASE_SECONDS
 
 FLAGS = flags.FLAGS
 COMMANDS = ('put', 'get', 'ls', 'verify', 'gc', 'stats', 'keygen')
@@ -41,6 +42,10 @@ def define_flags() -> None:
   flags.DEFINE_float('recompute', 0.0, 'verify: also recompute this fraction of the blocks (1.0: '
                      'every one) with this engine and compare bytes: forgeries and what was '
                      'built on them.')
+  flags.DEFINE_float('lease_seconds', None, 'gc: age after which a put\'s lease on its '
+                     'unpublished objects has expired (its writer died) and they are removed; '
+                     f'default {LEASE_SECONDS:g} s. 0: remove every unpublished object (only '
+                     'when no put is running).')
   flags.DEFINE_string('output', None, 'keygen: where the private key goes (and OUTPUT.pub).')
   common.define_store_flags()
   common.define_model_flags()
@@ -122,7 +127,8 @@ def main(argv):
     if problems:
       sys.exit(1)
   elif command == 'gc':
-    print(json.dumps(open_store().gc()))
+    lease = LEASE_SECONDS if FLAGS.lease_seconds is None else FLAGS.lease_seconds
+    print(json.dumps(open_store().gc(lease_seconds=lease)))
   elif command == 'stats':
     print(json.dumps(open_store().stats(), indent=1))
 

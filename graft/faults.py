@@ -35,6 +35,16 @@ Kinds (`--kinds`, default all; `PROCESS_KINDS` start processes and run --process
   huge_header       a header claiming huge shapes or length (its entry's hash recomputed)
   bad_index_types   index entries of unexpected JSON types
   artifact_manifest a field of an artifact's manifest changed (with its hash recomputed or not)
+  forgery           a self-consistent forgery (header, per-leaf hashes, entry all correct for
+                    its bytes; one global K value off by 1e-3), before or after an honest put
+  forgery_descendants   a forgery, a longer put built on it, then an honest put of its text
+  stale_reader      a reader with a cached entry of a block another writer has rewritten
+  rebuild_beside_put    rebuild_index run between a put's object writes and its publishing
+  gc_beside_put     gc listing a put's objects unpublished and deleting after publication
+  gc_inside_put     a whole gc run between a put's object writes and its publishing
+  stray_names       names the store never makes under index/ and objects/, then verify and gc
+  wrong_json_types  store.json fields of the wrong JSON type
+  borrowed_signature    a forgery carrying a signature copied from another block
   kill_put          a process killed (SIGKILL) inside a put, at a step it reports (objects of
                     batch n written, read back or published), then this process
                     reads and writes the same store
@@ -79,7 +89,7 @@ STORE_KINDS = ('bitflip_data', 'bitflip_header', 'bitflip_index', 'truncate', 'e
                'hostile_key', 'huge_header', 'bad_index_types', 'artifact_manifest',
                # a writer who is wrong, and other processes at work
                'forgery', 'forgery_descendants', 'stale_reader', 'rebuild_beside_put',
-               'gc_beside_put', 'stray_names', 'wrong_json_types', 'borrowed_signature')
+               'gc_beside_put', 'gc_inside_put', 'stray_names', 'wrong_json_types', 'borrowed_signature')
 PROCESS_KINDS = ('kill_put', 'concurrent_put')
 KINDS = STORE_KINDS + PROCESS_KINDS
 
@@ -514,23 +524,36 @@ def _store_trial(kind: str, world: World, rng, others: dict, scratch: str) -> Ou
     lost = kv.read(entry_name) != republished
     return _finish(world, kv, touched, Outcome(classify(sha, want, reasons, grafted), reasons,
                                                lost, grafted, fault))
-  elif kind in ('rebuild_beside_put', 'gc_beside_put'):
+  elif kind in ('rebuild_beside_put', 'gc_beside_put', 'gc_inside_put'):
     context = _extended(world, context, rng)
     want = exactness.fresh_sha256(engine, context, query)
     other, seen = world.store(kv), {}
+    at = str(rng.choice(['written', 'verified']))  # the step the rebuild or whole gc runs at
 
     class Beside(Store):
       def _step(self, step, names):
-        if kind == 'rebuild_beside_put' and step == str(rng.choice(['written', 'verified'])):
+        if kind == 'rebuild_beside_put' and step == at:
           other.rebuild_index()
+        elif kind == 'gc_inside_put' and step == at:
+          other.gc()  # the whole gc between the put's object writes and its publishing
         elif kind == 'gc_beside_put' and step == 'verified':
           seen['problems'] = other.verify()  # the put's objects, unpublished
         elif kind == 'gc_beside_put' and step == 'published':
           other.verify = lambda: seen['problems']  # ...removed after they are published
           other.gc()
 
-    Beside(kv, engine, trusted_keys=world.trusted, signing_key=world.signing_key).put(context)
-    touched, fault = set(), f'{kind.split("_")[0]} beside a put'
+    try:
+      Beside(kv, engine, trusted_keys=world.trusted, signing_key=world.signing_key).put(context)
+    except StoreError as e:  # the put found its own object gone or changed, and said so
+      reasons.append(f'put failed: {e}')
+    touched, fault = set(), f'{kind.replace("_", " ")}'
+    # What the put published must still be there: an entry naming a removed object is lost.
+    lost = any(kv.read(f'objects/{e["object"]}') is None
+               for e in Store(kv, engine).lookup(context).entries)
+    sha, found, grafted = answer(engine, lambda: world.store(kv), context, query)
+    reasons += found
+    return _finish(world, kv, touched, Outcome(classify(sha, want, reasons, grafted), reasons,
+                                               lost, grafted, fault))
   elif kind == 'stray_names':
     strays = ['index/README', f'index/{"ab" * 32}/notes.txt', 'objects/x', 'objects/..hidden']
     for name in strays:

@@ -1,7 +1,8 @@
 """The fault campaign at CI size: hundreds of random faults, none silently wrong, nothing lost
 (after gc), with and without signed writers. And the campaign itself can fail: with a defense
 planted out of the reader or the writer (the per-leaf hashes, the byte comparison of a taken
-key, the parent-header check, the trust list, the conditional delete), it counts what results."""
+key, the parent-header check, the trust list, the conditional delete, gc's respect of a put's
+lease), it counts what results."""
 
 import hashlib
 
@@ -126,3 +127,12 @@ def test_the_campaign_catches_an_unconditional_delete(setup, monkeypatch):
   kinds = faults.campaign(world, ['stale_reader'], trials=6, process_trials=0, seed=9,
                           others=others, scratch=scratch)
   assert kinds['stale_reader']['lost'] > 0
+
+
+def test_the_campaign_catches_a_gc_that_ignores_leases(setup, monkeypatch):
+  world, others, scratch = setup
+  # A planted bug: gc sees no put's lease, so it removes a running put's unpublished objects.
+  monkeypatch.setattr(faults.Store, '_leases', lambda self, lease_seconds: (set(), []))
+  kinds = faults.campaign(world, ['gc_inside_put'], trials=6, process_trials=0, seed=10,
+                          others=others, scratch=scratch)
+  assert kinds['gc_inside_put']['lost'] > 0

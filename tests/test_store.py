@@ -439,5 +439,11 @@ def test_a_writer_killed_inside_a_put_leaves_no_half_object_and_loses_nothing(tm
   logits, match = grafted_logits(Store(url, eng), killed[1], [5])
   assert match.tokens == len(killed[1])
   assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, killed[1], [5]))
+  # The killed writer's lease keeps its objects from gc until it expires.
+  leftovers = {p.name for p in reader.verify() if p.reason.startswith('not published')}
   reader.gc()
+  assert leftovers <= set(store.backing.list('objects/'))
+  assert store.backing.list('staging/') != []
+  reader.gc(lease_seconds=0)
+  assert store.backing.list('staging/') == []
   assert all(p.reason.startswith('unreachable') for p in reader.verify())

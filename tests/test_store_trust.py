@@ -12,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -281,6 +282,64 @@ def test_gc_beside_a_put_keeps_what_the_put_publishes(eng, monkeypatch):
   assert any('not published' in p.reason for p in seen['problems'])
   reader = Store(store.backing, eng)
   assert reader.verify() == [] and reader.lookup(library).tokens == len(library)
+
+
+def test_gc_inside_a_put_keeps_what_the_put_has_leased_and_not_yet_published(eng, monkeypatch):
+  store = Store('memory://', eng)
+  library = tokens(30, 20)
+  collector = Store(store.backing, eng)
+  seen = {}
+
+  def step(self, step, names):
+    if step == 'verified':  # gc runs whole between the put's object writes and its publishing
+      seen['leases'] = store.backing.list('staging/')
+      seen['removed'] = collector.gc()
+      seen['kept'] = all(store.backing.read(name) is not None for name in names)
+
+  monkeypatch.setattr(Store, '_step', step)
+  store.put(library)
+  monkeypatch.undo()
+  assert len(seen['leases']) == 1 and seen['removed']['objects'] == 0 and seen['kept']
+  assert store.backing.list('staging/') == []  # the put drops its lease once published
+  reader = Store(store.backing, eng)
+  assert reader.verify() == [] and reader.lookup(library).tokens == len(library)
+
+
+def test_gc_removes_a_dead_writers_objects_once_its_lease_expires(eng):
+  store = Store('memory://', eng)
+  library = tokens(20, 21)
+  store.put(library)
+  leftover = f'objects/{"ab" * 32}.{"cd" * 16}'
+  store.backing.write(leftover, b'written by a put that was killed')
+  store.backing.write(f'staging/{"ef" * 16}.json', blocks.canonical(
+      {'objects': [leftover], 'time': 1000.0}))  # long ago
+  live = f'objects/{"12" * 32}.{"34" * 16}'
+  store.backing.write(live, b'written by a put still running')
+  store.backing.write(f'staging/{"56" * 16}.json', blocks.canonical(
+      {'objects': [live], 'time': time.time()}))
+  assert store.gc() == {'objects': 1, 'entries': 0}
+  assert store.backing.read(leftover) is None and store.backing.read(live) is not None
+  assert store.backing.list('staging/') == [f'staging/{"56" * 16}.json']
+  assert store.gc(lease_seconds=0) == {'objects': 1, 'entries': 0}
+  assert store.backing.list('staging/') == []
+  assert Store(store.backing, eng).lookup(library).tokens == len(library)
+
+
+def test_a_quarantine_deletes_only_the_bytes_it_judged_and_kept(eng):
+  store = Store('memory://', eng)
+  library = tokens(20, 22)
+  store.put(library)
+  entry = store.lookup(library).entries[0]
+  name = f'objects/{entry["object"]}'
+  sound = store.backing.read(name)
+  # Judged on other bytes than the object now holds (rewritten since): kept, and so is its copy.
+  store.quarantine(entry['key'], name, 'judged on other bytes', data=b'what was judged')
+  assert store.backing.read(name) == sound
+  # Judged on its own bytes: the copy under quarantine/ is exactly what is deleted.
+  store.quarantine(entry['key'], name, 'judged on these bytes', data=sound)
+  assert store.backing.read(name) is None
+  assert sound in [store.backing.read(n) for n in store.backing.list('quarantine/')
+                   if n.endswith('.object')]
 
 
 def test_verify_and_gc_leave_stray_names_alone(eng, tmp_path):

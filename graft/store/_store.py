@@ -20,12 +20,14 @@ memory or on object stores. Layout under the URL:
     objects/<key>.<writer id>    block objects, immutable, under the writer's unique name
     index/<parent>/<key>         index entries: an object published under its parent
     quarantine/<id>.json|object  objects found bad, with the reason
+    staging/<writer id>.json     a put's lease on the objects it has written and not yet
+                                 published (gc leaves them alone while it is live)
 
 A put writes each new object under its unique name, reads it back and checks its bytes, then
 publishes it by writing its index entry only if none exists (first writer wins: a second
 writer verifies the existing entry's object and removes its own copy). A reader therefore sees
 a published, complete object or nothing; a process killed mid-put leaves at most unpublished
-objects, which `gc` removes. The index can always be rebuilt from the objects' headers
+objects, which `gc` removes once their put's lease has gone or expired. The index can always be rebuilt from the objects' headers
 (`rebuild_index`).
 
 Tiers. Device: the engine's one fixed cache, never grown by the store (a graft fills the
@@ -79,6 +81,9 @@ _steps_reached = collections.Counter()
 # Bytes read for a header: enough for any block object's preamble and header (about 150 bytes
 # per leaf), so a graft reads a block far behind its end (global layers only) in one read.
 _HEADER_PROBE = 1 << 16
+# How long a put's lease keeps its unpublished objects from gc (a put publishes a batch within
+# seconds; a lease this old is a writer that was killed). Like git's prune expiry.
+LEASE_SECONDS = 3600.0
 
 
 class StoreError(ValueError):
@@ -399,11 +404,16 @@ class Store:
     """Reports a bad entry or object and moves it aside: a copy and the reason go under
     quarantine/, the entry is removed if it still holds what was judged (`judged`: its bytes or
     decoded entry; so lookups miss and a later put rewrites the block), and the object is
-    deleted."""
+    deleted if it still holds the bytes copied (conditionally on their generation; `data`: the
+    bytes judged, if the caller read them)."""
     self._report(key, name, reason)
     self._entries.pop(key, None)
-    if data is None and name.startswith('objects/'):
-      data = self.backing.read(name)  # the bad bytes are kept, not lost
+    generation = None
+    if name.startswith('objects/'):
+      current, generation = self.backing.read_versioned(name)
+      if data is not None and current != data:
+        generation = None  # rewritten since it was judged: not what was judged, kept
+      data = current if data is None else data  # the bad bytes are kept, not lost
     record = uuid.uuid4().hex
     self.backing.write(f'quarantine/{record}.json', blocks.canonical(
         {'key': key, 'name': name, 'reason': reason, 'time': time.time()}))
@@ -413,7 +423,8 @@ class Store:
       self._delete_entry_if(entry_name, judged)
     if name.startswith('objects/'):
       self.host.drop(name.split('/', 1)[1])
-      self.backing.delete(name)
+      if generation is not None:
+        self.backing.delete_if(name, generation)
 
   def _delete_entry_if(self, entry_name: str, judged) -> bool:
     """Deletes an index entry only if it still holds what was judged bad (bytes, or the decoded
@@ -608,6 +619,18 @@ class Store:
                                          leaves, self.block_layout))
       parent_header = blocks.header_sha256(encoded[-1][1])
     names = [f'objects/{key}.{uuid.uuid4().hex}' for key, _, _ in encoded]
+    # The lease goes first and stays until the batch is published: gc reads leases before it
+    # checks for publication, so it sees an object of this put either leased or published.
+    lease = f'staging/{uuid.uuid4().hex}.json'
+    self.backing.write(lease, blocks.canonical({'objects': names, 'time': time.time()}))
+    try:
+      out, conflicts = self._publish_batch(batch, encoded, names)
+    finally:
+      self.backing.delete(lease)
+    return out, parent_header, conflicts
+
+  def _publish_batch(self, batch, encoded, names) -> tuple[list[int], int]:
+    """Writes, verifies and publishes the encoded blocks of `_write_blocks` under `names`."""
     self.backing.write_many([(name, data) for name, (_, data, _) in zip(names, encoded)])
     self._step('written', names)
     for name, (_, data, _), kept in zip(names, encoded,
@@ -633,7 +656,7 @@ class Store:
       self._sign(key, blocks.header_sha256(data))  # the stored copy has the same header
       self.counters['blocks_written'] += won
       out.append(len(data) if won else 0)
-    return out, parent_header, conflicts
+    return out, conflicts
 
   def _step(self, step: str, names: list[str]) -> None:
     """Called after each step of a put ('written', 'verified', 'published') with the objects'
@@ -798,22 +821,27 @@ class Store:
         frontier.append((entry['key'], start + self.block_tokens, child_ctx, bad))
     return problems
 
-  def gc(self) -> dict:
-    """Removes what cannot be used and is not sound: unpublished objects (left by an
-    interrupted or losing put) and entries whose object fails verification (quarantined, with a
-    copy). An entry whose parent is not published is kept while its object is sound: the parent
-    is addressed by its tokens, so a later put of them makes it reachable again. Run it when no
-    put is running: a put's object is unpublished until its entry is written (an object that
-    has been published meanwhile is kept)."""
+  def gc(self, *, lease_seconds: float = LEASE_SECONDS) -> dict:
+    """Removes what cannot be used and is not sound: unpublished objects left by an
+    interrupted or losing put (once no live lease holds them: a running put leases its objects
+    until they are published; a lease older than `lease_seconds` is a dead writer's and goes
+    too) and entries whose object fails verification (quarantined, with a copy). An entry whose
+    parent is not published is kept while its object is sound: the parent is addressed by its
+    tokens, so a later put of them makes it reachable again. Safe beside puts: the leases are
+    read after verify has listed the objects and before each is checked for publication, and a
+    put publishes before it drops its lease, so every object of a running put is seen leased
+    or published."""
     removed = {'objects': 0, 'entries': 0}
-    for problem in self.verify():
+    problems = self.verify()
+    leased, expired = self._leases(lease_seconds)
+    for problem in problems:
       if problem.reason.startswith('stray'):
         continue
       if problem.name.startswith('objects/'):
         key = problem.name.split('/', 1)[1].split('.')[0]
-        if any(e.get('object') == problem.name.split('/', 1)[1]
-               for e in self._published_entries(key)):
-          continue  # published since verify listed it
+        if problem.name in leased or any(e.get('object') == problem.name.split('/', 1)[1]
+                                         for e in self._published_entries(key)):
+          continue  # a running put's, or published since verify listed it
         self.backing.delete(problem.name)
         removed['objects'] += 1
       elif problem.name.startswith('index/') and 'unreachable' not in problem.reason:
@@ -830,7 +858,27 @@ class Store:
                           judged=data)
           self._rebuild_entry(problem.name.split('/')[1], problem.key)
         removed['entries'] += 1
+    for name in expired:
+      self.backing.delete(name)
     return removed
+
+  def _leases(self, lease_seconds: float) -> tuple[set[str], list[str]]:
+    """(the objects held by live put leases, the names of leases older than `lease_seconds`).
+    A lease that does not decode holds nothing and is left alone, like any stray name."""
+    live, expired, now = set(), [], time.time()
+    for name in self.backing.list('staging/'):
+      try:
+        lease = json.loads(self.backing.read(name) or b'null')
+        objects, written = lease['objects'], float(lease['time'])
+        if not isinstance(objects, list):
+          raise TypeError('objects is not a list')
+      except (ValueError, TypeError, KeyError):
+        continue
+      if now - written < lease_seconds:
+        live.update(o for o in objects if isinstance(o, str))
+      else:
+        expired.append(name)
+    return live, expired
 
   def _published_entries(self, key: str) -> list[dict]:
     """The decoded entries stored under any parent for `key` (as written; not verified)."""

@@ -24,9 +24,11 @@ import tensorstore as ts
 _NO_VALUE = b'\x02'
 # Every key the store makes (graft/store/_store.py): its description, block objects under a
 # writer's unique name, index entries under their parent, writers' signatures of a block (by the
-# signing key's id), quarantined objects and their reasons.
+# signing key's id), quarantined objects and their reasons, and puts' leases on their unpublished
+# objects.
 _KEY = re.compile(r'^(store\.json|objects/[0-9a-f]{64}\.[0-9a-f]{32}|index/[0-9a-f]{64}/[0-9a-f]{64}'
-                  r'|signatures/[0-9a-f]{64}/[0-9a-f]{32}|quarantine/[0-9a-f]{32}\.(object|json))$')
+                  r'|signatures/[0-9a-f]{64}/[0-9a-f]{32}|quarantine/[0-9a-f]{32}\.(object|json)'
+                  r'|staging/[0-9a-f]{32}\.json)$')
 
 
 class StoreUrlError(ValueError):
