@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import pathlib
 import textwrap
 from typing import Any, Callable, Iterable, Sequence
@@ -504,6 +505,15 @@ def faults(found_results: Sequence[tuple[pathlib.Path, dict]],
   return _save(fig, path)
 
 
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+  """The Wilson score interval of a proportion p observed over n trials ((0, 0) for n = 0)."""
+  if n == 0:
+    return 0.0, 0.0
+  center = (p + z * z / (2 * n)) / (1 + z * z / n)
+  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+  return center - half, center + half
+
+
 def decode_tokens_per_solved(tasks: list[dict], phase: str) -> tuple[float, int]:
   """(mean decode tokens, count) over the flywheel rows `phase` ('base' or 'library') solved."""
   solved = [t[f'{phase}_decode_tokens'] for t in tasks
@@ -523,23 +533,37 @@ def flywheel(found_results: Sequence[tuple[pathlib.Path, dict]],
                            figsize=(14, 3.8 * len(found_results)))
   for row, (_, data) in zip(axes, found_results):
     s, c, tasks = data['summary'], data['config'], data['tasks']
-    groups = [('recurring', s['base_accuracy'], s['recurring_accuracy']),
-              ('held-out', s['heldout_base_accuracy'], s['heldout_library_accuracy'])]
-    if s.get('heldout_round2_base_accuracy') is not None:
-      groups.append(('held-out, round 2', s['heldout_round2_base_accuracy'],
-                     s['heldout_round2_library_accuracy']))
+    n_recurring = sum(t['split'] == 'recurring' for t in tasks)
+    groups = [('recurring', s['base_accuracy'], s['recurring_accuracy'], None, n_recurring)]
+    rounds = s.get('accuracy_by_round') or [
+        {'round': r, 'base': s.get(f'heldout{p}_base_accuracy'),
+         'library': s.get(f'heldout{p}_library_accuracy'), 'text': None,
+         'n': sum(t['split'] == 'heldout' and t.get('round', 1) == r for t in tasks)}
+        for r, p in ((1, ''), (2, '_round2')) if s.get(f'heldout{p}_base_accuracy') is not None]
+    groups += [(f"held-out, round {r['round']}", r['base'], r['library'], r.get('text'), r['n'])
+               for r in rounds]
     x = np.arange(len(groups))
-    for offset, index, label, color in ((-0.2, 1, 'base', 'tab:gray'),
-                                        (0.2, 2, 'library grafted', 'tab:green')):
-      values = [100 * (g[index] or 0) for g in groups]
-      bars = row[0].bar(x + offset, values, 0.4, color=color, label=label)
-      row[0].bar_label(bars, fmt='%.0f%%', fontsize=7)
-    row[0].set_xticks(x, [g[0] for g in groups])
-    row[0].set_ylim(0, 105)
-    row[0].set_ylabel('accuracy (%)')
+    for offset, index, label, color in ((-0.27, 1, 'base', 'tab:gray'),
+                                        (0, 2, 'library grafted', 'tab:green'),
+                                        (0.27, 3, 'library as text', 'tab:olive')):
+      values = np.array([100 * (g[index] or 0) for g in groups])
+      low_high = np.array([wilson(g[index] or 0, g[4]) for g in groups]).T * 100
+      bars = row[0].bar(x + offset, values, 0.27, color=color, label=label,
+                        yerr=[np.maximum(0, values - low_high[0]),
+                              np.maximum(0, low_high[1] - values)], capsize=2)
+      row[0].bar_label(bars, labels=['' if g[index] is None else f'{100 * g[index]:.0f}%'
+                                     for g in groups], fontsize=6)
+    row[0].set_xticks(x, [g[0] for g in groups], fontsize=7)
+    row[0].set_ylim(0, 110)
+    row[0].set_ylabel('accuracy (%), 95% Wilson interval')
     row[0].legend(fontsize=7)
+    per_attempt = (f"{c['attempt_tokens']} per attempt" if 'attempt_tokens' in c
+                   else f"{c.get('attempts')} attempt(s)")
+    ci = s.get('heldout_delta_ci95')
     row[0].set_title(f"{c.get('task_set') or c.get('tasks')}: {c.get('model')}, budget "
-                     f"{c.get('budget')} tokens, {c.get('attempts')} attempt(s)", fontsize=9)
+                     f"{c.get('budget')} tokens ({per_attempt})"
+                     + (f"; held-out delta {s['heldout_delta']:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}]"
+                        f", McNemar p {s['heldout_mcnemar_p']:.2g}" if ci else ''), fontsize=8)
 
     for i, phase in enumerate(('base', 'library')):
       mean, count = decode_tokens_per_solved(tasks, phase)
@@ -548,8 +572,11 @@ def flywheel(found_results: Sequence[tuple[pathlib.Path, dict]],
     row[1].set_xticks([0, 1], ['base', 'library grafted'])
     row[1].set_ylabel('decode tokens per solved problem')
     row[1].set_ylim(bottom=0)
+    energy = ('energy (RAPL)' if s.get('energy_method', '').startswith('RAPL') else
+              'energy (CPU s)' if s.get('energy_method', '').startswith('CPU') else
+              'energy (wall time)')
     factors = [('tokens', s.get('token_factor')), ('FLOPs', s.get('flops_factor')),
-               ('energy (wall time)', s.get('energy_factor'))]
+               (energy, s.get('energy_factor'))]
     bars = row[2].bar(range(3), [f or 0 for _, f in factors], color='tab:purple')
     row[2].bar_label(bars, labels=['n/a' if f is None else f'{f:.3g}x' for _, f in factors],
                      fontsize=7)

@@ -1,34 +1,40 @@
 """The verified-knowledge flywheel: verify once, deposit as KV, graft on every recurrence.
 
-  python -m experiments.flywheel --task_set=arithmetic --tasks_n=100 --solutions=generated
+  python -m experiments.flywheel --task_set=units --tasks_n=100 --heldout_n=100 \
+      --budget=1024 --attempt_tokens=48 --solutions=generated --rounds=2
   python -m experiments.flywheel --tasks=aime.jsonl --heldout=aime_heldout.jsonl \
-      --solutions=aime_solutions.jsonl --attempts=8 --budget=64
+      --solutions=aime_solutions.jsonl --budget=4096 --attempt_tokens=256
+  python -m experiments.flywheel --task_set=units --solutions=none --rounds=3   # pure flywheel
 
 Phases (graft/knowledge/flywheel.py runs them; graft/knowledge/library.py holds the library,
-graft/knowledge/verifiers.py the verifiers):
+graft/knowledge/verifiers.py the verifiers and their one answer-extraction rule):
   (a) base: each task asked as "Problem: ...\\nSolution:" after a few-shot header of solved
-      examples in the library's own format (drawn apart from the tasks), up to --attempts
-      sampled attempts at --temperature within --budget decode tokens each, stopping at the
-      first verified answer; every decode token counted;
+      examples in the library's own format (drawn apart from the tasks): attempts of at most
+      --attempt_tokens decode tokens, sampled at --temperature (a seed per attempt from
+      --seed), until one verifies or the problem's --budget of decode tokens is spent; every
+      decode token counted;
   (b) deposit: every task with a verified solution enters the library: its own (source
-      "self"), else one from --solutions (a file, or `generated`: the generator's worked
-      solutions, standing in for a stronger solver's), checked by the verifier first; one that
-      fails is rejected and counted, never deposited;
+      "self"), else one from --solutions (a file, `generated`: the generator's worked
+      solutions, standing in for a stronger solver's, or `none`: only the model's own), which
+      the library verifies itself; one that fails is rejected and counted, never deposited;
   (c) recurring: each deposited task asked again, greedily, with its entry grafted from the
-      store;
-  (d) held-out: each held-out problem (--heldout, or a generated set disjoint from the tasks)
-      asked greedily without a library (the few-shot header) and with its --k BM25-retrieved
-      entries grafted as one library prefix.
-With --rounds=2 the library then grows by round one's verified held-out answers and a second
-held-out set is asked the same way: does the flywheel turn?
+      store (tokens per recurring answer reported);
+  (d) held-out, per round: each held-out problem (--heldout, or generated sets disjoint from
+      the tasks, one per --rounds) asked greedily three ways: without a library (the few-shot
+      header), with its --k BM25-retrieved entries grafted as one library prefix, and with the
+      same entries' text prefilled fresh (the text baseline: the graft must give the same
+      answer token for token; it changes the cost: prefill tokens and time to first token).
+      After each round but the last, the library grows by that round's verified answers.
 
-For --sample_exact of the grafted answers the logits of every decode step are compared by
-SHA-256 with a fresh computation of library + question (graft_exact). Costs: decode tokens as
-counted; FLOPs from the config (gemma_jax/cost.py: a prompt's prefill plus each decode token;
-grafted tokens cost no prefill); energy estimated from wall time on the same problems, assuming
-the same power draw in both phases (this machine exposes no power counters). The token factor
-is the paper's: the base decode tokens spent on the never-solved problems over the library's
-decode tokens on the same problems.
+Every held-out graft is compared with its text baseline (logits SHA-256 of every decode
+step), and --sample_exact recurring grafts with a fresh computation (graft_exact). Accuracy
+differences are paired: a 95% bootstrap interval over problems and McNemar's exact p-value
+(graft/knowledge/paired.py). Costs: decode tokens as counted; FLOPs from the config
+(gemma_jax/cost.py: a prompt's prefill plus each decode token; grafted tokens cost no prefill);
+energy from the CPU packages' RAPL counters where the kernel exposes them, else this process's
+CPU seconds at the same power per busy core in both phases (energy_method says which). The
+token factor is the paper's: the base decode tokens spent within the budget on the
+never-solved problems over the library's decode tokens on the same problems.
 
 Output: schema flywheel (analysis/results.py); --manifest writes every answer's prompt token
 ids, decode settings, tokens and logits SHA-256 for `experiments.replay`.
@@ -61,16 +67,19 @@ def define_flags() -> None:
   flags.DEFINE_integer('tasks_n', 100, 'Tasks of a generated set.')
   flags.DEFINE_string('heldout', None, 'JSONL of held-out problems (default: generated, disjoint).')
   flags.DEFINE_integer('heldout_n', 100, 'Held-out problems of a generated set.')
-  flags.DEFINE_string('solutions', None, 'JSONL of {"id", "solution"}, or `generated`.')
-  flags.DEFINE_integer('attempts', 4, 'Sampled attempts per task in the base phase.')
+  flags.DEFINE_string('solutions', None, 'JSONL of {"id", "solution"}; `generated`; or `none` '
+                      '(only the model\'s own verified attempts enter the library).')
   flags.DEFINE_float('temperature', 0.7, 'Sampling temperature of the base attempts.')
   flags.DEFINE_integer('seed', 0, 'Seed of the generated sets and of the sampler.')
-  flags.DEFINE_integer('budget', 40, 'Decode tokens per attempt (a worked solution and its '
-                       'answer line).')
+  flags.DEFINE_integer('budget', 64, 'Decode tokens a recurring problem may spend in all, over '
+                       'its base attempts.')
+  flags.DEFINE_integer('attempt_tokens', 40, 'Decode tokens of one attempt (a worked solution '
+                       'and its answer line), and of every greedy answer.')
   flags.DEFINE_integer('k', 3, 'Entries retrieved for a held-out problem.')
   flags.DEFINE_integer('shots', 3, 'Solved examples in the base few-shot header.')
   flags.DEFINE_integer('sample_exact', 10, 'Grafted answers checked against fresh (per phase).')
-  flags.DEFINE_integer('rounds', 2, '1, or 2: grow the library by round one\'s held-out answers.')
+  flags.DEFINE_integer('rounds', 2, 'Held-out rounds; after each but the last the library grows '
+                       'by that round\'s verified answers.')
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the task set).')
   flags.DEFINE_string('manifest', None, 'Also write a replayable manifest here.')
   common.define_model_flags()
@@ -103,21 +112,32 @@ def load_sets(tokenizer) -> tuple[list, list, dict, list]:
     raise app.UsageError('--tasks needs --heldout=FILE.jsonl')
   if FLAGS.rounds > 1:
     if FLAGS.task_set:
-      heldout.append(tasks_lib.generate(FLAGS.task_set, FLAGS.heldout_n,
-                                        seed=FLAGS.seed + 20_000, exclude=seen))
+      for r in range(2, FLAGS.rounds + 1):  # seeds 20,000, then 50,000, 60,000, ... (30,000
+        # draws the few-shot examples)
+        offset = 20_000 if r == 2 else 10_000 * (r + 2)
+        heldout.append(tasks_lib.generate(FLAGS.task_set, FLAGS.heldout_n,
+                                          seed=FLAGS.seed + offset, exclude=seen))
+        seen += [t.problem for t in heldout[-1]]
     else:
-      logging.warning('--rounds=2 needs a generated set; a single round is run')
+      logging.warning('--rounds=%d needs a generated set; a single round is run', FLAGS.rounds)
   if FLAGS.solutions == 'generated':
     if not FLAGS.task_set:
       raise app.UsageError('--solutions=generated needs --task_set')
     solutions = {t.id: t.reference_solution for t in task_list}
+  elif FLAGS.solutions in (None, 'none'):
+    solutions = {}
   else:
-    solutions = tasks_lib.read_solutions(FLAGS.solutions) if FLAGS.solutions else {}
+    solutions = tasks_lib.read_solutions(FLAGS.solutions)
   return task_list, heldout, solutions, examples
 
 
 def main(argv):
   del argv
+  if FLAGS.rounds < 1:
+    raise ValueError(f'--rounds={FLAGS.rounds}: at least one held-out round')
+  settings = Settings(budget=FLAGS.budget, attempt_tokens=FLAGS.attempt_tokens,
+                      temperature=FLAGS.temperature, seed=FLAGS.seed, k=FLAGS.k,
+                      sample_exact=FLAGS.sample_exact)  # bad settings refused before loading
   loaded = common.load_model()
   engine = common.make_engine(loaded)
   task_list, heldout, solutions, examples = load_sets(loaded.tokenizer)
@@ -128,8 +148,6 @@ def main(argv):
     url = f'file://{scratch}/store/'
   store = Store(url, engine, **common.store_args())
   try:
-    settings = Settings(attempts=FLAGS.attempts, temperature=FLAGS.temperature, seed=FLAGS.seed,
-                        budget=FLAGS.budget, k=FLAGS.k, sample_exact=FLAGS.sample_exact)
     results = run(engine, Library(store), task_list, heldout, solutions, examples, settings)
   finally:
     if scratch:
@@ -137,8 +155,8 @@ def main(argv):
   config = {**common.model_config_json(), 'task_set': FLAGS.task_set, 'tasks': FLAGS.tasks,
             'tasks_n': len(task_list), 'heldout': FLAGS.heldout,
             'heldout_n': [len(h) for h in heldout], 'solutions': FLAGS.solutions,
-            'attempts': FLAGS.attempts, 'temperature': FLAGS.temperature, 'seed': FLAGS.seed,
-            'budget': FLAGS.budget, 'k': FLAGS.k, 'shots': FLAGS.shots,
+            'attempt_tokens': FLAGS.attempt_tokens, 'temperature': FLAGS.temperature,
+            'seed': FLAGS.seed, 'budget': FLAGS.budget, 'k': FLAGS.k, 'shots': FLAGS.shots,
             'rounds': len(heldout), 'sample_exact': FLAGS.sample_exact,
             'engine_config': dataclasses.asdict(engine.engine_config),
             'model_fingerprint': engine.model_fingerprint['sha256'],
@@ -146,7 +164,7 @@ def main(argv):
             'templates': {'entry': 'Problem: {problem}\\nSolution: {solution}\\nAnswer: {answer}'
                                    '\\n\\n', 'question': QUESTION},
             'cost': {'dense_flops_per_token': cost.dense_flops_per_token(loaded.config)}}
-  summary = summarize(loaded.config, results)
+  summary = summarize(loaded.config, results, seed=FLAGS.seed)
   rows = [task_row(r) for r in results['rows']]
   output = FLAGS.output or common.default_output('flywheel', FLAGS.model, FLAGS.dtype,
                                                  FLAGS.task_set or 'file')

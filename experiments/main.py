@@ -105,14 +105,19 @@ def flywheel_demo(engine) -> list[str]:
   with tempfile.TemporaryDirectory() as scratch:
     library = Library(Store(f'file://{scratch}/store/', engine))
     results = flywheel.run(engine, library, task_list, [heldout], solutions, examples,
-                           flywheel.Settings(attempts=2, budget=40, sample_exact=4))
+                           flywheel.Settings(budget=80, attempt_tokens=40, sample_exact=4))
   summary = flywheel.summarize(engine.config, results)
   print(f"base accuracy {summary['base_accuracy']:.2f}, with the library (recurring) "
         f"{summary['recurring_accuracy']:.2f}; held out {summary['heldout_base_accuracy']:.2f} "
         f"-> {summary['heldout_library_accuracy']:.2f}; token factor on the never-solved: "
         f"{summary['token_factor']}; sampled grafts SHA-256 equal to fresh: "
-        f"{summary['graft_exact_equal']}/{summary['graft_exact_checked']}")
-  return [] if summary['graft_exact'] is not False else ['flywheel: a sampled graft is not exact']
+        f"{summary['graft_exact_equal']}/{summary['graft_exact_checked']}; held-out answers "
+        f"equal to the library as text: {summary['text_equal_answers']}/"
+        f"{summary['text_compared']}")
+  failed = [] if summary['graft_exact'] is not False else ['flywheel: a graft is not exact']
+  if summary['text_equal_answers'] != summary['text_compared']:
+    failed.append('flywheel: a grafted answer differs from its text baseline')
+  return failed
 
 
 def main(argv):

@@ -140,12 +140,13 @@ def replay_answers(manifest: dict, limit: int = 0, dot_library: str | None = Non
   """A flywheel manifest: every answer decoded again from a fresh computation of its whole
   prompt (a grafted answer is byte-equal to that, so the recorded hashes must reproduce)."""
   engine, _ = _engine(manifest, dot_library)
-  asker = Asker(engine, manifest['budget'])
+  asker = Asker(engine)
   chosen = manifest['answers'][:limit or None]
   failures = []
   for i, record in enumerate(chosen):
     ctx, _ = engine.prefill(record['prompt'], logits='last')
-    decoded = engine.decode(ctx, manifest['budget'], temperature=record['temperature'],
+    decoded = engine.decode(ctx, record.get('max_tokens', manifest['budget']),
+                            temperature=record['temperature'],
                             seed=record['seed'], stop=asker.stop)
     differing = [name for name, ok in (('tokens', decoded.tokens == record['tokens']),
                                        ('logits_sha256',

@@ -374,6 +374,18 @@ def test_flywheel_figure_draws_accuracy_tokens_per_solved_and_factors(tmp_path):
                               tmp_path / 'flywheel.png')
   assert fig_path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   assert figures.flywheel([], tmp_path / 'none.png') is None
+  # Today's shape: rounds with the text baseline, and the paired interval in the title.
+  current = _flywheel_fixture()
+  current['config'].update(attempt_tokens=16)
+  current['summary'].update(
+      heldout_delta=0.5, heldout_delta_ci95=[0.0, 1.0], heldout_mcnemar_p=1.0,
+      energy_method='CPU seconds of this process',
+      accuracy_by_round=[{'round': 1, 'n': 2, 'base': 0.0, 'library': 0.5, 'text': 0.5},
+                         {'round': 2, 'n': 2, 'base': 0.5, 'library': 1.0, 'text': 1.0}])
+  assert figures.flywheel([(tmp_path / 'flywheel.json', current)],
+                          tmp_path / 'rounds.png').read_bytes()[:4] == b'\x89PNG'
+  assert figures.wilson(0.5, 0) == (0.0, 0.0)
+  assert figures.wilson(0.5, 100) == pytest.approx((0.404, 0.596), abs=1e-3)
   tasks = _flywheel_fixture()['tasks']
   assert figures.decode_tokens_per_solved(tasks, 'base') == (12.0, 1)  # t0 only
   assert figures.decode_tokens_per_solved(tasks, 'library') == (12.5, 4)  # 3 x 10 and 20

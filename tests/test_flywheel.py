@@ -10,7 +10,7 @@ import pytest
 
 from graft.knowledge import tasks
 from gemma_jax import weights
-from graft.knowledge import verifiers
+from graft.knowledge import paired, verifiers
 from graft.engine import Engine, EngineConfig
 from graft.knowledge.library import Entry, Library, LibraryError
 from graft.store import Store
@@ -29,7 +29,18 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
     ('integer', '5', ' five', False),
     ('integer', '5', ' 5.5', False),
     ('decimal', '350', ' Answer: 350.0', True),
-    ('decimal', '3.5', ' 3.50 \nmore text 9', True),  # no Answer: the first line
+    ('decimal', '3.5', ' 9 is less than 3.50', True),  # no stated answer: the last number
+    ('decimal', '3.5', ' 3.50 \nmore text 9', False),
+    ('integer', '86', '41 + 45 = 86.', True),  # as people write them
+    ('integer', '86', '41 + 45 = 86. The answer is 86.', True),
+    ('integer', '86', 'So the answer is: 86', True),
+    ('integer', '86', 'Adding gives $\\boxed{86}$.', True),
+    ('integer', '86', '41 + 45 = 86\n#### 86', True),
+    ('integer', '86', '41 + 45 = 86. The answer is 85.', False),  # the stated answer counts
+    ('integer', '86', 'Answer: 86\nThe answer is 87', False),  # the last stated one
+    ('integer', '86', '\\boxed{85} 86', False),
+    ('string', '2024-03-22', 'The answer is 2024-03-22.', True),
+    ('string', '2024-03-22', 'so we get\n2024-03-22', True),
     ('decimal', '0.1', ' 0.10000001', False),
     ('string', '2024-03-22', 'x\nAnswer: 2024-03-22\n\n', True),
     ('string', '2024-03-22', 'Answer: 2024-03-23', False),
@@ -107,26 +118,39 @@ def _entry(i, problem):
   return Entry(f'e{i}', problem, f'worked {i}', str(i), 'solutions')
 
 
-def test_the_library_accepts_only_verified_entries_once(engine):
+def _task(problem, answer):
+  return tasks.Task(f't-{answer}', problem, answer, verifiers.verifier_for(answer))
+
+
+def test_the_library_verifies_each_entry_itself_and_holds_it_once(engine):
   library = Library(Store('memory://', engine))
-  good = verifiers.verify('3', 'integer', 'Answer: 3')
-  bad = verifiers.verify('3', 'integer', 'Answer: 4')
+  task = _task('What is 1 + 2?', '3')
   with pytest.raises(LibraryError, match='refused its answer'):
-    library.add(_entry(3, 'What is 1 + 2?'), bad)
+    library.add(_entry(4, 'What is 1 + 2?'), task)  # an entry answering 4
+  with pytest.raises(LibraryError, match='not task'):
+    library.add(_entry(3, 'What is 2 + 1?'), task)  # another problem's entry
   assert not library.entries and library.store.stats()['objects'] == 0  # nothing deposited
-  library.add(_entry(3, 'What is 1 + 2?'), good)
+  library.add(_entry(3, 'What is 1 + 2?'), task)
   with pytest.raises(LibraryError, match='already holds'):
-    library.add(_entry(4, 'What is  1 + 2?'), good)
+    library.add(_entry(3, 'What is  1 + 2?'), task)
   assert library.find('what is 1 + 2?').id == 'e3'
+
+
+def test_a_verdict_for_another_answer_deposits_nothing(engine):
+  # What an earlier Library.add accepted: answers '1', '2', '3' under one verdict for '0'.
+  library = Library(Store('memory://', engine))
+  for i in (1, 2, 3):
+    with pytest.raises(LibraryError, match='refused its answer'):
+      library.add(_entry(i, f'Problem {i}'), _task(f'Problem {i}', '0'))
+  assert not library.entries and library.store.stats()['objects'] == 0
 
 
 def test_retrieval_ranks_by_bm25_and_the_same_entries_are_a_store_hit(engine):
   library = Library(Store('memory://', engine))
-  ok = verifiers.Verdict(True, 'equal', '0')
   for i, problem in enumerate(['How many grams are in 3 kilograms?',
                                'What is 12 + 30?', 'How many meters are in 2 kilometers?',
                                'What date is 3 days after 2021-01-01?']):
-    library.add(_entry(i, problem), ok)
+    library.add(_entry(i, problem), _task(problem, str(i)))
   found = library.retrieve('How many grams are in 7 kilograms?', 2)
   assert [e.id for e in found] == ['e0', 'e2']
   ctx, match, tokens = library.context(found)
@@ -146,7 +170,7 @@ def test_flywheel_runs_on_gemma4_and_its_manifest_replays(tmp_path):
   env = {**os.environ, 'PYTHONPATH': str(REPO)}
   run = subprocess.run(
       [sys.executable, '-m', 'experiments.flywheel', '--model=tiny_gemma4', '--weights=random:0',
-       '--task_set=units', '--tasks_n=4', '--heldout_n=3', '--attempts=2', '--budget=12',
+       '--task_set=units', '--tasks_n=4', '--heldout_n=3', '--attempt_tokens=12', '--budget=30',
        '--solutions=generated', '--sample_exact=2', '--block_size=8', f'--output={output}',
        f'--manifest={manifest}'], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
   assert run.returncode == 0, run.stderr[-3000:]
@@ -155,9 +179,24 @@ def test_flywheel_runs_on_gemma4_and_its_manifest_replays(tmp_path):
   for field in ('base_accuracy', 'recurring_accuracy', 'heldout_base_accuracy',
                 'heldout_library_accuracy', 'never_solved', 'never_solved_answered',
                 'never_solved_base_tokens', 'never_solved_library_decode_tokens',
-                'token_factor', 'flops_factor', 'energy_factor', 'graft_exact'):
+                'token_factor', 'flops_factor', 'energy_factor', 'graft_exact',
+                'budget_per_problem', 'heldout_text_accuracy', 'text_equal_answers',
+                'heldout_delta', 'heldout_delta_ci95', 'heldout_mcnemar_p',
+                'recurring_delta_ci95', 'prefill_tokens_saved', 'ttft_graft_s', 'ttft_text_s',
+                'accuracy_by_round'):
     assert field in result['summary'], field
-  assert result['summary']['graft_exact'] is True
+  summary = result['summary']
+  assert summary['graft_exact'] is True and summary['budget_per_problem'] == 30
+  # Every held-out answer with the library grafted equals its text baseline, token for token.
+  assert summary['text_compared'] == 6 and summary['text_equal_answers'] == 6
+  assert summary['heldout_library_accuracy'] == summary['heldout_text_accuracy']
+  assert [r['round'] for r in summary['accuracy_by_round']] == [1, 2]
+  for row in result['tasks']:
+    if row['split'] == 'recurring':  # attempts until verified or the budget is spent
+      assert row['base_correct'] or row['base_decode_tokens'] == 30, row
+    else:
+      assert row['text_equal'] is True and row['text_decode_tokens'] == \
+          row['library_decode_tokens']
   assert result['summary']['deposited'] == 4  # the generated solutions, verified
   for row in result['tasks']:
     assert row['split'] in ('recurring', 'heldout')
@@ -180,9 +219,37 @@ def test_a_solution_that_fails_verification_is_rejected_and_counted(tmp_path):
   run = subprocess.run(
       [sys.executable, '-m', 'experiments.flywheel', '--model=tiny_gemma3', '--weights=random:0',
        f'--tasks={task_file}', f'--heldout={heldout}', f'--solutions={solutions}',
-       '--attempts=1', '--budget=4', '--rounds=1', '--block_size=8', f'--output={output}'],
+       '--attempt_tokens=4', '--budget=4', '--rounds=1', '--block_size=8', f'--output={output}'],
       cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True,
       timeout=900)
   assert run.returncode == 0, run.stderr[-3000:]
   summary = json.loads(output.read_text())['summary']
   assert summary['solutions_rejected'] == 1 and summary['deposited'] == 0
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--budget=8', '--attempt_tokens=16'], 'smaller than one attempt'),
+    (['--attempt_tokens=0'], 'at least one decode token'),
+    (['--rounds=0'], 'at least one held-out round'),
+])
+def test_bad_budgets_are_refused_in_one_line_before_the_model_loads(tmp_path, flags, message):
+  output = tmp_path / 'fw.json'
+  run = subprocess.run(
+      [sys.executable, '-m', 'experiments.flywheel', '--model=tiny_gemma3', '--weights=random:0',
+       '--task_set=units', f'--output={output}', *flags], cwd=REPO,
+      env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
+  assert run.stderr.strip().count('\n') == 0 and not output.exists()
+
+
+def test_paired_differences_have_their_interval_and_exact_p_value():
+  base = [True] * 10 + [False] * 10
+  other = [True] * 10 + [True] * 6 + [False] * 4  # 6 discordant, all for the library
+  assert paired.delta(base, other) == pytest.approx(0.3)
+  assert paired.mcnemar_exact(base, other) == pytest.approx(2 / 64)  # 2 * 0.5 ** 6
+  assert paired.mcnemar_exact(base, base) == 1.0
+  low, high = paired.bootstrap_ci(base, other, seed=1)
+  assert 0 < low < 0.3 < high <= 0.6
+  assert paired.bootstrap_ci(base, other, seed=1) == [low, high]  # seeded
+  with pytest.raises(ValueError, match='differ in length'):
+    paired.mcnemar_exact(base, other[:-1])

@@ -6,7 +6,9 @@ The phases and what each counts are described in experiments/flywheel.py, the en
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import glob
 import hashlib
 import time
 
@@ -16,33 +18,71 @@ import numpy as np
 from gemma_jax import compare, cost
 from gemma_jax.config import EOS_ID
 from graft.knowledge import tasks as tasks_lib
-from graft.knowledge import verifiers
+from graft.knowledge import paired, verifiers
 from graft.knowledge.library import Entry, Library, LibraryError, QUESTION, worked
 
 
 @dataclasses.dataclass
 class Asked:
-  """One answer: the prompt it came from, how it was decoded, what came out."""
+  """One answer: the prompt it came from, how it was decoded, what came out, what it cost."""
 
   prompt: list[int]  # every token before the answer (library prefix or few-shot, question)
   grafted: int  # tokens of the prompt grafted from the store (not computed)
   temperature: float
   seed: int
+  max_tokens: int  # the decode tokens it was allowed
   tokens: list[int]
   logits_sha256: str
   text: str
   verdict: verifiers.Verdict
-  seconds: float
+  seconds: float  # from the start of the answer (graft or prefill included) to its end
+  first_logits_seconds: float  # from the start to the logits of its first token (TTFT)
+  cpu_seconds: float  # this process's CPU time over the same span (every thread)
+  joules: float | None = None  # RAPL package energy over the same span, where readable
   graft_exact: bool | None = None
+
+
+class Meter:
+  """Wall time, CPU time and (where the kernel exposes RAPL) package energy since creation."""
+
+  def __init__(self):
+    self.wall, self.cpu, self.energy = time.perf_counter(), time.process_time(), rapl_joules()
+
+  def seconds(self) -> float:
+    return time.perf_counter() - self.wall
+
+  def cpu_seconds(self) -> float:
+    return time.process_time() - self.cpu
+
+  def joules(self) -> float | None:
+    now = rapl_joules()
+    return None if now is None or self.energy is None else now - self.energy
+
+
+def rapl_joules() -> float | None:
+  """The summed energy counters of the CPU packages (/sys/class/powercap/intel-rapl:N), in
+  joules; None where the kernel exposes none or they are not readable (counter wrap-around
+  is not handled: a package counter wraps after hours)."""
+  total, found = 0, False
+  for path in sorted(glob.glob(RAPL_GLOB)):
+    try:
+      with open(path) as f:
+        total += int(f.read())
+      found = True
+    except (OSError, ValueError):
+      return None
+  return total / 1e6 if found else None
+
+
+RAPL_GLOB = '/sys/class/powercap/intel-rapl:[0-9]*/energy_uj'
 
 
 class Asker:
   """Decodes answers under one engine: a worked solution, then "Answer: ...", stopping at the
   end of the answer's line (or of the entry, at a blank line, or at EOS)."""
 
-  def __init__(self, engine, budget: int):
+  def __init__(self, engine):
     self.engine = engine
-    self.budget = budget
     self.tokenizer = engine.loaded.tokenizer
 
   def stop(self, tokens: list[int]) -> bool:
@@ -51,22 +91,28 @@ class Asker:
     text = self.tokenizer.decode(tokens)
     return '\n\n' in text or ('Answer:' in text and '\n' in text.rsplit('Answer:', 1)[1])
 
-  def ask(self, ctx, prompt, grafted, task, *, temperature, seed) -> Asked:
-    """Answers from `ctx`, a context holding `prompt` (it is not consumed)."""
-    start = time.perf_counter()
-    decoded = self.engine.decode(ctx, self.budget, temperature=temperature, seed=seed,
+  def ask(self, ctx, prompt, grafted, task, meter: Meter, *, max_tokens, temperature,
+          seed) -> Asked:
+    """Answers from `ctx`, a context holding `prompt` with its last logits (it is not consumed);
+    `meter` was started before the prompt was grafted or computed."""
+    first = meter.seconds()
+    decoded = self.engine.decode(ctx, max_tokens, temperature=temperature, seed=seed,
                                  stop=self.stop)
     text = self.tokenizer.decode(decoded.tokens)
     return Asked(prompt=list(prompt), grafted=grafted, temperature=temperature, seed=seed,
-                 tokens=decoded.tokens, logits_sha256=decoded.logits_sha256, text=text,
+                 max_tokens=max_tokens, tokens=decoded.tokens,
+                 logits_sha256=decoded.logits_sha256, text=text,
                  verdict=verifiers.verify(task.answer, task.verifier, text),
-                 seconds=time.perf_counter() - start)
+                 seconds=meter.seconds(), first_logits_seconds=first,
+                 cpu_seconds=meter.cpu_seconds(), joules=meter.joules())
 
-  def fresh_logits_sha(self, asked: Asked) -> str:
-    """The same decoding from a fresh computation of the whole prompt."""
-    ctx, _ = self.engine.prefill(asked.prompt, logits='last')
-    return self.engine.decode(ctx, self.budget, temperature=asked.temperature, seed=asked.seed,
-                              stop=self.stop).logits_sha256
+  def ask_fresh(self, prompt, task, *, max_tokens, temperature=0.0, seed=0) -> Asked:
+    """The same question with its whole prompt prefilled fresh (no graft): the text baseline,
+    and the fresh computation a grafted answer must equal byte for byte."""
+    meter = Meter()
+    ctx, _ = self.engine.prefill(prompt, logits='last')
+    return self.ask(ctx, prompt, 0, task, meter, max_tokens=max_tokens,
+                    temperature=temperature, seed=seed)
 
 
 def attempt_seed(seed: int, task_id: str, attempt: int) -> int:
@@ -84,32 +130,44 @@ def few_shot(engine, library: Library, examples: list[tasks_lib.Task]):
   return ctx, tokens
 
 
-def ask_base(asker: Asker, header, task, attempts: int, temperature: float, seed: int):
-  """Up to `attempts` sampled answers after the few-shot header; stops at the first correct."""
+def ask_base(asker: Asker, header, task, settings: 'Settings', *, greedy: bool = False):
+  """Without a library, after the few-shot header. Attempts until one verifies or the
+  problem's decode budget is spent: each at most `attempt_tokens` (the last one what is
+  left), sampled at the settings' temperature with a seed per attempt; every decode token
+  counts. `greedy`: one greedy answer of at most `attempt_tokens` (the held-out condition)."""
+  budget = settings.attempt_tokens if greedy else settings.budget
   header_ctx, header_tokens = header
+  meter = Meter()
   question = asker.tokenizer.encode(QUESTION.format(problem=task.problem), add_bos=False)
   ctx, _ = asker.engine.extend(header_ctx, question, logits='last')
-  answers = []
-  for attempt in range(attempts):
-    asked = asker.ask(ctx, header_tokens + question, 0, task, temperature=temperature,
-                      seed=attempt_seed(seed, task.id, attempt))
+  answers, spent = [], 0
+  while spent < budget:
+    asked = asker.ask(ctx, header_tokens + question, 0, task, meter,
+                      max_tokens=min(settings.attempt_tokens, budget - spent),
+                      temperature=0.0 if greedy else settings.temperature,
+                      seed=0 if greedy else attempt_seed(settings.seed, task.id, len(answers)))
     answers.append(asked)
-    if asked.verdict.correct:
+    spent += len(asked.tokens)
+    meter = Meter()
+    if asked.verdict.correct or greedy:
       break
   return answers
 
 
-def ask_library(asker: Asker, library: Library, entries: list[Entry], task, check: bool):
-  """One greedy answer with the entries grafted from the store as one prefix."""
-  start = time.perf_counter()
+def ask_library(asker: Asker, library: Library, entries: list[Entry], task, max_tokens: int,
+                check: bool):
+  """One greedy answer with the entries grafted from the store as one prefix; `check`: also
+  decoded from a fresh prefill of the same prompt, and compared by SHA-256."""
+  meter = Meter()
   ctx, match, prefix = library.context(entries)
   question = library.question(task.problem)
   ctx, _ = asker.engine.extend(ctx, prefix[match.tokens:] + question, logits='last',
                                consume=True)
-  asked = asker.ask(ctx, prefix + question, match.tokens, task, temperature=0.0, seed=0)
-  asked.seconds = time.perf_counter() - start  # graft included: what the library costs
+  asked = asker.ask(ctx, prefix + question, match.tokens, task, meter, max_tokens=max_tokens,
+                    temperature=0.0, seed=0)
   if check:
-    asked.graft_exact = asker.fresh_logits_sha(asked) == asked.logits_sha256
+    fresh = asker.ask_fresh(asked.prompt, task, max_tokens=max_tokens)
+    asked.graft_exact = fresh.logits_sha256 == asked.logits_sha256
   return asked
 
 
@@ -139,7 +197,6 @@ def deposit(library: Library, task, base: list[Asked], solutions: dict, counts) 
   solved = [a for a in base if a.verdict.correct]
   if solved:
     entry = Entry(task.id, task.problem, worked(solved[0].text), task.answer, 'self')
-    verdict = solved[0].verdict
   elif task.id in solutions:
     verdict = tasks_lib.check_solution(task, solutions[task.id])
     if not verdict.correct:
@@ -150,7 +207,7 @@ def deposit(library: Library, task, base: list[Asked], solutions: dict, counts) 
   else:
     return None
   try:
-    library.add(entry, verdict)
+    library.add(entry, task)
   except LibraryError as e:
     counts['entries_refused'] += 1
     logging.warning('%s', e)
@@ -158,41 +215,79 @@ def deposit(library: Library, task, base: list[Asked], solutions: dict, counts) 
   return entry.source
 
 
-def round_of_heldout(asker, library, header, heldout, k, sample_exact, round_) -> list[dict]:
+def round_of_heldout(asker, library, header, heldout, settings, round_) -> list[dict]:
+  """Each held-out problem three ways: the base model (one greedy answer), its k retrieved
+  entries grafted from the store, and the same entries' text prefilled fresh (the text
+  baseline: a graft gives exactly its logits, so the answers must be token-for-token equal,
+  and their logits SHA-256 equal; what the graft changes is the cost)."""
   rows = []
   for i, task in enumerate(heldout):
-    base = ask_base(asker, header, task, 1, 0.0, 0)[0]
-    entries = library.retrieve(task.problem, k)
-    lib = ask_library(asker, library, entries, task, check=i < sample_exact) if entries else None
-    rows.append({'task': task, 'split': 'heldout', 'round': round_, 'base': [base],
-                 'library': lib, 'retrieved': [e.id for e in entries]})
-    logging.info('held-out (round %d) %d/%d: base %s, library %s', round_, i + 1, len(heldout),
-                 base.verdict.correct, lib.verdict.correct if lib else None)
+    base = ask_base(asker, header, task, settings, greedy=True)
+    entries = library.retrieve(task.problem, settings.k)
+    lib = text = None
+    if entries:
+      lib = ask_library(asker, library, entries, task, settings.attempt_tokens, check=False)
+      text = asker.ask_fresh(lib.prompt, task, max_tokens=settings.attempt_tokens)
+      lib.graft_exact = text.logits_sha256 == lib.logits_sha256
+    rows.append({'task': task, 'split': 'heldout', 'round': round_, 'base': base,
+                 'library': lib, 'text': text, 'retrieved': [e.id for e in entries]})
+    logging.info('held-out (round %d) %d/%d: base %s, library %s, text %s', round_, i + 1,
+                 len(heldout), base[0].verdict.correct, lib.verdict.correct if lib else None,
+                 text.tokens == lib.tokens if lib else None)
   return rows
+
+
+def deposit_round(library: Library, rows: list[dict], round_: int) -> int:
+  """The next round's library: this round's verified held-out answers (the library's when it
+  was right, else the base model's), each checked by the library again; returns how many."""
+  added = 0
+  for row in rows:
+    right = [a for a in (row['library'], row['base'][0]) if a is not None and a.verdict.correct]
+    if not right:
+      continue
+    task = row['task']
+    try:
+      library.add(Entry(task.id, task.problem, worked(right[0].text), task.answer,
+                        f'self_round{round_}'), task)
+      row['deposited_next_round'] = True
+      added += 1
+    except LibraryError:
+      pass
+  return added
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """How the loop asks (the flags of the same names)."""
 
-  attempts: int = 4
+  budget: int = 64  # decode tokens a recurring problem may spend in all, over its attempts
+  attempt_tokens: int = 40  # decode tokens of one attempt (and of every greedy answer)
   temperature: float = 0.7
   seed: int = 0
-  budget: int = 40
   k: int = 3
   sample_exact: int = 10
+
+  def __post_init__(self):
+    if self.attempt_tokens < 1:
+      raise ValueError(f'--attempt_tokens={self.attempt_tokens}: an attempt needs at least one '
+                       'decode token')
+    if self.budget < self.attempt_tokens:
+      raise ValueError(f'--budget={self.budget} is smaller than one attempt '
+                       f'(--attempt_tokens={self.attempt_tokens})')
+    if self.k < 1:
+      raise ValueError(f'--k={self.k}: retrieve at least one entry')
 
 
 def run(engine, library: Library, task_list, heldout_sets, solutions, examples,
         settings: Settings) -> dict:
-  """The four phases (and round two when `heldout_sets` has two sets); rows of Asked."""
-  asker = Asker(engine, settings.budget)
+  """The recurring phases, then one held-out round per set in `heldout_sets`; after each round
+  but the last, the library grows by that round's verified answers. Rows of Asked."""
+  asker = Asker(engine)
   header = few_shot(engine, library, examples)
   counts = {'solutions_rejected': 0, 'entries_refused': 0}
   rows = []
-  for i, task in enumerate(task_list):  # (a) base, (b) deposit
-    base = ask_base(asker, header, task, settings.attempts, settings.temperature,
-                    settings.seed)
+  for i, task in enumerate(task_list):  # (a) base within the budget, (b) deposit
+    base = ask_base(asker, header, task, settings)
     source = deposit(library, task, base, solutions, counts)
     rows.append({'task': task, 'split': 'recurring', 'base': base, 'source': source})
     logging.info('task %d/%d %s: base %s in %d attempts (%d tokens), deposited: %s', i + 1,
@@ -201,30 +296,22 @@ def run(engine, library: Library, task_list, heldout_sets, solutions, examples,
   checked = 0
   for row in rows:  # (c) recurring
     entry = library.find(row['task'].problem) if row['source'] else None
-    row['library'] = (ask_library(asker, library, [entry], row['task'],
+    row['library'] = (ask_library(asker, library, [entry], row['task'], settings.attempt_tokens,
                                   check=checked < settings.sample_exact) if entry else None)
     checked += entry is not None
-  heldout_rows = round_of_heldout(asker, library, header, heldout_sets[0], settings.k,
-                                  settings.sample_exact, 1)
-  second = []
-  if len(heldout_sets) > 1:  # round two: the library grows by round one's held-out answers
-    for row in heldout_rows:
-      lib = row['library']
-      if lib is not None and lib.verdict.correct:
-        task = row['task']
-        try:
-          library.add(Entry(task.id, task.problem, worked(lib.text), task.answer,
-                            'self_heldout'), lib.verdict)
-          row['deposited_round2'] = True
-        except LibraryError:
-          pass
-    second = round_of_heldout(asker, library, header, heldout_sets[1], settings.k,
-                              settings.sample_exact, 2)
-  return {'rows': rows + heldout_rows + second, 'counts': counts}
+  rounds = []
+  for r, heldout in enumerate(heldout_sets, 1):  # (d) held out, round by round
+    entries = len(library.entries)
+    round_rows = round_of_heldout(asker, library, header, heldout, settings, r)
+    added = deposit_round(library, round_rows, r) if r < len(heldout_sets) else 0
+    rounds.append({'round': r, 'library_entries': entries, 'deposited_after': added})
+    rows += round_rows
+  return {'rows': rows, 'counts': counts, 'rounds': rounds,
+          'settings': dataclasses.asdict(settings)}
 
 
 def task_row(row: dict) -> dict:
-  base, lib = row['base'], row.get('library')
+  base, lib, text = row['base'], row.get('library'), row.get('text')
   return {
       'id': row['task'].id, 'split': row['split'], 'round': row.get('round', 1),
       'family': row['task'].family,
@@ -232,60 +319,109 @@ def task_row(row: dict) -> dict:
       'base_decode_tokens': sum(len(a.tokens) for a in base),
       'base_attempts': len(base),
       'deposited': row.get('source') is not None if row['split'] == 'recurring'
-                   else bool(row.get('deposited_round2')),
+                   else bool(row.get('deposited_next_round')),
       'source': row.get('source'),
       'library_correct': None if lib is None else lib.verdict.correct,
       'library_decode_tokens': None if lib is None else len(lib.tokens),
       'grafted_tokens': None if lib is None else lib.grafted,
       'graft_exact': None if lib is None else lib.graft_exact,
+      'text_correct': None if text is None else text.verdict.correct,
+      'text_decode_tokens': None if text is None else len(text.tokens),
+      'text_equal': None if text is None else text.tokens == lib.tokens,
       'retrieved': row.get('retrieved'),
       'base_answer': base[-1].text, 'library_answer': None if lib is None else lib.text,
       'base_seconds': sum(a.seconds for a in base),
       'library_seconds': None if lib is None else lib.seconds,
+      'library_first_logits_seconds': None if lib is None else lib.first_logits_seconds,
+      'text_first_logits_seconds': None if text is None else text.first_logits_seconds,
   }
 
 
-def summarize(config, results: dict) -> dict:
+def summarize(config, results: dict, *, seed: int = 0) -> dict:
   rows = results['rows']
   recurring = [r for r in rows if r['split'] == 'recurring']
-  heldout = [r for r in rows if r['split'] == 'heldout' and r['round'] == 1]
-  second = [r for r in rows if r['split'] == 'heldout' and r['round'] == 2]
+  by_round = collections.defaultdict(list)
+  for r in rows:
+    if r['split'] == 'heldout':
+      by_round[r['round']].append(r)
+  heldout = by_round.get(1, [])
   tasks = [task_row(r) for r in recurring]
   accuracy = lambda xs: sum(xs) / len(xs) if xs else None
+  correct = lambda asked: bool(asked and asked.verdict.correct)
+  median = lambda xs: float(np.median(xs)) if xs else None
   never = [r for r in recurring if not any(a.verdict.correct for a in r['base'])]
   never_lib = [r for r in never if r.get('library') is not None]
   base_tokens = sum(len(a.tokens) for r in never_lib for a in r['base'])
   lib_tokens = sum(len(r['library'].tokens) for r in never_lib)
   base_f = sum(base_flops(config, r['base']) for r in never_lib)
   lib_f = sum(library_flops(config, r['library']) for r in never_lib)
-  base_s = sum(a.seconds for r in never_lib for a in r['base'])
-  lib_s = sum(r['library'].seconds for r in never_lib)
+  base_asked = [a for r in never_lib for a in r['base']]
+  lib_asked = [r['library'] for r in never_lib]
+  method = ('rapl' if never_lib and all(a.joules is not None for a in base_asked + lib_asked)
+            else 'cpu_seconds')
+  energy = lambda xs: sum(a.joules if method == 'rapl' else a.cpu_seconds for a in xs)
+  base_e, lib_e = energy(base_asked), energy(lib_asked)
   checks = [r['library'].graft_exact for r in rows
             if r.get('library') is not None and r['library'].graft_exact is not None]
+  compared = [r for rr in by_round.values() for r in rr if r.get('text') is not None]
+  h_base = [correct(r['base'][0]) for r in heldout]
+  h_lib = [correct(r.get('library')) for r in heldout]
+  r_base = [t['base_correct'] for t in tasks]
+  r_lib = [bool(t['library_correct']) for t in tasks]
+  rounds = []
+  for info in results.get('rounds', []):
+    rr = by_round[info['round']]
+    rounds.append({**info, 'n': len(rr),
+                   'base': accuracy([correct(r['base'][0]) for r in rr]),
+                   'library': accuracy([correct(r.get('library')) for r in rr]),
+                   'text': accuracy([correct(r.get('text')) for r in rr]),
+                   'delta_ci95': paired.bootstrap_ci([correct(r['base'][0]) for r in rr],
+                                                     [correct(r.get('library')) for r in rr],
+                                                     seed=seed)})
+  second = by_round.get(2, [])
   return {
-      'base_accuracy': accuracy([t['base_correct'] for t in tasks]),
-      'recurring_accuracy': accuracy([bool(t['library_correct']) for t in tasks]),
-      'heldout_base_accuracy': accuracy([r['base'][0].verdict.correct for r in heldout]),
-      'heldout_library_accuracy': accuracy(
-          [bool(r['library'] and r['library'].verdict.correct) for r in heldout]),
-      'heldout_round2_base_accuracy': accuracy([r['base'][0].verdict.correct for r in second]),
-      'heldout_round2_library_accuracy': accuracy(
-          [bool(r['library'] and r['library'].verdict.correct) for r in second]),
-      'library_entries_round2': sum(bool(r.get('deposited_round2')) for r in heldout),
+      'budget_per_problem': results['settings']['budget'],
+      'attempt_tokens': results['settings']['attempt_tokens'],
+      'base_accuracy': accuracy(r_base),
+      'recurring_accuracy': accuracy(r_lib),
+      'recurring_delta_ci95': paired.bootstrap_ci(r_base, r_lib, seed=seed),
+      'heldout_base_accuracy': accuracy(h_base),
+      'heldout_library_accuracy': accuracy(h_lib),
+      'heldout_text_accuracy': accuracy([correct(r.get('text')) for r in heldout]),
+      'heldout_delta': paired.delta(h_base, h_lib),
+      'heldout_delta_ci95': paired.bootstrap_ci(h_base, h_lib, seed=seed),
+      'heldout_mcnemar_p': paired.mcnemar_exact(h_base, h_lib),
+      'text_equal_answers': sum(r['text'].tokens == r['library'].tokens for r in compared),
+      'text_compared': len(compared),
+      'prefill_tokens_saved': sum(r['library'].grafted for r in compared),
+      'prefill_flops_saved': sum(cost.prefill_flops(config, r['library'].grafted)
+                                 for r in compared if r['library'].grafted),
+      'ttft_graft_s': median([r['library'].first_logits_seconds for r in compared]),
+      'ttft_text_s': median([r['text'].first_logits_seconds for r in compared]),
+      'accuracy_by_round': rounds,
+      'heldout_round2_base_accuracy': accuracy([correct(r['base'][0]) for r in second]),
+      'heldout_round2_library_accuracy': accuracy([correct(r.get('library')) for r in second]),
+      'library_entries_round2': rounds[0]['deposited_after'] if rounds else 0,
       'deposited': sum(t['deposited'] for t in tasks),
       'deposited_self': sum(t['source'] == 'self' for t in tasks),
       'deposited_solutions': sum(t['source'] == 'solutions' for t in tasks),
       'solutions_rejected': results['counts']['solutions_rejected'],
+      'entries_refused': results['counts']['entries_refused'],
       'never_solved': len(never),
       'never_solved_answered': sum(r['library'].verdict.correct for r in never_lib),
       'never_solved_base_tokens': base_tokens,
       'never_solved_library_decode_tokens': lib_tokens,
+      'recurring_library_decode_tokens_per_answer': (
+          sum(t['library_decode_tokens'] for t in tasks if t['library_decode_tokens'])
+          / max(1, sum(1 for t in tasks if t['library_decode_tokens']))),
       'token_factor': base_tokens / lib_tokens if lib_tokens else None,
       'flops_factor': base_f / lib_f if lib_f else None,
-      'energy_factor': base_s / lib_s if lib_s else None,
-      'energy_method': 'wall time on the same problems (base attempts against graft + library '
-                       'answer), assuming the same CPU power draw in both: this machine exposes '
-                       'no power counters',
+      'energy_factor': base_e / lib_e if lib_e else None,
+      'energy_method': ('RAPL package energy counters, base attempts against graft + library '
+                        'answer on the same problems' if method == 'rapl' else
+                        'CPU seconds of this process (every thread) on the same problems, base '
+                        'attempts against graft + library answer, at the same power per busy '
+                        'core in both: this machine exposes no RAPL counters'),
       'graft_exact': all(checks) if checks else None,
       'graft_exact_checked': len(checks),
       'graft_exact_equal': sum(checks),
@@ -306,7 +442,8 @@ def manifest(config: dict, engine, results: dict) -> dict:
                       'answer_sha256': compare.sha256_bytes(
                           np.frombuffer(task.answer.encode(), np.uint8)),
                       'prompt': a.prompt, 'grafted': a.grafted, 'temperature': a.temperature,
-                      'seed': a.seed, 'tokens': a.tokens, 'logits_sha256': a.logits_sha256})
+                      'seed': a.seed, 'max_tokens': a.max_tokens, 'tokens': a.tokens,
+                      'logits_sha256': a.logits_sha256})
   return {'kind': 'flywheel', 'config': config, 'model_fingerprint': engine.model_fingerprint,
           'engine_fingerprint': engine.fingerprint, 'budget': config['budget'],
           'answers': answers}

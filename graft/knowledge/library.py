@@ -1,7 +1,7 @@
 """The verified-knowledge library: verified solutions kept as KV in the store, grafted on demand.
 
-An entry is a problem, a worked solution and its answer, accepted only when a verifier
-(graft/knowledge/verifiers.py) has checked the answer. Its canonical text is one template:
+An entry is a problem, a worked solution and its answer, accepted only when the library itself
+has run the task's verifier (graft/knowledge/verifiers.py) on the entry's text. Its canonical text is one template:
 
     Problem: {problem}
     Solution: {solution}
@@ -68,9 +68,15 @@ class Library:
     self._by_problem: dict[str, Entry] = {}
     self._index = None  # (bm25s.BM25, ids in index order); rebuilt when entries change
 
-  def add(self, entry: Entry, verdict: verifiers.Verdict) -> dict:
-    """Deposits a verified entry (its canonical text as a prefix of its own); returns the
-    store's put report. An unverified entry or a second entry for the same problem is refused."""
+  def add(self, entry: Entry, task) -> dict:
+    """Deposits an entry for `task` (a graft/knowledge/tasks.Task) after the library has run the
+    task's verifier on the entry's own text (its worked solution and answer line): what a
+    caller says about the entry is not taken on trust. Returns the store's put report. An entry
+    for another problem, one whose answer fails, or a second entry for the same problem is
+    refused, and nothing is deposited."""
+    if _normal(entry.problem) != _normal(task.problem):
+      raise LibraryError(f'{entry.id}: its problem is not task {task.id}\'s')
+    verdict = verifiers.verify(task.answer, task.verifier, entry.text())
     if not verdict.correct:
       raise LibraryError(f'{entry.id}: the verifier refused its answer ({verdict.reason})')
     if entry.id in self.entries or _normal(entry.problem) in self._by_problem:

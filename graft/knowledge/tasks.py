@@ -11,8 +11,9 @@ reference solution (what a stronger solver would hand over; used with --solution
 
 Files: one {"id": ..., "problem": ..., "answer": ...} a line (optional "verifier": integer,
 decimal, string or regex); solutions: one {"id": ..., "solution": ...} a line. A solution's
-answer is read from the text after its last "Answer:" (else its last line) and checked by the
-task's verifier before the solution may enter a library. Bad input raises ValueError naming
+answer is read by the verifiers' extraction rule (graft/knowledge/verifiers.py: `Answer: X`,
+`The answer is X`, `\\boxed{X}`, `#### X`, else its last number) and checked by the task's
+verifier before the solution may enter a library. Bad input raises ValueError naming
 the file, line and problem; a solution that fails its check is rejected and counted, never
 deposited.
 """
@@ -138,13 +139,6 @@ def read_solutions(path: str) -> dict[str, str]:
   return solutions
 
 
-def solution_answer(solution: str) -> str:
-  """The answer a solution states: the text after its last "Answer:", else its last line."""
-  if 'Answer:' in solution:
-    return solution.rsplit('Answer:', 1)[1].strip()
-  lines = [line for line in solution.strip().split('\n') if line.strip()]
-  return lines[-1] if lines else ''
-
-
 def check_solution(task: Task, solution: str) -> verifiers.Verdict:
-  return verifiers.verify(task.answer, task.verifier, solution_answer(solution))
+  """A handed-over solution, read by the verifiers' one extraction rule."""
+  return verifiers.verify(task.answer, task.verifier, solution)

@@ -1,16 +1,20 @@
 """Verifiers: plain functions from (expected answer, model output) to a verdict with a reason.
 
 Model output is text, never code: it is read by one documented rule and compared, never
-executed or `eval`ed.
+executed or `eval`ed. The same rule reads a solution handed over from elsewhere and the model's
+own output.
 
-The extraction rule. The answer is read from the line after the output's last "Answer:" (up to
-the next newline), or, when the output has no "Answer:", from its first line; for numbers, the
-first number in it:
-an optional minus sign, digits with optional thousands commas, an optional decimal part
-(`-?\\d[\\d,]*(\\.\\d+)?`), commas removed. An integer answer must equal the expected integer;
-an exact-decimal answer must equal the expected decimal as a number (3.50 == 3.5, compared with
-`decimal.Decimal`, never floats); a string answer must equal the expected string exactly after
-stripping surrounding whitespace; a regex answer must match the expected pattern in full.
+The extraction rule. The answer is the one the text states last in a final-answer form:
+`Answer: X`, `The answer is X` (any case), `\\boxed{X}` or `#### X`, X running to the end of
+its line (for `\\boxed`, to the closing brace); of several, the one that starts last. A text
+in none of these forms states its answer as its last number (numeric answers) or its last
+non-empty line (string answers). A number is an optional minus sign, digits with optional
+thousands commas and an optional decimal part (`-?\\d[\\d,]*(\\.\\d+)?`, commas removed):
+the first number of a stated answer, or the text's last. An integer answer must equal the
+expected integer; an exact-decimal answer must equal the expected decimal as a number (3.50 ==
+3.5, compared with `decimal.Decimal`, never floats); a string answer must equal the expected
+string exactly after stripping surrounding whitespace (and a sentence's final period, when the
+expected string has none); a regex answer must match the expected pattern in full.
 
 `verifier_for(answer)` picks integer, then decimal, then string, from the expected answer's own
 form; a task may name one explicitly ('integer', 'decimal', 'string', 'regex').
@@ -35,16 +39,37 @@ class Verdict:
   extracted: str | None
 
 
-def first_line(output: str) -> str:
-  """The answer's text: what follows the last "Answer:" up to the newline, else line one."""
-  if 'Answer:' in output:
-    output = output.rsplit('Answer:', 1)[1]
-  return output.split('\n', 1)[0].strip()
+# The final-answer forms, each capturing the stated answer.
+_STATED = re.compile(r'Answer:[ \t]*([^\n]*)|[Tt][Hh][Ee] [Aa][Nn][Ss][Ww][Ee][Rr] [Ii][Ss]:?[ \t]*'
+                     r'([^\n]*)|\\boxed\{([^{}\n]*)\}|####[ \t]*([^\n]*)')
 
 
-def extract_number(output: str) -> str | None:
-  match = NUMBER.search(first_line(output))
-  return match.group().replace(',', '') if match else None
+def stated_answer(text: str) -> str | None:
+  """The answer a text states last in a final-answer form (None when it uses none)."""
+  found = None
+  for match in _STATED.finditer(text):
+    found = next(g for g in match.groups() if g is not None)
+  return None if found is None else found.strip()
+
+
+def extract_number(text: str) -> str | None:
+  stated = stated_answer(text)
+  numbers = NUMBER.findall(text if stated is None else stated)
+  if not numbers:
+    return None
+  return (numbers[-1] if stated is None else numbers[0]).replace(',', '')
+
+
+def extract_text(text: str, expected: str = '') -> str:
+  """A string answer: the stated one, else the last non-empty line; a final period dropped
+  unless the expected answer ends in one."""
+  got = stated_answer(text)
+  if got is None:
+    lines = [line.strip() for line in text.split('\n') if line.strip()]
+    got = lines[-1] if lines else ''
+  if got.endswith('.') and not expected.endswith('.'):
+    got = got[:-1].rstrip()
+  return got
 
 
 def integer(expected: str, output: str) -> Verdict:
@@ -66,13 +91,13 @@ def exact_decimal(expected: str, output: str) -> Verdict:
 
 
 def exact_string(expected: str, output: str) -> Verdict:
-  got = first_line(output)
+  got = extract_text(output, expected)
   ok = got == expected.strip()
   return Verdict(ok, 'equal' if ok else f'{got[:40]!r} != {expected[:40]!r}', got)
 
 
 def regex(expected: str, output: str) -> Verdict:
-  got = first_line(output)
+  got = extract_text(output)
   try:
     ok = re.fullmatch(expected, got) is not None
   except re.error as e:
