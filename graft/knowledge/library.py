@@ -10,9 +10,9 @@ has run the task's verifier (graft/knowledge/verifiers.py) on the entry's text. 
 
 and a question is asked as `QUESTION` ("Problem: {problem}\\nSolution:"): the model writes a
 worked solution and an "Answer:" line, from which graft/knowledge/verifiers.py reads the answer. A library prefix is BOS followed by the canonical texts of some entries in a
-fixed order, tokenized as one text; it is computed once by the pinned engine and deposited in
-the store (graft/store/_store.py), so the same entries in the same order are a store hit the next time,
-and every entry deposited alone is its own prefix.
+fixed order, tokenized as one text. Every entry is deposited alone, as its own prefix, in the
+store (graft/store/_store.py), computed once by the pinned engine; a prefix of several entries
+grafts its longest stored prefix and computes the rest.
 
 Lookup: `find` (the exact problem: the recurring case), or `retrieve`: the k entries most similar
 to a problem by BM25 (the bm25s package) over the entries' problem texts, most similar first
@@ -114,11 +114,11 @@ class Library:
     return [BOS_ID] + self.tokenizer.encode(''.join(e.text() for e in entries), add_bos=False)
 
   def context(self, entries: list[Entry]) -> tuple[Context, Match, list[int]]:
-    """A context holding the entries' prefix, grafted from the store (computed and deposited
-    first when the store does not hold it whole); the match says how much was grafted."""
+    """The longest stored prefix of the entries' prefix, grafted from the store, and the whole
+    prefix's tokens: the caller computes the rest (an entry deposited alone is its own prefix,
+    so the first entry is always a hit; a new combination of entries is computed, not
+    deposited, and the match says how much was grafted)."""
     tokens = self.prefix(entries)
-    if self.store.lookup(tokens).tokens < len(tokens):
-      self.store.put(tokens)
     ctx, match = self.store.graft(tokens)
     return ctx, match, tokens
 
