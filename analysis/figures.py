@@ -547,7 +547,8 @@ def flywheel(found_results: Sequence[tuple[pathlib.Path, dict]],
                                         (0, 2, 'library grafted', 'tab:green'),
                                         (0.27, 3, 'library as text', 'tab:olive')):
       values = np.array([100 * (g[index] or 0) for g in groups])
-      low_high = np.array([wilson(g[index] or 0, g[4]) for g in groups]).T * 100
+      low_high = np.array([wilson(g[index], g[4]) if g[index] is not None else (0, 0)
+                           for g in groups]).T * 100
       bars = row[0].bar(x + offset, values, 0.27, color=color, label=label,
                         yerr=[np.maximum(0, values - low_high[0]),
                               np.maximum(0, low_high[1] - values)], capsize=2)
