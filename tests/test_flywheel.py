@@ -257,3 +257,16 @@ def test_paired_differences_have_their_interval_and_exact_p_value():
   assert paired.bootstrap_ci(base, other, seed=1) == [low, high]  # seeded
   with pytest.raises(ValueError, match='differ in length'):
     paired.mcnemar_exact(base, other[:-1])
+
+
+def test_energy_is_read_from_rapl_counters_where_the_kernel_has_them(tmp_path, monkeypatch):
+  from graft.knowledge import flywheel
+  monkeypatch.setattr(flywheel, 'RAPL_GLOB', str(tmp_path / 'intel-rapl:*' / 'energy_uj'))
+  assert flywheel.rapl_joules() is None  # none here: CPU seconds are used instead
+  for package, microjoules in ((0, 2_500_000), (1, 500_000)):
+    (tmp_path / f'intel-rapl:{package}').mkdir()
+    (tmp_path / f'intel-rapl:{package}' / 'energy_uj').write_text(f'{microjoules}\n')
+  assert flywheel.rapl_joules() == 3.0
+  meter = flywheel.Meter()
+  (tmp_path / 'intel-rapl:0' / 'energy_uj').write_text('4500000\n')
+  assert meter.joules() == 2.0 and meter.cpu_seconds() >= 0
