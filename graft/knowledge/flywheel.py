@@ -59,6 +59,9 @@ class Meter:
     return None if now is None or self.energy is None else now - self.energy
 
 
+RAPL_GLOB = '/sys/class/powercap/intel-rapl:[0-9]*/energy_uj'
+
+
 def rapl_joules() -> float | None:
   """The summed energy counters of the CPU packages (/sys/class/powercap/intel-rapl:N), in
   joules; None where the kernel exposes none or they are not readable (counter wrap-around
@@ -72,9 +75,6 @@ def rapl_joules() -> float | None:
     except (OSError, ValueError):
       return None
   return total / 1e6 if found else None
-
-
-RAPL_GLOB = '/sys/class/powercap/intel-rapl:[0-9]*/energy_uj'
 
 
 class Asker:
