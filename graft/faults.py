@@ -89,7 +89,8 @@ STORE_KINDS = ('bitflip_data', 'bitflip_header', 'bitflip_index', 'truncate', 'e
                'hostile_key', 'huge_header', 'bad_index_types', 'artifact_manifest',
                # a writer who is wrong, and other processes at work
                'forgery', 'forgery_descendants', 'stale_reader', 'rebuild_beside_put',
-               'gc_beside_put', 'gc_inside_put', 'stray_names', 'wrong_json_types', 'borrowed_signature')
+               'gc_beside_put', 'gc_inside_put', 'stray_names', 'wrong_json_types',
+               'borrowed_signature')
 PROCESS_KINDS = ('kill_put', 'concurrent_put')
 KINDS = STORE_KINDS + PROCESS_KINDS
 
@@ -546,7 +547,7 @@ def _store_trial(kind: str, world: World, rng, others: dict, scratch: str) -> Ou
       Beside(kv, engine, trusted_keys=world.trusted, signing_key=world.signing_key).put(context)
     except StoreError as e:  # the put found its own object gone or changed, and said so
       reasons.append(f'put failed: {e}')
-    touched, fault = set(), f'{kind.replace("_", " ")}'
+    touched, fault = set(), kind.replace('_', ' ')
     # What the put published must still be there: an entry naming a removed object is lost.
     lost = any(kv.read(f'objects/{e["object"]}') is None
                for e in Store(kv, engine).lookup(context).entries)

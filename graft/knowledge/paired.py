@@ -14,10 +14,14 @@ import math
 import numpy as np
 
 
-def delta(base: list[bool], other: list[bool]) -> float | None:
-  """Accuracy of `other` minus accuracy of `base` (the same problems, in the same order)."""
+def _check(base: list[bool], other: list[bool]) -> None:
   if len(base) != len(other):
     raise ValueError(f'paired conditions differ in length: {len(base)} and {len(other)}')
+
+
+def delta(base: list[bool], other: list[bool]) -> float | None:
+  """Accuracy of `other` minus accuracy of `base` (the same problems, in the same order)."""
+  _check(base, other)
   return (sum(other) - sum(base)) / len(base) if base else None
 
 
@@ -25,8 +29,7 @@ def bootstrap_ci(base: list[bool], other: list[bool], *, level: float = 0.95,
                  resamples: int = 10_000, seed: int = 0) -> list[float] | None:
   """[low, high]: the percentile bootstrap interval of `delta`, problems resampled with
   replacement `resamples` times (seeded, so the interval is reproducible)."""
-  if len(base) != len(other):
-    raise ValueError(f'paired conditions differ in length: {len(base)} and {len(other)}')
+  _check(base, other)
   if not base:
     return None
   diff = np.asarray(other, np.float64) - np.asarray(base, np.float64)
@@ -40,8 +43,7 @@ def mcnemar_exact(base: list[bool], other: list[bool]) -> float | None:
   """The two-sided exact McNemar p-value: with b problems solved by `base` only and c by
   `other` only, 2 P(X <= min(b, c)) for X ~ Binomial(b + c, 1/2), at most 1 (1 when no
   problem is discordant)."""
-  if len(base) != len(other):
-    raise ValueError(f'paired conditions differ in length: {len(base)} and {len(other)}')
+  _check(base, other)
   if not base:
     return None
   b = sum(x and not y for x, y in zip(base, other))

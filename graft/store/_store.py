@@ -27,8 +27,8 @@ A put writes each new object under its unique name, reads it back and checks its
 publishes it by writing its index entry only if none exists (first writer wins: a second
 writer verifies the existing entry's object and removes its own copy). A reader therefore sees
 a published, complete object or nothing; a process killed mid-put leaves at most unpublished
-objects, which `gc` removes once their put's lease has gone or expired. The index can always be rebuilt from the objects' headers
-(`rebuild_index`).
+objects, which `gc` removes once their put's lease has gone or expired. The index can always
+be rebuilt from the objects' headers (`rebuild_index`).
 
 Tiers. Device: the engine's one fixed cache, never grown by the store (a graft fills the
 engine's own buffers). Host: an LRU of verified blocks bounded by `host_cache_bytes`. Backing:
