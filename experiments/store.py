@@ -8,11 +8,12 @@
   python -m experiments.store stats  --store=URL
 
 URL is any kvstore URL TensorStore opens: file:///abs/path/, memory:// (this process only),
-gs://bucket/path/, s3://bucket/path/. `put` reads one JSON object a line, {"text": ...}
-(tokenized with BOS) or {"tokens": [ids...]}, and deposits each. `get` prints the length, in
-tokens, of the longest stored prefix of the text (tokenized with BOS). The model and engine
-flags must be the ones the store was made with (its namespace): another model, dtype or engine
-configuration is refused with the reason.
+gs://bucket/path/, s3://bucket/path/, or a TensorStore kvstore spec as JSON (an S3-protocol
+server's endpoint: '{"driver": "s3", "bucket": "b", "path": "p/", "endpoint": "http://..."}').
+`put` reads one JSON object a line, {"text": ...} (tokenized with BOS) or {"tokens": [ids...]},
+and deposits each. `get` prints the length, in tokens, of the longest stored prefix of the text
+(tokenized with BOS). The model and engine flags must be the ones the store was made with (its
+namespace): another model, dtype or engine configuration is refused with the reason.
 """
 
 from __future__ import annotations

@@ -213,6 +213,10 @@ def test_unknown_and_unreachable_urls_are_refused():
     Store('nonsense://x/', eng)
   with pytest.raises(StoreUrlError, match='do not support authority'):
     Store('file://relative/path/', eng)
+  with pytest.raises(StoreUrlError, match='is not JSON'):
+    Store('{"driver": "s3", ', eng)
+  with pytest.raises(StoreUrlError, match='cannot open store'):
+    Store('{"driver": "nonsense"}', eng)
 
 
 def test_a_store_of_another_model_engine_or_dtype_is_refused_with_the_reason(tmp_path):

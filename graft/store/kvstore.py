@@ -2,18 +2,25 @@
 
 One URL names where a store lives, and the same code runs on every driver TensorStore reaches:
 `file:///abs/path/` (local disk), `memory://` (this process only), `gs://bucket/path/`,
-`s3://bucket/path/`, or any other kvstore URL TensorStore parses. Nothing here assumes a local
-path: keys are TensorStore keys, never filesystem paths. Keys are built only by the store from
+`s3://bucket/path/`, or any other kvstore URL TensorStore parses; or a TensorStore kvstore spec
+as JSON, for what a URL cannot say (an S3-protocol server's endpoint:
+`{"driver": "s3", "bucket": "b", "path": "p/", "endpoint": "http://127.0.0.1:9000"}`). Nothing
+here assumes a local path: keys are TensorStore keys, never filesystem paths. Keys are built only by the store from
 fixed words and hex digests (`check_key`), never from object content.
 
 Writes of whole values are atomic on every driver (the file driver writes a temporary file and
 renames it; object stores publish whole objects), so a reader never sees half a value.
 `write_if_absent` is the conditional write that makes "first writer wins" hold between
-processes.
+processes. What the store needs of a driver, and what TensorStore's drivers give (docs/security.md,
+"What the store needs from a kvstore"): atomic whole-value writes, atomic put-if-absent and
+put-if-generation (S3: `If-None-Match: *` and `If-Match` on the PUT), reads of a value just written,
+and listings in any order; never a rename, a directory, or an atomic conditional delete (TensorStore's
+S3 driver checks the generation with a HEAD and then deletes).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.parse
 
@@ -51,12 +58,23 @@ class KvStore:
   """A TensorStore kvstore opened from a URL, with the operations the store needs."""
 
   def __init__(self, url: str):
-    if not isinstance(url, str) or '://' not in url:
+    """`url`: a kvstore URL, or a TensorStore kvstore spec as a JSON object (see above)."""
+    if isinstance(url, str) and url.lstrip().startswith('{'):
+      try:
+        spec = json.loads(url)
+      except ValueError as e:
+        raise StoreUrlError(f'store spec {url[:80]!r} is not JSON: {e}') from None
+      if not isinstance(spec, dict):
+        raise StoreUrlError(f'store spec {url[:80]!r}: expected a JSON object')
+      self.url = url
+    elif isinstance(url, str) and '://' in url:
+      self.url = spec = url if url.endswith('/') or url.endswith('://') else url + '/'
+    else:
       raise StoreUrlError(f'store URL {url!r}: expected a kvstore URL such as '
-                          'file:///abs/path/, memory://, gs://bucket/path/')
-    self.url = url if url.endswith('/') or url.endswith('://') else url + '/'
+                          'file:///abs/path/, memory://, gs://bucket/path/, or a kvstore '
+                          'spec as JSON')
     try:
-      self._kv = ts.KvStore.open(self.url).result()
+      self._kv = ts.KvStore.open(spec).result()
     except Exception as e:  # TensorStore raises ValueError for unparsable or unsupported URLs
       raise StoreUrlError(f'cannot open store {url!r}: {e}') from None
 
