@@ -80,6 +80,11 @@ KINDS: dict[str, Kind] = {
     #  "graft_sha256"}]}]}
     'mesh_exactness': Kind(1, ('config', 'runs'),
                            'grafts within device meshes, and bits across device counts'),
+    # {"config": {"processes", "devices", "engine_config", ...}, "summary": {"samples", "equal",
+    #  "equal_to_single_process"}, "samples": [{"fresh_sha256", "graft_sha256",
+    #  "single_process_sha256", "processes_agree", ...}]}
+    'distributed_check': Kind(1, ('config', 'summary', 'samples'),
+                              'grafts on a mesh across two jax.distributed processes'),
     # {"config", "report": {"backend", "device_kind", "steps": {name: {"status", "seconds",
     #  "tail", ...}}, "ok"}}
     'device_check': Kind(1, ('config', 'report'), 'the accelerator host check'),

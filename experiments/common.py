@@ -100,6 +100,11 @@ def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096
   flags.DEFINE_enum('mesh_layout', 'gather', list(sharding.LAYOUTS),
                     'Mesh layout: gather (no contraction split) or split (Megatron).')
   flags.DEFINE_alias('layout', 'mesh_layout')
+  flags.DEFINE_string('coordinator', None, 'host:port of the jax.distributed coordination '
+                      'service (process 0 runs it): this process joins a run of several, and '
+                      '--mesh spans every process\'s devices.')
+  flags.DEFINE_integer('num_processes', 1, 'Processes of a jax.distributed run (--coordinator).')
+  flags.DEFINE_integer('process_id', 0, 'This process\'s index in a jax.distributed run.')
   flags.DEFINE_enum('dot_library', EngineConfig.dot_library, list(DOT_LIBRARIES),
                     "What computes the fixed-order engines' dots: eigen, ynn (XLA's default) or, "
                     'for the spec engine, pallas (the spec dot kernel; interpret mode on CPU).')
@@ -150,9 +155,13 @@ def engine_flag_args() -> list[str]:
 
 def load_model() -> weights.LoadedModel:
   """The --model / --weights / --dtype model. With --mesh (engine tools), first asks XLA for
-  the mesh's host device count, which must happen before jax starts its backend."""
+  this process's share of the mesh's host devices, and with --coordinator joins the
+  jax.distributed run: both before jax starts its backend."""
+  processes = FLAGS.num_processes if 'coordinator' in FLAGS and FLAGS.coordinator else 1
   if 'mesh' in FLAGS and FLAGS.mesh:
-    sharding.set_host_devices(sharding.parse_mesh(FLAGS.mesh))
+    sharding.set_host_devices(sharding.parse_mesh(FLAGS.mesh), processes)
+  if processes > 1 or ('coordinator' in FLAGS and FLAGS.coordinator):
+    sharding.initialize_distributed(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
   logging.info('loading %s with weights=%s dtype=%s', FLAGS.model, FLAGS.weights, FLAGS.dtype)
   return weights.load(FLAGS.model, FLAGS.weights, FLAGS.dtype)
 

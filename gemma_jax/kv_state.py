@@ -28,6 +28,7 @@ import numpy as np
 from flax import struct
 
 from gemma_jax.config import AttentionType, TransformerConfig
+from gemma_jax.sharding import to_host
 
 EMPTY = -1  # position of an empty slot
 
@@ -144,15 +145,15 @@ def to_leaves(kv: KVState, cache_layers: tuple[int, ...]) -> dict[str, np.ndarra
   [slots, K, H] and positions [slots] (n = kv.fill, the tokens written; a local ring that
   wrapped is stored whole), with the K/V of empty slots zeroed so the bytes depend on the
   tokens alone."""
-  n = int(kv.fill[0])
+  n = int(to_host(kv.fill[0]))
   out = {}
   for layer_index, layer in zip(cache_layers, kv.layers):
     stored = min(n, layer.num_slots)
-    positions = np.asarray(layer.positions[0, :stored])
+    positions = to_host(layer.positions[0, :stored])
     filled = (positions != EMPTY)[:, None, None]
     k_name, v_name, p_name = leaf_names(layer_index)
-    out[k_name] = np.where(filled, np.asarray(layer.k[0, :stored]), 0)
-    out[v_name] = np.where(filled, np.asarray(layer.v[0, :stored]), 0)
+    out[k_name] = np.where(filled, to_host(layer.k[0, :stored]), 0)
+    out[v_name] = np.where(filled, to_host(layer.v[0, :stored]), 0)
     out[p_name] = positions
   return out
 

@@ -56,19 +56,45 @@ def xla_flags() -> str:
   return os.environ.get('XLA_FLAGS', '')
 
 
-def host_device_flag(axes: dict[str, int]) -> str:
-  """The XLA flag that gives a CPU process as many devices as the mesh needs."""
-  return f'--xla_force_host_platform_device_count={math.prod(axes.values())}'
+def host_device_flag(axes: dict[str, int], processes: int = 1) -> str:
+  """The XLA flag that gives a CPU process its share of the mesh's devices."""
+  count = math.prod(axes.values())
+  if count % processes:
+    raise ValueError(f'the mesh {axes} ({count} devices) does not divide over {processes} '
+                     'processes')
+  return f'--xla_force_host_platform_device_count={count // processes}'
 
 
-def set_host_devices(axes: dict[str, int]) -> None:
-  """On a CPU host, asks XLA for the mesh's device count (before jax starts its backend)."""
-  flag = host_device_flag(axes)
+def set_host_devices(axes: dict[str, int], processes: int = 1) -> None:
+  """On a CPU host, asks XLA for this process's share of the mesh's devices (before jax starts
+  its backend)."""
+  flag = host_device_flag(axes, processes)
   current = xla_flags()
   if flag not in current:
     kept = ' '.join(f for f in current.split()
                     if not f.startswith('--xla_force_host_platform_device_count'))
     os.environ['XLA_FLAGS'] = f'{kept} {flag}'.strip()
+
+
+def initialize_distributed(coordinator: str, num_processes: int, process_id: int) -> None:
+  """Joins this process to a jax.distributed run (JAX's own runtime: the coordination service at
+  `coordinator`, host:port; CPU collectives over gloo). Before jax starts its backend; after it,
+  jax.devices() is every process's devices and a mesh spans them."""
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f'process id {process_id} is not in [0, {num_processes})')
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                             process_id=process_id)
+
+
+def to_host(x) -> np.ndarray:
+  """A jax.Array as one NumPy array in every process: as is where this process holds all of it
+  (one process, or replicated), else gathered from every process (multihost_utils; every
+  process must call it, as with any computation on a global array)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
 
 
 def make_mesh(axes: dict[str, int]) -> Mesh:

@@ -77,3 +77,28 @@ def test_pinned_engine_grafts_exactly_on_every_mesh(tmp_path):
     assert r['samples'] == 3 and r['graft_equal'] == 3, r
   # Measured on tiny_gemma3 at two devices: the gather layout keeps the one-device bits.
   assert runs[1]['equal_to_one_device'] == 3
+
+
+def test_two_jax_distributed_processes_graft_exactly_on_one_mesh(tmp_path):
+  # experiments.distributed_check: two processes of two host devices each (jax.distributed on
+  # 127.0.0.1, gloo collectives) run one spec engine on the 4-device mesh; every graft equals
+  # fresh, both processes read the same logits, and they equal the reference process's. On a
+  # 2-core host one process of four devices has four threads and its engine refuses them
+  # (docs/determinism.md); then the summary says so and the reference is one device.
+  output = tmp_path / 'distributed.json'
+  out = subprocess.run(
+      [sys.executable, '-m', 'experiments.distributed_check', '--model=tiny_gemma3',
+       '--weights=random:0', '--samples=2', f'--output={output}'],
+      cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True,
+      timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads(output.read_text())
+  summary = result['summary']
+  assert result['config']['processes'] == 2 and result['config']['devices'] == 4
+  assert summary['samples'] == summary['equal'] == summary['equal_to_reference'] == 2
+  assert all(r['processes_agree'] for r in result['samples'])
+  if summary['single_process_refused']:
+    assert 'intra-op threads' in summary['single_process_refused']
+    assert summary['equal_to_single_process'] is None and summary['reference_devices'] == 1
+  else:
+    assert summary['equal_to_single_process'] == 2 and summary['reference_devices'] == 4

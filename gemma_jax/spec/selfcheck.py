@@ -12,6 +12,7 @@ failed, never trusted. Results are kept per process for each set of probes.
 
 from __future__ import annotations
 
+import os
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,10 @@ from gemma_jax.spec import functions as fn
 
 class SpecError(ValueError):
   """This machine (in this configuration) does not compute the written arithmetic."""
+
+
+class RowDependenceError(ValueError):
+  """In this configuration a row's dot depends on how many rows its call has."""
 
 
 def _inputs(seed: int, shape, scale: float = 1.0) -> np.ndarray:
@@ -45,11 +50,11 @@ def _bits(x) -> np.ndarray:
   return np.ascontiguousarray(np.asarray(x, np.float32)).view(np.int32)
 
 
-def _differ(name: str, got, want) -> str | None:
+def _differ(name: str, got, want, against: str = 'the spec') -> str | None:
   got, want = _bits(got), _bits(want)
   if np.array_equal(got, want):
     return None
-  return f'{name}: {np.mean(got != want):.1%} of the checked outputs differ from the spec'
+  return f'{name}: {np.mean(got != want):.1%} of the checked outputs differ from {against}'
 
 
 def elementwise_failures(numerics, compiler_options) -> list[str]:
@@ -139,6 +144,74 @@ def attention_failures(numerics, compiler_options, *, head_dims, rows, tile: int
   return failures
 
 
+def row_dependence_failures(numerics, compiler_options, weights: dict[str, np.ndarray],
+                            rows: tuple[int, ...]) -> list[str]:
+  """The pinned engine's premise, without the spec: a row's numerics.matmul against each weight
+  is the same whatever the number of rows in the call. For every M in rows, an M-row call's first
+  rows are compared with one-row calls of them and its last rows with the largest call's (on a
+  sample of columns). XLA:CPU hands Eigen a thread pool of max(CPUs in the affinity mask, host
+  devices) threads, and Eigen blocks a contraction by the thread count: on some counts a 16-row
+  dot over 160-224 terms stops being the one-row dot (docs/determinism.md)."""
+  weights = {n: w for n, w in weights.items() if n != 'output_table'}
+  most = max(rows)
+  xs = {name: _inputs(len(name), (most, w.shape[0])) for name, w in weights.items()}
+
+  def probe(zeros, ws, xs):
+    out, i = {}, 0
+    for name, x in xs.items():
+      calls = {}
+      for m in rows:
+        n = numerics.with_zero(zeros[i])
+        calls[m], i = n.matmul(x[:m], n.materialize(ws[name])), i + 1
+      ones = []
+      for r in range(min(4, most)):
+        n = numerics.with_zero(zeros[i])
+        ones.append(n.matmul(x[r:r + 1], n.materialize(ws[name]))[0])
+        i += 1
+      out[name] = (calls, jnp.stack(ones))
+    return out
+
+  calls_per_weight = len(rows) + min(4, most)
+  got = jax.jit(probe, compiler_options=compiler_options)(
+      jnp.zeros((len(xs) * calls_per_weight,), jnp.uint32), weights, xs)
+  failures = []
+  for name, (calls, ones) in got.items():
+    k, n = weights[name].shape
+    cols, ones, largest = _columns(n), np.asarray(ones), np.asarray(calls[most])
+    for m in rows:
+      many, first = np.asarray(calls[m]), min(4, m)
+      failure = _differ(f'matmul {name} [{m}, {k}] x [{k}, {n}]',
+                        np.concatenate([many[:first], many[m - first:]])[:, cols],
+                        np.concatenate([ones[:first], largest[m - first:m]])[:, cols],
+                        against=f'one-row and {most}-row calls of the same rows')
+      if failure:
+        failures.append(failure)
+  return failures
+
+
+def run_rows(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...]) -> None:
+  """Raises RowDependenceError naming every probe where a row's bits follow its call's row
+  count in this process's configuration."""
+  key = ('rows', numerics, tuple(sorted((compiler_options or {}).items())),
+         tuple((n, tuple(w.shape)) for n, w in sorted(weights.items())), rows,
+         jax.device_count(), _xla_flags(), intra_op_threads())
+  failures = _cached(key, lambda: row_dependence_failures(numerics, compiler_options, weights,
+                                                          rows))
+  if failures:
+    raise RowDependenceError(
+        "a row's dot depends on its call's row count here, so grafts would not be exact "
+        f'(pinned engine self-check, {jax.device_count()} device(s), {intra_op_threads()} '
+        f'intra-op threads, XLA_FLAGS={_xla_flags()!r}): ' + '; '.join(failures[:4])
+        + (f'; and {len(failures) - 4} more' if len(failures) > 4 else ''))
+
+
+def intra_op_threads() -> int:
+  """The threads XLA:CPU gives Eigen in this process: max(CPUs this process may run on, local
+  host devices) (xla/pjrt/cpu/cpu_client.cc, `std::max(DefaultThreadPoolSize(),
+  cpu_device_count)`). Eigen blocks a contraction by it, so it decides dot bits."""
+  return max(len(os.sched_getaffinity(0)), jax.local_device_count())
+
+
 def _rows(m: int) -> np.ndarray:
   """Output rows compared: the first and last few."""
   return np.unique(np.r_[0:min(4, m), max(m - 4, 0):m])
@@ -151,7 +224,7 @@ def run(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...],
   key = (numerics, getattr(numerics, 'dot', None), tuple(sorted((compiler_options or {}).items())),
          tuple((n, tuple(w.shape)) for n, w in sorted(weights.items())), rows, head_rows,
          attention_rows,
-         head_dims, tile, kv_heads, jax.device_count(), _xla_flags())
+         head_dims, tile, kv_heads, jax.device_count(), _xla_flags(), intra_op_threads())
   failures = _cached(key, lambda: (
       elementwise_failures(numerics, compiler_options)
       + matmul_failures(numerics, compiler_options, weights, rows, head_rows)
@@ -159,7 +232,8 @@ def run(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...],
                            rows=attention_rows, tile=tile, kv_heads=kv_heads)))
   if failures:
     raise SpecError('this machine does not compute the written arithmetic (spec self-check, '
-                    f'{jax.device_count()} device(s), XLA_FLAGS={_xla_flags()!r}): '
+                    f'{jax.device_count()} device(s), {intra_op_threads()} intra-op threads, '
+                    f'XLA_FLAGS={_xla_flags()!r}): '
                     + '; '.join(failures[:6]) + (f'; and {len(failures) - 6} more'
                                                   if len(failures) > 6 else ''))
 

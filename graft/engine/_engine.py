@@ -283,15 +283,15 @@ class Engine:
     """float32 logits [V] of the given rows of one call's hidden states [1, T, D]."""
     r = self.plan.logits_rows
     if r is None:
-      return list(np.asarray(self._head(self._params, self._output_table, hidden,
-                                        np.asarray(rows, np.int32))[0]))
+      return list(sharding.to_host(self._head(self._params, self._output_table, hidden,
+                                              np.asarray(rows, np.int32)))[0])
     out = []
     for i in range(0, len(rows), r):
       chunk = rows[i:i + r]
       padded = np.zeros(r, np.int32)  # every logits call has exactly r rows
       padded[:len(chunk)] = chunk
-      out.extend(np.asarray(self._head(self._params, self._output_table, hidden,
-                                       padded)[0, :len(chunk)]))
+      out.extend(sharding.to_host(self._head(self._params, self._output_table, hidden,
+                                             padded))[0, :len(chunk)])
     return out
 
   def extend(self, ctx: Context, tokens: Sequence[int], *, logits: str | int = 'none',
@@ -318,7 +318,7 @@ class Engine:
                        with_logits=fused)
       if fused:
         _, kv, row_logits = out
-        logit_rows.append(np.asarray(row_logits)[0, 0])
+        logit_rows.append(sharding.to_host(row_logits)[0, 0])
         continue
       hidden, kv = out
       if wanted_rows:

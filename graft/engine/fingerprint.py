@@ -25,6 +25,7 @@ import jaxlib
 import numpy as np
 
 from gemma_jax import sharding
+from gemma_jax.spec import selfcheck
 from gemma_jax.checkpoints import tree
 
 # CPU flags that can change which kernels XLA emits; the rest of /proc/cpuinfo does not matter.
@@ -159,6 +160,9 @@ def environment() -> dict:
       'cpu_features': cpu_features() if jax.default_backend() == 'cpu' else [],
       'cpu_model': cpu_model() if jax.default_backend() == 'cpu' else '',
       'xla_flags': sharding.xla_flags(),
+      # Eigen's blocking of a contraction follows it (gemma_jax.spec.selfcheck.intra_op_threads).
+      'intra_op_threads': (selfcheck.intra_op_threads() if jax.default_backend() == 'cpu'
+                           else 0),
   }
 
 

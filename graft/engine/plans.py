@@ -240,6 +240,14 @@ class Pinned(_Shaped):
   def fuses_decode(self) -> bool:
     return self.config.logits_rows == 1
 
+  def check_engine(self, engine) -> None:
+    """Refuses a configuration (device count, threads, flags) where a row's dot follows its
+    call's row count: a graft would then differ from fresh (gemma_jax.spec.selfcheck)."""
+    from gemma_jax.spec import selfcheck
+    selfcheck.run_rows(dataclasses.replace(engine.numerics, mesh=None), self.compiler_options,
+                       weights=engine.projection_weights(),
+                       rows=row_buckets(self.config.rows_per_call, self.config.min_rows))
+
 
 @dataclasses.dataclass(frozen=True)
 class Spec(Pinned):
