@@ -7,7 +7,9 @@ meets (each projection's weight, with every row count a call may have; the logit
 attention's per-tile dots for every row count), each compared bit for bit with
 gemma_jax.spec.binary32 on a sample of output rows and columns. A machine whose XLA picks another
 summation order, another reciprocal square root or another exp is refused, with the probe that
-failed, never trusted. Results are kept per process for each set of probes.
+failed, never trusted. A pinned engine runs the weaker check its exactness rests on
+(`run_rows`: a row's dot does not follow its call's row count). Results are kept per process for
+each set of probes.
 """
 
 from __future__ import annotations
