@@ -376,9 +376,8 @@ def _put_process(url, path, pause=None):
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.slow
-def test_two_processes_putting_the_same_texts_leave_one_copy(tmp_path):
-  url = f'file://{tmp_path}/s/'
+def put_from_two_processes(url, tmp_path) -> list[list[int]]:
+  """Two writer processes put the same three texts at once; returns the texts."""
   contexts = [tokens(6 * B + i, 30 + i) for i in range(3)]
   path = tmp_path / 'in.jsonl'
   path.write_text(''.join(json.dumps({'tokens': c}) + '\n' for c in contexts))
@@ -386,6 +385,13 @@ def test_two_processes_putting_the_same_texts_leave_one_copy(tmp_path):
   for proc in procs:
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-2000:]
+  return contexts
+
+
+@pytest.mark.slow
+def test_two_processes_putting_the_same_texts_leave_one_copy(tmp_path):
+  url = f'file://{tmp_path}/s/'
+  contexts = put_from_two_processes(url, tmp_path)
   store = Store(url, engine())
   assert store.verify() == []  # no second copy left unpublished, nothing bad
   expected = {k for c in contexts for k in blocks.chain_keys(store.namespace, c, B)}

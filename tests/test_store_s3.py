@@ -27,7 +27,7 @@ from graft.store import Store  # noqa: E402
 from graft.store._store import PAUSED  # noqa: E402
 from graft.store.kvstore import KvStore  # noqa: E402
 from tests.test_store import (B, _put_process, engine, fresh_logits, grafted_logits,  # noqa: E402
-                              object_names, tokens)
+                              object_names, put_from_two_processes, tokens)
 
 BUCKET = 'gemma-jax-store'
 # Credentials for the local server (moto accepts any); no instance-metadata lookups.
@@ -145,13 +145,7 @@ def test_conditional_writes_are_the_servers_and_a_conditional_delete_is_checked_
 
 @pytest.mark.slow
 def test_two_writer_processes_on_the_s3_protocol_leave_one_copy(spec, tmp_path):
-  contexts = [tokens(6 * B + i, 30 + i) for i in range(3)]
-  path = tmp_path / 'in.jsonl'
-  path.write_text(''.join(json.dumps({'tokens': c}) + '\n' for c in contexts))
-  procs = [_put_process(spec, path) for _ in range(2)]
-  for proc in procs:
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-2000:]
+  contexts = put_from_two_processes(spec, tmp_path)
   store = Store(spec, engine())
   assert store.verify() == []
   assert len(object_names(store)) == len(store.entries()) == sum(-(-len(c) // B) for c in contexts)
