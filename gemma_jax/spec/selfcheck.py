@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma_jax.sharding import to_host
 from gemma_jax.spec import binary32 as b32
 from gemma_jax.spec import functions as fn
 
@@ -103,12 +104,12 @@ def matmul_failures(numerics, compiler_options, weights: dict[str, np.ndarray],
       jnp.zeros((len(xs),), jnp.uint32), weights, xs)
   failures = []
   for (name, m), x in xs.items():
-    w = np.asarray(weights[name])
+    w = to_host(weights[name])
     cols, sample = _columns(w.shape[1]), _rows(m)
     want = b32.matmul(x[sample], b32.flush(w[:, cols]), k_chunk=numerics.k_chunk,
                       small=numerics.small, weight_count=w.size)
     failure = _differ(f'matmul {name} [{m}, {w.shape[0]}] x [{w.shape[0]}, {w.shape[1]}]',
-                      np.asarray(got[(name, m)])[sample][:, cols], want)
+                      to_host(got[(name, m)])[sample][:, cols], want)
     if failure:
       failures.append(failure)
   return failures
@@ -138,7 +139,7 @@ def attention_failures(numerics, compiler_options, *, head_dims, rows, tile: int
     want_scores = np.stack([b32.chunked_dot(q[0, 0, j][sample], k[0, 0, j].T, numerics.k_chunk)
                             for j in range(2)])
     want_pv = np.stack([b32.dot(p[0, 0, j][sample], v[0, 0, j]) for j in range(2)])
-    scores, pv = (np.asarray(a)[0, 0][:, sample] for a in got[(h, r)])
+    scores, pv = (to_host(a)[0, 0][:, sample] for a in got[(h, r)])
     for name, g, want in (('scores', scores, want_scores), ('p . v', pv, want_pv)):
       failure = _differ(f'attention {name}, {r} rows, head dim {h}, tile {tile}', g, want)
       if failure:
@@ -179,9 +180,9 @@ def row_dependence_failures(numerics, compiler_options, weights: dict[str, np.nd
   failures = []
   for name, (calls, ones) in got.items():
     k, n = weights[name].shape
-    cols, ones, largest = _columns(n), np.asarray(ones), np.asarray(calls[most])
+    cols, ones, largest = _columns(n), to_host(ones), to_host(calls[most])
     for m in rows:
-      many, first = np.asarray(calls[m]), min(4, m)
+      many, first = to_host(calls[m]), min(4, m)
       failure = _differ(f'matmul {name} [{m}, {k}] x [{k}, {n}]',
                         np.concatenate([many[:first], many[m - first:]])[:, cols],
                         np.concatenate([ones[:first], largest[m - first:m]])[:, cols],
