@@ -5,17 +5,17 @@ One URL names where a store lives, and the same code runs on every driver Tensor
 `s3://bucket/path/`, or any other kvstore URL TensorStore parses; or a TensorStore kvstore spec
 as JSON, for what a URL cannot say (an S3-protocol server's endpoint:
 `{"driver": "s3", "bucket": "b", "path": "p/", "endpoint": "http://127.0.0.1:9000"}`). Nothing
-here assumes a local path: keys are TensorStore keys, never filesystem paths. Keys are built only by the store from
-fixed words and hex digests (`check_key`), never from object content.
+here assumes a local path: keys are TensorStore keys, never filesystem paths. Keys are built
+only by the store from fixed words and hex digests (`check_key`), never from object content.
 
 Writes of whole values are atomic on every driver (the file driver writes a temporary file and
 renames it; object stores publish whole objects), so a reader never sees half a value.
 `write_if_absent` is the conditional write that makes "first writer wins" hold between
-processes. What the store needs of a driver, and what TensorStore's drivers give (docs/security.md,
-"What the store needs from a kvstore"): atomic whole-value writes, atomic put-if-absent and
-put-if-generation (S3: `If-None-Match: *` and `If-Match` on the PUT), reads of a value just written,
-and listings in any order; never a rename, a directory, or an atomic conditional delete (TensorStore's
-S3 driver checks the generation with a HEAD and then deletes).
+processes. What the store needs of a driver (docs/security.md, "What the store needs from a
+kvstore"): atomic whole-value writes, atomic put-if-absent and put-if-generation (S3:
+`If-None-Match: *` and `If-Match` on the PUT), reads of a value just written, and listings in
+any order; never a rename, a directory, or an atomic conditional delete (TensorStore's S3
+driver checks the generation with a HEAD and then deletes).
 """
 
 from __future__ import annotations
