@@ -58,7 +58,12 @@ def worker() -> None:
   """One process of the run (or the single-process reference): every sample fresh and grafted
   on the mesh; each process writes the rows it read."""
   loaded = common.load_model()
-  engine: Engine = common.make_engine(loaded)
+  try:
+    engine: Engine = common.make_engine(loaded)
+  except ValueError as e:  # the engine refuses this configuration: the launcher reports why
+    with open(FLAGS.rows_output, 'w') as f:
+      json.dump({'refused': ' '.join(str(e).split())}, f)
+    raise
   pairs = [p for p in samples.draw(loaded.tokenizer, FLAGS.samples, seed=FLAGS.seed,
                                    window=loaded.config.sliding_window)
            if len(p.library) + len(p.query) <= FLAGS.cache_len]
@@ -86,21 +91,20 @@ def _free_port() -> int:
 
 
 def _start(args: list[str], rows_output: str, local_devices: int) -> subprocess.Popen:
+  """A worker process; its log (progress, and its one-line error) goes to this one's stderr."""
   env = {**os.environ, 'XLA_FLAGS': f'--xla_force_host_platform_device_count={local_devices}'}
   return subprocess.Popen([sys.executable, '-m', 'experiments.distributed_check', *args,
-                           f'--rows_output={rows_output}'], env=env, stderr=subprocess.PIPE,
-                          text=True)
+                           f'--rows_output={rows_output}'], env=env)
 
 
 def _wait(procs: dict[str, subprocess.Popen]) -> str | None:
-  """Waits for every process; returns None, or the first failure with the process's last error
-  line (the others are then stopped)."""
+  """Waits for every process; returns None, or the first failure (the others are then
+  stopped; the failed process printed its reason above)."""
   failed = None
   for name, proc in procs.items():
-    _, err = proc.communicate()
+    proc.wait()
     if proc.returncode and failed is None:
-      lines = [line for line in err.splitlines() if line.strip()]
-      failed = f'{name} failed (exit {proc.returncode}): {lines[-1] if lines else ""}'
+      failed = f'{name} failed (exit {proc.returncode}; its error is above)'
       for other in procs.values():
         other.kill()
   return failed
@@ -133,6 +137,9 @@ def launch() -> int:
                                                   devices)})
     reference_devices = devices
     if refused:
+      if os.path.exists(f'{scratch}/single.json'):
+        with open(f'{scratch}/single.json') as f:
+          refused = json.load(f).get('refused', refused)
       logging.warning('%s; the reference is one process of one device', refused)
       reference_devices = 1
       failed = _wait({'the one-device process': _start(

@@ -205,17 +205,19 @@ class Engine:
   def projection_weights(self) -> dict[str, jax.Array]:
     """One weight [K, N] per distinct projection shape the model contracts through a dot (the
     first layer's of each; projections of at most `numerics.small` weights are elementwise
-    products and sums), and the output table: what a self-check probes."""
+    products and sums), and the output table: what a self-check probes. Read from the model's
+    unplaced parameters: on a mesh across processes nothing here waits on another process."""
     out = {}
     small = getattr(self.numerics, 'small', 0)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(self._params)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(self.loaded.params)[0]:
       names = [str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path]
       if names[-1] != 'w':
         continue
       in_dims = 2 if names[-2] == 'o_proj' else 1
-      w = leaf.reshape(int(np.prod(leaf.shape[:in_dims])), -1)
-      if w.size > small:
-        out.setdefault(f'{w.shape[0]}x{w.shape[1]}', w)
+      k = int(np.prod(leaf.shape[:in_dims]))
+      name = f'{k}x{leaf.size // k}'
+      if leaf.size > small and name not in out:
+        out[name] = leaf.reshape(k, -1)
     if self._output_table is not None and self._output_table.size > small:
       out['output_table'] = self._output_table
     return out
