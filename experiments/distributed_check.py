@@ -133,13 +133,14 @@ def launch() -> int:
     # configuration (a process's thread pool grows with its host devices, docs/determinism.md);
     # then one process of one device is the reference the layout promises to keep.
     logging.info('one process of %d host devices', devices)
-    refused = _wait({'the single process': _start(common_args, f'{scratch}/single.json',
-                                                  devices)})
-    reference_devices = devices
-    if refused:
-      if os.path.exists(f'{scratch}/single.json'):
-        with open(f'{scratch}/single.json') as f:
-          refused = json.load(f).get('refused', refused)
+    failed = _wait({'the single process': _start(common_args, f'{scratch}/single.json',
+                                                 devices)})
+    refused, reference_devices = None, devices
+    if failed:
+      if not os.path.exists(f'{scratch}/single.json'):  # not a refusal: a failure
+        raise SystemExit(failed)
+      with open(f'{scratch}/single.json') as f:
+        refused = json.load(f)['refused']
       logging.warning('%s; the reference is one process of one device', refused)
       reference_devices = 1
       failed = _wait({'the one-device process': _start(
