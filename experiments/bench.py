@@ -129,15 +129,22 @@ def measure_ours(engine, work: Workload) -> dict:
 
 
 def measure_batches(engine, work: Workload, slots: list[int]) -> list[dict]:
-  """Decode tokens/s of the engine serving N contexts per call (one per batch slot),
-  each continuing the same 32-token prompt (every slot gets the bits it gets alone)."""
+  """Decode tokens/s of the engine serving N contexts per call (one per batch slot), each
+  continuing the same 32-token prompt (every slot gets the bits it gets alone), and its ratio
+  to one stream (`Engine.generate`, its logits fused into the step) measured here, in turn with
+  the batches (`speedup_vs_one_stream`)."""
   ctx, _ = engine.prefill(work.decode_prompt, logits='last')
+  one_stream = lambda: engine.generate(ctx, work.decode_tokens + 1, stop_at_eos=False)
   rows = []
   for n in slots:
-    seconds = common.median_seconds(
-        lambda n=n: engine.generate_batch([ctx] * n, work.decode_tokens + 1), work.repeats)
-    rows.append({'batch_slots': n, 'decode_tok_s': n * work.decode_tokens / seconds})
-    logging.info('batch of %d: %.1f decode tok/s', n, rows[-1]['decode_tok_s'])
+    batch = lambda n=n: engine.generate_batch([ctx] * n, work.decode_tokens + 1)
+    one, many = common.median_seconds(one_stream, work.repeats), common.median_seconds(
+        batch, work.repeats)
+    rows.append({'batch_slots': n, 'decode_tok_s': n * work.decode_tokens / many,
+                 'one_stream_decode_tok_s': work.decode_tokens / one,
+                 'speedup_vs_one_stream': n * one / many})
+    logging.info('batch of %d: %.1f decode tok/s (%.2fx one stream)', n,
+                 rows[-1]['decode_tok_s'], rows[-1]['speedup_vs_one_stream'])
   return rows
 
 
@@ -164,7 +171,10 @@ def main(argv):
   by_name = {r['name']: r for r in rows if not r['skipped']}
   batches = measure_batches(common.make_engine(loaded, mode='spec'), work,
                             [int(n) for n in FLAGS.batch_slots]) if FLAGS.batch_slots else []
-  ratios = {}
+  ratios = {f'batch_decode_speedup_{row["batch_slots"]}': row['speedup_vs_one_stream']
+            for row in batches}
+  if 'ours_spec' in by_name and 'batch_decode_speedup_8' in ratios:
+    by_name['ours_spec']['batch_decode_speedup_8'] = ratios['batch_decode_speedup_8']
   for ours, other in (('spec', 'pinned'), ('spec', 'default'), ('pinned', 'default')):
     if f'ours_{ours}' in by_name and f'ours_{other}' in by_name:
       for what in ('prefill_tok_s', 'decode_tok_s'):
@@ -199,7 +209,8 @@ def main(argv):
           f"{row['decode_tok_s']:6.2f} tok/s  ttft recompute {row['ttft_recompute_s']:.3f}s  "
           f'graft {graft}')
   for row in batches:
-    print(f"ours_spec, {row['batch_slots']} batch slots: decode {row['decode_tok_s']:.1f} tok/s")
+    print(f"ours_spec, {row['batch_slots']} batch slots: decode {row['decode_tok_s']:.1f} tok/s "
+          f"({row['speedup_vs_one_stream']:.2f}x one stream)")
   print('ratios:', {k: round(v, 3) for k, v in ratios.items()})
 
 

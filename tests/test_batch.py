@@ -13,7 +13,7 @@ import pytest
 from gemma_jax import weights
 from gemma_jax.compare import sha256_bytes
 from graft.store import artifact
-from graft.engine import Engine, EngineConfig
+from graft.engine import Engine, EngineConfig, _engine
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,6 +53,38 @@ def test_batched_grafts_and_decoding_equal_alone():
     fresh, logits = eng.extend(eng.empty(), lib + query, logits=len(query))
     assert sha256_bytes(row) == sha256_bytes(logits)
     assert continuation == eng.generate(fresh, 12, stop_at_eos=False)[1]
+
+
+def test_nine_slots_decode_one_row_each_as_alone(monkeypatch):
+  """With min_rows slots or more a decode call has one row per slot (the single stream's
+  attention shape), and the slots' logits rows share logits calls."""
+  eng = engine()
+  ctxs = [eng.extend(eng.empty(), tokens(n, 30 + n), logits=1)[0] for n in range(3, 12)]
+  shapes = []
+  real = _engine.call_inputs
+  monkeypatch.setattr(_engine, 'call_inputs', lambda *a: shapes.append(a[2]) or real(*a))
+  together = eng.generate_batch(ctxs, 6)
+  assert shapes == [1] * 5
+  assert together == [eng.generate(c, 6, stop_at_eos=False)[1] for c in ctxs]
+
+
+def test_sampled_decoding_with_a_stop_rule_equals_alone():
+  """decode_batch: each slot's sampled tokens, logits digest and context equal decode alone,
+  slots stopping at different steps (a stop rule, token limits, one of 0) and idling after."""
+  eng = engine()
+  ctxs = [eng.extend(eng.empty(), tokens(n, 40 + n), logits=1)[0] for n in (4, 19, 7, 30, 2)]
+  limits, temps, seeds = [9, 5, 0, 12, 9], [1.0, 0.0, 1.0, 2.0, 0.7], [1, 2, 3, 4, 5]
+  stop = lambda toks: toks[-1] % 7 == 0
+  together = eng.decode_batch(ctxs, limits, temperatures=temps, seeds=seeds, stop=stop)
+  assert len({len(d.tokens) for d in together}) > 2  # the slots finished apart
+  for ctx, limit, t, seed, d in zip(ctxs, limits, temps, seeds, together):
+    alone = eng.decode(ctx, limit, temperature=t, seed=seed, stop=stop)
+    assert (d.tokens, d.logits_sha256) == (alone.tokens, alone.logits_sha256)
+    assert d.context.tokens == alone.context.tokens
+    if d.tokens:
+      more = [5, 6]
+      assert (sha256_bytes(eng.extend(d.context, more, logits='all')[1])
+              == sha256_bytes(eng.extend(alone.context, more, logits='all')[1]))
 
 
 def test_one_slot_leaves_the_callers_context_valid():

@@ -117,11 +117,13 @@ class Engine:
                             else jnp.asarray(table.astype(jnp.float32).T.copy()))
 
     def head(params, output_table, hidden, rows):
-      # hidden [1, T, D], rows [R] -> logits [1, R, V] of those rows (gathered inside the jit).
+      # hidden [B, T, D], rows [R] -> logits [1, R, V] of those rows of the B x T rows (row
+      # b * T + t: slot b's row t; gathered inside the jit).
       # The run-time zero of the numerics' barriers: row indices are never negative.
       numerics = self.numerics.with_zero((rows[0] < 0).astype(jnp.uint32))
       with jax.default_matmul_precision(config.matmul_precision):
-        return model.compute_logits(params, self.config, jnp.take(hidden, rows, axis=1),
+        flat = hidden.reshape(1, -1, hidden.shape[-1])
+        return model.compute_logits(params, self.config, jnp.take(flat, rows, axis=1),
                                     numerics, output_table)
 
     self._head_fn = head
@@ -130,8 +132,8 @@ class Engine:
       self.plan.check_engine(self)
 
   def head_function(self):
-    """The jitted logits call (params, output table, hidden [1, T, D], rows [R]) -> logits
-    [1, R, V] (the output table: `output_table`)."""
+    """The jitted logits call (params, output table, hidden [B, T, D], rows [R] of the B x T)
+    -> logits [1, R, V] (the output table: `output_table`)."""
     return self._head
 
   @property
@@ -282,15 +284,16 @@ class Engine:
     return step(self._params, ids, positions, kv)
 
   def _logits(self, hidden: jax.Array, rows: list[int]) -> list[np.ndarray]:
-    """float32 logits [V] of the given rows of one call's hidden states [1, T, D]."""
-    r = self.plan.logits_rows
-    if r is None:
+    """float32 logits [V] of the given rows of one call's hidden states [B, T, D] (row
+    b * T + t: slot b's row t), in calls of the plan's head row counts."""
+    buckets = self.plan.head_rows
+    if buckets is None:
       return list(sharding.to_host(self._head(self._params, self._output_table, hidden,
                                               np.asarray(rows, np.int32)))[0])
     out = []
-    for i in range(0, len(rows), r):
-      chunk = rows[i:i + r]
-      padded = np.zeros(r, np.int32)  # every logits call has exactly r rows
+    while len(out) < len(rows):
+      chunk = rows[len(out):len(out) + buckets[-1]]
+      padded = np.zeros(next(r for r in buckets if r >= len(chunk)), np.int32)
       padded[:len(chunk)] = chunk
       out.extend(sharding.to_host(self._head(self._params, self._output_table, hidden,
                                              padded))[0, :len(chunk)])
@@ -337,9 +340,19 @@ class Engine:
     slot i gets tokens[i] (possibly none) and, when `logits` is given, float32 logits [k_i, V]
     of its last logits[i] tokens (None where k_i is 0). A slot's rows are computed exactly as
     `extend` computes them alone (the fixed reduction orders do not see the other slots; every
-    batched call has at least min_rows rows per slot, so N x rows stays in the GEMM class), so
+    batched call has at least min_rows rows in all, so N x rows stays in the GEMM class), so
     each context gets the bits it gets alone, whatever the other slots hold or whether they
     are empty (tests/test_batch.py)."""
+    tokens, wanted = self._check_batch(ctxs, tokens, logits)
+    kv, out = self._extend_stacked(self._stack(ctxs), ctxs, tokens, wanted)
+    new = [ctx if not t else  # an idle slot's state was not written
+           Context(kv=jax.tree.map(lambda x, i=i: x[i:i + 1], kv), tokens=ctx.tokens + tuple(t),
+                   next_position=ctx.next_position + len(t),
+                   last_logits=out[i][-1] if out[i] else None)
+           for i, (ctx, t) in enumerate(zip(ctxs, tokens))]
+    return new, [np.stack(o) if o else None for o in out]
+
+  def _check_batch(self, ctxs, tokens, logits) -> tuple[list[list[int]], list[int]]:
     if not self.plan.batch_slots:
       raise ValueError(f'batch slots need a plan whose bits do not see the other slots (pinned); '
                        f'this engine is {self.engine_config.mode!r}')
@@ -350,45 +363,86 @@ class Engine:
     for i, (k, t) in enumerate(zip(wanted, tokens)):
       if not 0 <= k <= len(t):
         raise ValueError(f'slot {i}: {k} logit rows asked of {len(t)} tokens')
-    # Copies (the stacked state is this call's own and donated, so the callers' contexts stay
-    # valid; a concatenation of one array is that array, hence the explicit copy).
-    kv = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0) if len(xs) > 1 else jnp.copy(xs[0]),
-                      *[c.kv for c in ctxs])
+    return tokens, wanted
+
+  @staticmethod
+  def _stack(ctxs: Sequence[Context]):
+    """The contexts' KV states stacked over slots, as a copy: the stacked state is donated to
+    the calls, so the callers' contexts stay valid (a concatenation of one array is that array,
+    hence the explicit copy)."""
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0) if len(xs) > 1 else jnp.copy(xs[0]),
+                        *[c.kv for c in ctxs])
+
+  def _extend_stacked(self, kv, ctxs: Sequence[Context], tokens: list[list[int]],
+                      wanted: list[int]):
+    """extend_batch on a stacked state (donated): -> (the new stacked state, each slot's list
+    of logits rows). Only the contexts' lengths and positions are read."""
     b = self.max_rows
     out = [[] for _ in ctxs]
     for first in range(0, max(len(t) for t in tokens), b):
       chunks = [t[first:first + b] for t in tokens]
-      rows = max(self.plan.rows_for(max(len(c) for c in chunks)), self.engine_config.min_rows)
+      # Rows per slot: a row bucket that holds every slot's chunk and gives the call at least
+      # min_rows rows in all (one row per slot when there are min_rows slots or more).
+      rows = self.plan.rows_for(max(max(len(c) for c in chunks),
+                                    -(-self.engine_config.min_rows // len(ctxs))))
       ids, positions = call_inputs(chunks, [c.next_position + first for c in ctxs], rows)
       end = max(len(c.tokens) + min(first + b, len(t)) for c, t in zip(ctxs, tokens))
       hidden, kv = self.step_function(self._tiles_for(end))(self._params, ids, positions,
                                                              kv)
-      for i, chunk in enumerate(chunks):
-        start = len(tokens[i]) - wanted[i]  # the slot's first token with logits
-        rows_wanted = [j - first for j in range(max(first, start), first + len(chunk))]
-        if rows_wanted:
-          out[i].extend(self._logits(hidden[i:i + 1], rows_wanted))
-    new = [ctx if not t else  # an idle slot's state was not written
-           Context(kv=jax.tree.map(lambda x, i=i: x[i:i + 1], kv), tokens=ctx.tokens + tuple(t),
-                   next_position=ctx.next_position + len(t),
-                   last_logits=out[i][-1] if out[i] else None)
-           for i, (ctx, t) in enumerate(zip(ctxs, tokens))]
-    return new, [np.stack(o) if o else None for o in out]
+      # Every slot's wanted rows in shared logits calls (row i * rows + j: slot i's row j).
+      flat = [(i, i * rows + j - first) for i, chunk in enumerate(chunks)
+              for j in range(max(first, len(tokens[i]) - wanted[i]), first + len(chunk))]
+      for (i, _), row in zip(flat, self._logits(hidden, [r for _, r in flat])):
+        out[i].append(row)
+    return kv, out
 
   def generate_batch(self, ctxs: Sequence[Context], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations of N contexts (each with its last logits), decoded together one
-    token per slot per call (the tokens each context gets alone: see `extend_batch`)."""
+    token per slot per call (the tokens each context gets alone: see `decode_batch`)."""
+    return [d.tokens for d in self.decode_batch(ctxs, [max_new_tokens] * len(ctxs))]
+
+  def decode_batch(self, ctxs: Sequence[Context], max_new_tokens: Sequence[int], *,
+                   temperatures: Sequence[float] | None = None,
+                   seeds: Sequence[int] | None = None,
+                   stop: Callable[[list[int]], bool] | None = None) -> list['Decoded']:
+    """`decode` of N contexts together on one stacked state, a batch slot each: slot i gets
+    exactly what decode(ctxs[i], max_new_tokens[i], temperature=temperatures[i],
+    seed=seeds[i], stop=stop) gets alone (tokens, logits digest, context), by extend_batch's
+    slot invariance. A slot that has finished stays idle until every slot has."""
+    n = len(ctxs)
+    temperatures = list(temperatures) if temperatures is not None else [0.0] * n
+    seeds = list(seeds) if seeds is not None else [0] * n
+    if not len(max_new_tokens) == len(temperatures) == len(seeds) == n:
+      raise ValueError(f'{n} contexts need {n} token limits, temperatures and seeds')
     if any(c.last_logits is None for c in ctxs):
       raise ValueError('every context needs logits at its last token')
-    if max_new_tokens < 1:
-      return [[] for _ in ctxs]
-    outputs = [[int(np.argmax(c.last_logits))] for c in ctxs]
-    ctxs = list(ctxs)
-    while len(outputs[0]) < max_new_tokens:
-      ctxs, rows = self.extend_batch(ctxs, [o[-1:] for o in outputs], logits=[1] * len(ctxs))
-      for o, r in zip(outputs, rows):
-        o.append(int(np.argmax(r[-1])))
-    return outputs
+    self._check_batch(ctxs, [[] for _ in ctxs], None)
+    rngs = [np.random.default_rng(s) for s in seeds]
+    digests = [hashlib.sha256() for _ in ctxs]
+    logits = [c.last_logits for c in ctxs]
+    new = [[] for _ in ctxs]
+    done = [m < 1 for m in max_new_tokens]
+    kv, state = None, list(ctxs)
+    while True:
+      for i in range(n):
+        if not done[i]:
+          digests[i].update(np.ascontiguousarray(logits[i], np.float32).tobytes())
+          new[i].append(sample(logits[i], temperatures[i], rngs[i]))
+          done[i] = (len(new[i]) >= max_new_tokens[i]
+                     or (stop is not None and stop(new[i])))
+      if all(done):
+        break
+      step = [[] if d else self._check_tokens(c, t[-1:]) for d, c, t in zip(done, state, new)]
+      kv = self._stack(ctxs) if kv is None else kv
+      kv, rows = self._extend_stacked(kv, state, step, [len(t) for t in step])
+      state = [Context(kv=None, tokens=c.tokens + tuple(t), next_position=c.next_position + len(t))
+               for c, t in zip(state, step)]
+      logits = [r[-1] if r else l for r, l in zip(rows, logits)]
+    return [Decoded(context=Context(kv=ctxs[i].kv if kv is None else
+                                    jax.tree.map(lambda x, i=i: x[i:i + 1], kv),
+                                    tokens=state[i].tokens, next_position=state[i].next_position,
+                                    last_logits=logits[i]),
+                    tokens=new[i], logits_sha256=digests[i].hexdigest()) for i in range(n)]
 
   def generate(self, ctx: Context, max_new_tokens: int, *, temperature: float = 0.0,
                seed: int = 0, stop_at_eos: bool = True) -> tuple[Context, list[int]]:

@@ -51,6 +51,10 @@ SLOT_LAYOUT_VERSION = 2
 DOT_LIBRARIES = {'eigen': {'xla_cpu_experimental_ynn_fusion_type': ''}, 'ynn': {}, 'pallas': {}}
 
 
+# The most rows of a spec engine's logits call (more wanted rows take several calls).
+HEAD_ROWS = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
   """One transformer call of a request: `count` tokens from index `first` of the request's
@@ -138,8 +142,10 @@ class Plan:
     return False
 
   @property
-  def logits_rows(self) -> int | None:
-    """Rows per logits call (padded; None: every wanted row of a call in one logits call)."""
+  def head_rows(self) -> tuple[int, ...] | None:
+    """The row counts a logits call may have, ascending: wanted rows go in calls of the
+    smallest that holds them (at most the largest), padded (None: every wanted row of a call
+    in one logits call)."""
     return None
 
   @property
@@ -177,8 +183,8 @@ class _Shaped(Plan):
     return round_up(kvs.local_slots_needed(model, self.max_rows), multiple)
 
   @property
-  def logits_rows(self) -> int | None:
-    return self.config.logits_rows
+  def head_rows(self) -> tuple[int, ...] | None:
+    return (self.config.logits_rows,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +272,14 @@ class Spec(Pinned):
   def numerics(self) -> Numerics:
     return SpecNumerics(k_chunk=self.config.k_chunk)
 
+  @property
+  def head_rows(self) -> tuple[int, ...] | None:
+    # The self-check proves every one of these row counts computes a row's logits as the spec
+    # does, so a logits call may hold the wanted rows of several slots or tokens at once (one
+    # pass over the output table for all of them) without changing a bit.
+    return tuple(sorted({self.config.logits_rows,
+                         *row_buckets(HEAD_ROWS, self.config.min_rows)}))
+
   def numerics_on(self, kernel_platform: str | None) -> Numerics:
     if self.config.dot_library != 'pallas':
       return self.numerics
@@ -287,7 +301,7 @@ class Spec(Pinned):
     groups = {cfg.num_heads // cfg.layer_spec(i).num_kv_heads for i in range(cfg.num_layers)}
     rows = row_buckets(self.config.rows_per_call, self.config.min_rows)
     selfcheck.run(numerics, self.compiler_options, weights=weights, rows=rows,
-                  head_rows=(self.config.logits_rows,),
+                  head_rows=self.head_rows,
                   attention_rows=tuple(sorted({max(r * g, 2) for r in rows for g in groups})),
                   head_dims=head_dims, tile=engine.attention_tile, kv_heads=1)
 
