@@ -12,7 +12,10 @@ graft/knowledge/verifiers.py the verifiers and their one answer-extraction rule)
       examples in the library's own format (drawn apart from the tasks): attempts of at most
       --attempt_tokens decode tokens, sampled at --temperature (a seed per attempt from
       --seed), until one verifies or the problem's --budget of decode tokens is spent; every
-      decode token counted;
+      decode token counted. --attempt_slots attempts are decoded together in the engine's
+      batch slots, each with the bits it gets alone; the record is the one-at-a-time
+      protocol's (attempts computed past the verified one or the budget are dropped and
+      reported as batch_discarded_tokens);
   (b) deposit: every task with a verified solution enters the library: its own (source
       "self"), else one from --solutions (a file, `generated`: the generator's worked
       solutions, standing in for a stronger solver's, or `none`: only the model's own), which
@@ -51,6 +54,7 @@ from absl import app, flags, logging
 
 from experiments import common
 from gemma_jax import cost, files
+from graft.engine import plans
 from graft.knowledge import tasks as tasks_lib
 from graft.knowledge.flywheel import Settings, manifest, run, summarize, task_row
 from graft.knowledge.library import QUESTION, Library
@@ -75,6 +79,10 @@ def define_flags() -> None:
                        'its base attempts.')
   flags.DEFINE_integer('attempt_tokens', 40, 'Decode tokens of one attempt (a worked solution '
                        'and its answer line), and of every greedy answer.')
+  flags.DEFINE_integer('attempt_slots', None, 'Base attempts of a problem decoded together, one '
+                       'per engine batch slot (each gets the bits it gets alone; the record is '
+                       'the one-at-a-time protocol\'s, and the manifest replays unbatched). '
+                       'Default: 8 on an engine with batch slots (spec, pinned), else 1.')
   flags.DEFINE_integer('k', 3, 'Entries retrieved for a held-out problem.')
   flags.DEFINE_integer('shots', 3, 'Solved examples in the base few-shot header.')
   flags.DEFINE_integer('sample_exact', 10, 'Grafted answers checked against fresh (per phase).')
@@ -137,7 +145,14 @@ def main(argv):
     raise ValueError(f'--rounds={FLAGS.rounds}: at least one held-out round')
   settings = Settings(budget=FLAGS.budget, attempt_tokens=FLAGS.attempt_tokens,
                       temperature=FLAGS.temperature, seed=FLAGS.seed, k=FLAGS.k,
-                      sample_exact=FLAGS.sample_exact)  # bad settings refused before loading
+                      sample_exact=FLAGS.sample_exact,
+                      attempt_slots=FLAGS.attempt_slots or 1)  # bad settings refused early
+  batch_slots = plans.plan_class(FLAGS.engine).batch_slots
+  if settings.attempt_slots > 1 and not batch_slots:
+    raise app.UsageError(f'--attempt_slots={settings.attempt_slots} needs an engine with batch '
+                         f'slots (spec, pinned), not --engine={FLAGS.engine}')
+  if FLAGS.attempt_slots is None and batch_slots:
+    settings = dataclasses.replace(settings, attempt_slots=8)
   loaded = common.load_model()
   engine = common.make_engine(loaded)
   task_list, heldout, solutions, examples = load_sets(loaded.tokenizer)
@@ -156,7 +171,8 @@ def main(argv):
             'tasks_n': len(task_list), 'heldout': FLAGS.heldout,
             'heldout_n': [len(h) for h in heldout], 'solutions': FLAGS.solutions,
             'attempt_tokens': FLAGS.attempt_tokens, 'temperature': FLAGS.temperature,
-            'seed': FLAGS.seed, 'budget': FLAGS.budget, 'k': FLAGS.k, 'shots': FLAGS.shots,
+            'seed': FLAGS.seed, 'budget': FLAGS.budget, 'attempt_slots': settings.attempt_slots,
+            'k': FLAGS.k, 'shots': FLAGS.shots,
             'rounds': len(heldout), 'sample_exact': FLAGS.sample_exact,
             'engine_config': dataclasses.asdict(engine.engine_config),
             'model_fingerprint': engine.model_fingerprint['sha256'],

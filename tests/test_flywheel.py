@@ -145,6 +145,41 @@ def test_a_verdict_for_another_answer_deposits_nothing(engine):
   assert not library.entries and library.store.stats()['objects'] == 0
 
 
+def test_batched_attempts_keep_the_one_at_a_time_record(engine, monkeypatch):
+  """Base attempts decoded attempt_slots at a time give the sequential protocol's record,
+  attempt for attempt (seed, limit, tokens, logits digest): attempts after the verified one
+  are dropped and counted, and the attempt the budget ends inside is decoded alone at its
+  limit (so the manifest replays unbatched)."""
+  from graft.knowledge import flywheel
+  winners = set()
+  monkeypatch.setattr(flywheel.verifiers, 'verify', lambda answer, verifier, text:
+                      verifiers.Verdict(text in winners, 'planted', None))
+  header_tokens = [2, 17, 33, 9]
+  header = (engine.prefill(header_tokens, logits='none')[0], header_tokens)
+  task = _task('What is 3 + 4?', '7')
+  asker = flywheel.Asker(engine)
+  record = lambda answers: [(a.seed, a.max_tokens, a.tokens, a.logits_sha256, a.verdict.correct)
+                            for a in answers]
+
+  def attempts(slots, budget):
+    settings = flywheel.Settings(budget=budget, attempt_tokens=6, temperature=1.0,
+                                 attempt_slots=slots)
+    return flywheel.ask_base(asker, header, task, settings)
+
+  alone, discarded = attempts(1, 16)
+  assert discarded == 0 and sum(len(a.tokens) for a in alone) == 16  # the budget spent
+  assert alone[-1].max_tokens < 6  # the budget ended inside the last attempt
+  for slots in (3, 8):  # the third attempt of the batch is cut by the budget: decoded alone
+    together, discarded = attempts(slots, 16)
+    assert record(together) == record(alone) and discarded > 0
+  winners.add(attempts(1, 40)[0][4].text)  # now the fifth attempt verifies (the second of a
+  # batch of 3)
+  alone, _ = attempts(1, 40)
+  together, discarded = attempts(3, 40)
+  assert len(alone) <= 5 and alone[-1].verdict.correct
+  assert record(together) == record(alone) and discarded > 0  # its batch's third was dropped
+
+
 def test_retrieval_ranks_by_bm25_and_the_same_entries_are_a_store_hit(engine):
   library = Library(Store('memory://', engine))
   for i, problem in enumerate(['How many grams are in 3 kilograms?',

@@ -417,6 +417,9 @@ class Engine:
     if any(c.last_logits is None for c in ctxs):
       raise ValueError('every context needs logits at its last token')
     self._check_batch(ctxs, [[] for _ in ctxs], None)
+    if n == 1:  # one slot: the single stream's calls (its logits fused into the step)
+      return [self.decode(ctxs[0], max_new_tokens[0], temperature=temperatures[0],
+                          seed=seeds[0], stop=stop)]
     rngs = [np.random.default_rng(s) for s in seeds]
     digests = [hashlib.sha256() for _ in ctxs]
     logits = [c.last_logits for c in ctxs]

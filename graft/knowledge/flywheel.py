@@ -98,13 +98,32 @@ class Asker:
     first = meter.seconds()
     decoded = self.engine.decode(ctx, max_tokens, temperature=temperature, seed=seed,
                                  stop=self.stop)
+    return self._asked(prompt, grafted, task, decoded, temperature, seed, max_tokens, first,
+                       meter, 1.0)
+
+  def ask_batch(self, ctx, prompt, task, meter: Meter, *, max_tokens, temperature,
+                seeds) -> list[Asked]:
+    """`ask` for several sampled attempts at once, one engine batch slot each
+    (`Engine.decode_batch`: each gets exactly what it gets alone). The meter's span is shared
+    equally among them."""
+    first = meter.seconds()
+    decoded = self.engine.decode_batch([ctx] * len(seeds), [max_tokens] * len(seeds),
+                                       temperatures=[temperature] * len(seeds), seeds=seeds,
+                                       stop=self.stop)
+    return [self._asked(prompt, 0, task, d, temperature, seed, max_tokens, first, meter,
+                        1 / len(seeds)) for d, seed in zip(decoded, seeds)]
+
+  def _asked(self, prompt, grafted, task, decoded, temperature, seed, max_tokens, first,
+             meter: Meter, share: float) -> Asked:
     text = self.tokenizer.decode(decoded.tokens)
+    joules = meter.joules()
     return Asked(prompt=list(prompt), grafted=grafted, temperature=temperature, seed=seed,
                  max_tokens=max_tokens, tokens=decoded.tokens,
                  logits_sha256=decoded.logits_sha256, text=text,
                  verdict=verifiers.verify(task.answer, task.verifier, text),
-                 seconds=meter.seconds(), first_logits_seconds=first,
-                 cpu_seconds=meter.cpu_seconds(), joules=meter.joules())
+                 seconds=meter.seconds() * share, first_logits_seconds=first,
+                 cpu_seconds=meter.cpu_seconds() * share,
+                 joules=None if joules is None else joules * share)
 
   def ask_fresh(self, prompt, task, *, max_tokens, temperature=0.0, seed=0) -> Asked:
     """The same question with its whole prompt prefilled fresh (no graft): the text baseline,
@@ -134,24 +153,47 @@ def ask_base(asker: Asker, header, task, settings: 'Settings', *, greedy: bool =
   """Without a library, after the few-shot header. Attempts until one verifies or the
   problem's decode budget is spent: each at most `attempt_tokens` (the last one what is
   left), sampled at the settings' temperature with a seed per attempt; every decode token
-  counts. `greedy`: one greedy answer of at most `attempt_tokens` (the held-out condition)."""
+  counts. `greedy`: one greedy answer of at most `attempt_tokens` (the held-out condition).
+
+  Attempts run `attempt_slots` at a time in the engine's batch slots; the record is the
+  sequential protocol's, attempt by attempt: those after the first verified one (or past the
+  budget) are dropped and counted in the returned `discarded` tokens, and an attempt longer
+  than what the budget leaves it is decoded again alone at that limit (its logits digest
+  covers only the tokens it may have)."""
   budget = settings.attempt_tokens if greedy else settings.budget
   header_ctx, header_tokens = header
   meter = Meter()
   question = asker.tokenizer.encode(QUESTION.format(problem=task.problem), add_bos=False)
+  prompt = header_tokens + question
   ctx, _ = asker.engine.extend(header_ctx, question, logits='last')
-  answers, spent = [], 0
+  if greedy:
+    return [asker.ask(ctx, prompt, 0, task, meter, max_tokens=budget, temperature=0.0,
+                      seed=0)], 0
+  answers, spent, discarded = [], 0, 0
   while spent < budget:
-    asked = asker.ask(ctx, header_tokens + question, 0, task, meter,
-                      max_tokens=min(settings.attempt_tokens, budget - spent),
-                      temperature=0.0 if greedy else settings.temperature,
-                      seed=0 if greedy else attempt_seed(settings.seed, task.id, len(answers)))
-    answers.append(asked)
-    spent += len(asked.tokens)
+    limit = min(settings.attempt_tokens, budget - spent)
+    seeds = [attempt_seed(settings.seed, task.id, len(answers) + j)
+             for j in range(min(settings.attempt_slots, -(-(budget - spent) // limit)))]
+    batch = (asker.ask_batch(ctx, prompt, task, meter, max_tokens=limit,
+                             temperature=settings.temperature, seeds=seeds) if len(seeds) > 1
+             else [asker.ask(ctx, prompt, 0, task, meter, max_tokens=limit,
+                             temperature=settings.temperature, seed=seeds[0])])
     meter = Meter()
-    if asked.verdict.correct or greedy:
+    for j, asked in enumerate(batch):
+      if spent >= budget or (answers and answers[-1].verdict.correct):
+        discarded += sum(len(a.tokens) for a in batch[j:])
+        break
+      allowed = min(settings.attempt_tokens, budget - spent)
+      if len(asked.tokens) > allowed:  # the budget ends inside it: decoded alone to the limit
+        discarded += len(asked.tokens)
+        asked = asker.ask(ctx, prompt, 0, task, Meter(), max_tokens=allowed,
+                          temperature=settings.temperature, seed=asked.seed)
+      asked.max_tokens = allowed
+      answers.append(asked)
+      spent += len(asked.tokens)
+    if answers[-1].verdict.correct:
       break
-  return answers
+  return answers, discarded
 
 
 def ask_library(asker: Asker, library: Library, entries: list[Entry], task, max_tokens: int,
@@ -222,7 +264,7 @@ def round_of_heldout(asker, library, header, heldout, settings, round_) -> list[
   and their logits SHA-256 equal; what the graft changes is the cost)."""
   rows = []
   for i, task in enumerate(heldout):
-    base = ask_base(asker, header, task, settings, greedy=True)
+    base, _ = ask_base(asker, header, task, settings, greedy=True)
     entries = library.retrieve(task.problem, settings.k)
     lib = text = None
     if entries:
@@ -266,6 +308,7 @@ class Settings:
   seed: int = 0
   k: int = 3
   sample_exact: int = 10
+  attempt_slots: int = 1  # attempts of a problem decoded together in the engine's batch slots
 
   def __post_init__(self):
     if self.attempt_tokens < 1:
@@ -276,6 +319,9 @@ class Settings:
                        f'(--attempt_tokens={self.attempt_tokens})')
     if self.k < 1:
       raise ValueError(f'--k={self.k}: retrieve at least one entry')
+    if self.attempt_slots < 1:
+      raise ValueError(f'--attempt_slots={self.attempt_slots}: decode at least one attempt '
+                       'at a time')
 
 
 def run(engine, library: Library, task_list, heldout_sets, solutions, examples,
@@ -287,9 +333,10 @@ def run(engine, library: Library, task_list, heldout_sets, solutions, examples,
   counts = {'solutions_rejected': 0, 'entries_refused': 0}
   rows = []
   for i, task in enumerate(task_list):  # (a) base within the budget, (b) deposit
-    base = ask_base(asker, header, task, settings)
+    base, discarded = ask_base(asker, header, task, settings)
     source = deposit(library, task, base, solutions, counts)
-    rows.append({'task': task, 'split': 'recurring', 'base': base, 'source': source})
+    rows.append({'task': task, 'split': 'recurring', 'base': base, 'source': source,
+                 'discarded_tokens': discarded})
     logging.info('task %d/%d %s: base %s in %d attempts (%d tokens), deposited: %s', i + 1,
                  len(task_list), task.id, base[-1].verdict.correct, len(base),
                  sum(len(a.tokens) for a in base), source)
@@ -318,6 +365,7 @@ def task_row(row: dict) -> dict:
       'base_correct': any(a.verdict.correct for a in base),
       'base_decode_tokens': sum(len(a.tokens) for a in base),
       'base_attempts': len(base),
+      'base_discarded_tokens': row.get('discarded_tokens', 0),
       'deposited': row.get('source') is not None if row['split'] == 'recurring'
                    else bool(row.get('deposited_next_round')),
       'source': row.get('source'),
@@ -410,6 +458,8 @@ def summarize(config, results: dict, *, seed: int = 0) -> dict:
       'never_solved': len(never),
       'never_solved_answered': sum(r['library'].verdict.correct for r in never_lib),
       'never_solved_base_tokens': base_tokens,
+      'attempt_slots': results['settings'].get('attempt_slots', 1),
+      'batch_discarded_tokens': sum(t['base_discarded_tokens'] for t in tasks),
       'never_solved_library_decode_tokens': lib_tokens,
       'recurring_library_decode_tokens_per_answer': (
           sum(t['library_decode_tokens'] for t in tasks if t['library_decode_tokens'])
