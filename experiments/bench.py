@@ -23,13 +23,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
 from absl import app, flags, logging
 
 from experiments import ceilings, common, peers, samples
+from gemma_jax import compilation_cache as compilation_cache_module
 from gemma_jax import cost
+from gemma_jax.checkpoints import orbax_util
 from graft.store import artifact
 from graft.engine import fingerprint
 
@@ -48,6 +53,8 @@ def define_flags() -> None:
   flags.DEFINE_integer('query_tokens', 64, 'Query length for time to first token.')
   flags.DEFINE_list('batch_slots', [], 'Also measure the spec engine\'s decode with N contexts '
                     'per call (Engine.generate_batch) for each N listed, e.g. 1,2,4,8.')
+  flags.DEFINE_bool('start', True, 'Also time a fresh process to its first logits, on an empty '
+                    'compilation cache and on a warm one (ttft_cold_start_s, ttft_warm_start_s).')
   flags.DEFINE_integer('repeats', 3, 'Timed repetitions (after one warm-up); medians reported.')
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
   common.define_model_flags()
@@ -87,14 +94,42 @@ def _time_graft(engine, path: str, query: list[int]) -> dict:
           'load_s': t1 - t0, 'graft_s': t2 - t1, 'query_s': t3 - t2, 'total_s': t3 - t0}
 
 
-def _read_files(root: str) -> int:
-  """Reads every file under root into memory (plain reads); returns the bytes read."""
-  total = 0
+def _read_files(root: str, keep: bool = True) -> int:
+  """Reads every file under root into memory with plain reads; returns the bytes read. With
+  `keep`, every file's bytes are held until all are read, as a restore must hold what it read
+  (fresh memory, faulted in as it is written); without it each file's buffer is freed before
+  the next read, which then reuses the same warm pages."""
+  kept, total = [], 0
   for directory, _, names in os.walk(root):
     for name in names:
       with open(os.path.join(directory, name), 'rb') as f:
-        total += len(f.read())
+        data = f.read()
+      total += len(data)
+      if keep:
+        kept.append(data)
   return total
+
+
+def _process_seconds(mode: str, compilation_cache: str) -> float:
+  """Wall seconds of a fresh process from its start to its exit after its first logits
+  (`experiments.generate`, one new token) under a compilation cache directory."""
+  command = [sys.executable, '-m', 'experiments.generate', '--max_new_tokens=1',
+             f'--model={FLAGS.model}', f'--weights={FLAGS.weights}', f'--dtype={FLAGS.dtype}',
+             f'--engine={mode}']
+  env = {**os.environ, compilation_cache_module.ENV: compilation_cache}
+  start = time.perf_counter()
+  subprocess.run(command, env=env, check=True, capture_output=True, cwd=common.REPO)
+  return time.perf_counter() - start
+
+
+def measure_start(mode: str, repeats: int) -> dict:
+  """Time to the first logits of a fresh process: cold (each run on an empty compilation
+  cache) and warm (on the cache the first cold run left); medians of `repeats`. Weights come
+  from the parameter cache in both."""
+  with tempfile.TemporaryDirectory() as scratch:
+    cold = [_process_seconds(mode, os.path.join(scratch, str(i))) for i in range(repeats)]
+    warm = [_process_seconds(mode, os.path.join(scratch, '0')) for _ in range(repeats)]
+  return {'ttft_cold_start_s': statistics.median(cold), 'ttft_warm_start_s': statistics.median(warm)}
 
 
 def measure_ours(engine, work: Workload) -> dict:
@@ -113,6 +148,10 @@ def measure_ours(engine, work: Workload) -> dict:
     _time_graft(engine, path, work.query)  # warm-up (the files are in the page cache after it)
     runs = [_time_graft(engine, path, work.query) for _ in range(work.repeats)]
     raw_read = common.median_seconds(lambda: _read_files(path), work.repeats)
+    raw_read_discarding = common.median_seconds(lambda: _read_files(path, keep=False),
+                                                work.repeats)
+    orbax_restore = common.median_seconds(
+        lambda: orbax_util.restore(os.path.join(path, artifact.STATE)), work.repeats)
   median = lambda key: sorted(r[key] for r in runs)[len(runs) // 2]
   split = {key: median(key) for key in runs[0]}
   return {'prefill_tok_s': len(work.prompt) / prefill,
@@ -121,10 +160,17 @@ def measure_ours(engine, work: Workload) -> dict:
           'ttft_recompute_s': recompute, 'ttft_graft_s': split['total_s'],
           'ttft_graft_split_s': split, 'artifact_bytes': artifact_bytes,
           'restore_gbps': artifact_bytes / (split['restore_s'] + split['verify_s']) / 1e9,
-          # The same files read raw (no decoding, no hashing), in this run: what restore +
-          # verify is measured against (issue goal: >= 0.7).
+          # The same files read raw (no decoding, no hashing) and kept, in this run: what
+          # restore + verify is measured against (issue goal: >= 0.7); and read with each
+          # file's memory reused by the next, which pays no page faults (_read_files).
           'raw_read_gbps': artifact_bytes / raw_read / 1e9,
           'restore_fraction_of_raw_read': raw_read / (split['restore_s'] + split['verify_s']),
+          'raw_read_discarding_gbps': artifact_bytes / raw_read_discarding / 1e9,
+          'restore_fraction_of_raw_read_discarding':
+              raw_read_discarding / (split['restore_s'] + split['verify_s']),
+          # Orbax's own restore of the same checkpoint (no hashing): what reading the leaf
+          # files directly saves.
+          'orbax_restore_gbps': artifact_bytes / orbax_restore / 1e9,
           'engine_config': dataclasses.asdict(engine.engine_config)}
 
 
@@ -161,7 +207,9 @@ def main(argv):
   for name in FLAGS.systems:
     logging.info('measuring %s', name)
     if name in OURS:
-      row = measure_ours(common.make_engine(loaded, mode=name.removeprefix('ours_')), work)
+      mode = name.removeprefix('ours_')
+      row = {**measure_ours(common.make_engine(loaded, mode=mode), work),
+             **(measure_start(mode, work.repeats) if FLAGS.start else {})}
     else:
       row = peers.measure(name, loaded, work)
     row = {'name': name, 'skipped': None, **row}
@@ -208,6 +256,9 @@ def main(argv):
     print(f"{row['name']:18s} prefill {row['prefill_tok_s']:7.1f} tok/s  decode "
           f"{row['decode_tok_s']:6.2f} tok/s  ttft recompute {row['ttft_recompute_s']:.3f}s  "
           f'graft {graft}')
+    if 'ttft_cold_start_s' in row:
+      print(f"{'':18s} a fresh process to its first logits: {row['ttft_cold_start_s']:.1f}s cold, "
+            f"{row['ttft_warm_start_s']:.1f}s warm")
   for row in batches:
     print(f"ours_spec, {row['batch_slots']} batch slots: decode {row['decode_tok_s']:.1f} tok/s "
           f"({row['speedup_vs_one_stream']:.2f}x one stream)")

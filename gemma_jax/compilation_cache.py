@@ -3,9 +3,9 @@
 Compiled executables are kept on disk and loaded by later processes, so a fresh process reaches
 its first logits in seconds instead of compiling some forty executables
 (tests/test_compilation_cache.py checks that an executable loaded from the cache gives the bits of
-a fresh compile). Set
-GEMMA_JAX_COMPILATION_CACHE=0, or pass --nocompilation_cache to an entry point, to compile
-everything afresh.
+a fresh compile). Set GEMMA_JAX_COMPILATION_CACHE=0, or pass --nocompilation_cache to an
+entry point, to compile everything afresh; set it to a directory to keep the executables there
+(experiments.bench starts processes on an empty one to time a cold start).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def disable() -> None:
 
 
 def enable_by_default() -> None:
-  """What importing gemma_jax does: enable() unless $GEMMA_JAX_COMPILATION_CACHE is 0."""
-  if os.environ.get(ENV, '1') != '0':
-    enable()
+  """What importing gemma_jax does: enable() unless $GEMMA_JAX_COMPILATION_CACHE is 0, under
+  its value when that is a directory."""
+  value = os.environ.get(ENV, '1')
+  if value != '0':
+    enable(None if value == '1' else value)

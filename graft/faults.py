@@ -631,8 +631,9 @@ def artifact_manifest_trial(world: World, rng, context, query, want, scratch) ->
     manifest[field] = value[::-1]
   else:  # a dict: drop or alter one entry
     sub = sorted(value)[int(rng.integers(len(value)))]
-    if isinstance(value[sub], dict) and 'sha256' in value[sub]:
-      value[sub] = {**value[sub], 'sha256': '0' * 64}
+    hashes = [h for h in ('blake3', 'sha256') if isinstance(value[sub], dict) and h in value[sub]]
+    if hashes:
+      value[sub] = {**value[sub], hashes[0]: '0' * 64}
     else:
       value[sub] = 'tampered'
   resealed = rng.random() < 0.5

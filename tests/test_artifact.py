@@ -14,7 +14,8 @@ import pytest
 
 from gemma_jax.compare import sha256_bytes
 from gemma_jax import weights
-from graft.store import artifact
+from gemma_jax.checkpoints import orbax_util
+from graft.store import artifact, digest
 from graft.store.artifact import ArtifactError
 from graft.engine import Engine, EngineConfig
 
@@ -45,8 +46,8 @@ def reseal(path, manifest):
 
 
 def data_files(path):
-  """The Orbax data files holding array bytes, largest first."""
-  files = [p for p in (path / 'state').rglob('*') if p.is_file() and p.parent.name == 'd']
+  """The files holding the leaves' bytes (one zarr chunk per leaf), largest first."""
+  files = [p for p in (path / 'state').rglob('*') if p.is_file() and p.name[0] == '0']
   return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
 
 
@@ -56,7 +57,9 @@ def test_manifest_records_hashes_and_fingerprints(eng, saved):
   assert manifest['model']['sha256'] == eng.model_fingerprint['sha256']
   assert manifest['engine']['sha256'] == eng.fingerprint['sha256']
   assert manifest['engine']['mode'] == 'spec' and manifest['engine']['rows_per_call'] == 8
-  assert manifest['leaves']['tokens']['sha256'] == sha256_bytes(np.asarray(LIBRARY, np.int32))
+  assert manifest['format'] == 'kv-graft-artifact/3'
+  assert manifest['leaves']['tokens']['blake3'] == digest.hexdigest(
+      'blake3', np.asarray(LIBRARY, np.int32))
   # Layer 5 is global (every token stored); layer 0 is local, a ring of W + B - 1 = 15 slots
   # rounded up to whole 8-slot attention tiles.
   assert manifest['leaves']['layer_5/k']['shape'] == [len(LIBRARY), 2, 16]
@@ -67,6 +70,41 @@ def test_manifest_records_hashes_and_fingerprints(eng, saved):
   umask = os.umask(0)
   os.umask(umask)
   assert saved.stat().st_mode & 0o777 == 0o777 & ~umask  # not the staging dir's owner-only mode
+
+
+def test_each_leaf_is_one_file_of_its_raw_bytes_and_orbax_reads_it_too(eng, saved):
+  # The one-pass reader relies on this layout; Orbax, on whatever it wrote.
+  seq, _ = eng.prefill(LIBRARY, logits='none')
+  leaves = artifact.capture(eng, seq).leaves
+  for name, leaf in leaves.items():
+    chunk = saved / 'state' / orbax_util.leaf_file(artifact.stored_name(name), leaf.ndim)
+    assert chunk.read_bytes() == leaf.tobytes(), name
+  restored = orbax_util.restore(str(saved / 'state'))
+  assert {artifact.stored_name(n): sha256_bytes(v) for n, v in leaves.items()} == {
+      n: sha256_bytes(v) for n, v in restored.items()}
+
+
+def test_format_2_artifacts_still_read(eng, tmp_path):
+  # Written as format 2 was (Orbax's default OCDBT layout, SHA-256 of files and leaves): read
+  # through Orbax, verified, grafted exactly; a flipped byte is still refused.
+  seq, _ = eng.prefill(LIBRARY, logits='none')
+  art = artifact.capture(eng, seq)
+  path = tmp_path / 'v2'
+  orbax_util.save(str(path / 'state'), {artifact.stored_name(n): v for n, v in art.leaves.items()})
+  manifest = {**art.manifest, 'format': 'kv-graft-artifact/2',
+              'leaves': artifact.describe(art.leaves, 'sha256'),
+              'files': artifact.state_files(str(path), 'sha256')}
+  reseal(path, manifest)
+  _, fresh = eng.extend(eng.empty(), LIBRARY + QUERY, logits=len(QUERY))
+  _, grafted = eng.extend(artifact.graft(eng, artifact.load(str(path), eng)), QUERY,
+                          logits='all')
+  assert sha256_bytes(fresh) == sha256_bytes(grafted)
+  ocdbt = [p for p in (path / 'state').rglob('*') if p.is_file() and p.parent.name == 'd']
+  data = bytearray(ocdbt[0].read_bytes())
+  data[len(data) // 2] ^= 0x01
+  ocdbt[0].write_bytes(bytes(data))
+  with pytest.raises(ArtifactError, match='was altered \\(sha256 mismatch\\)'):
+    artifact.load(str(path), eng)
 
 
 def test_restore_verifies_and_grafts_exactly(eng, saved):
@@ -81,7 +119,8 @@ def test_restore_in_a_fresh_process_is_byte_exact(eng, saved):
   script = f'''
 from gemma_jax.compare import sha256_bytes
 from gemma_jax import weights
-from graft.store import artifact
+from gemma_jax.checkpoints import orbax_util
+from graft.store import artifact, digest
 from graft.engine import Engine, EngineConfig
 eng = Engine(weights.load('tiny_gemma3', 'random:0'), EngineConfig(rows_per_call=8, cache_len=256, attention_tile=8))
 seq = artifact.graft(eng, artifact.load({str(saved)!r}, eng))
@@ -164,10 +203,10 @@ def test_refuses_a_missing_leaf_and_a_tampered_manifest(eng, saved):
   with pytest.raises(ArtifactError, match='the manifest was altered'):
     artifact.load(str(saved), eng)
   reseal(saved, manifest)
-  with pytest.raises(ArtifactError, match=r"leaves missing \['layer_99/k'\]"):
+  with pytest.raises(ArtifactError, match='leaf layer_99/k has no file state/layer_99.k/0.0.0'):
     artifact.load(str(saved), eng)
   del manifest['leaves']['layer_99/k']
-  manifest['leaves']['layer_0/v']['sha256'] = '0' * 64
+  manifest['leaves']['layer_0/v']['blake3'] = '0' * 64
   reseal(saved, manifest)
   with pytest.raises(ArtifactError, match='leaf layer_0/v does not match'):
     artifact.load(str(saved), eng)
@@ -231,7 +270,7 @@ def test_save_is_atomic_and_never_overwrites(eng, saved, tmp_path, monkeypatch):
   def broken_save(*args, **kwargs):
     raise OSError('disk full')
 
-  monkeypatch.setattr(artifact.orbax_util, 'save', broken_save)
+  monkeypatch.setattr(artifact.orbax_util, 'save_leaf_files', broken_save)
   with pytest.raises(OSError, match='disk full'):
     artifact.save(str(tmp_path / 'half'), eng, seq)
   assert sorted(p.name for p in tmp_path.iterdir()) == ['library']  # nothing half-written

@@ -1,5 +1,6 @@
 """JAX's persistent compilation cache (gemma_jax/compilation_cache.py): an executable a fresh
-process loads from the cache computes the bits that a fresh compile computes."""
+process loads from the cache computes the bits that a fresh compile computes. The processes name
+their cache by $GEMMA_JAX_COMPILATION_CACHE, as experiments.bench does to time a cold start."""
 
 import os
 import pathlib
@@ -10,9 +11,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 PROGRAM = '''
 import hashlib, sys
-from gemma_jax import compilation_cache, weights
+from gemma_jax import weights
 from graft.engine import Engine, EngineConfig
-compilation_cache.enable(sys.argv[1])
 engine = Engine(weights.load('tiny_gemma4', 'random:0', 'float32'),
                 EngineConfig(rows_per_call=16, cache_len=256))
 ctx, logits = engine.prefill(list(range(3, 40)), logits='all')
@@ -22,9 +22,10 @@ print(hashlib.sha256(logits.tobytes()).hexdigest(), decoded.logits_sha256)
 
 
 def _run(cache: str) -> str:
-  result = subprocess.run([sys.executable, '-c', PROGRAM, cache], cwd=REPO, capture_output=True,
+  result = subprocess.run([sys.executable, '-c', PROGRAM], cwd=REPO, capture_output=True,
                           text=True, timeout=600,
-                          env={**os.environ, 'PYTHONPATH': str(REPO)})
+                          env={**os.environ, 'PYTHONPATH': str(REPO),
+                               'GEMMA_JAX_COMPILATION_CACHE': cache})
   assert result.returncode == 0, result.stderr[-2000:]
   return result.stdout.strip().splitlines()[-1]
 

@@ -4,14 +4,13 @@ planted out of the reader or the writer (the per-leaf hashes, the byte compariso
 key, the parent-header check, the trust list, the conditional delete, gc's respect of a put's
 lease), it counts what results."""
 
-import hashlib
 
 import numpy as np
 import pytest
 
 from graft import faults
 from gemma_jax import weights
-from graft.store import blocks
+from graft.store import blocks, digest
 from graft.engine import Engine, EngineConfig
 
 # Kinds that must be refused at least once in a CI-sized run (the others may find nothing to
@@ -80,7 +79,7 @@ def test_the_campaign_catches_a_reader_that_skips_the_leaf_hashes(setup, monkeyp
     for leaf in header['leaves']:
       size = int(np.prod(leaf['shape'])) * dtype_size
       chunk = data[leaf['offset']:leaf['offset'] + size]
-      patched.append({**leaf, 'sha256': hashlib.sha256(chunk).hexdigest()})
+      patched.append({**leaf, 'blake3': digest.hexdigest('blake3', chunk)})
     return real({**header, 'leaves': patched}, data, data_offset, global_only=global_only,
                 layout=layout)
 
@@ -94,7 +93,8 @@ def test_the_campaign_catches_a_writer_that_keeps_a_forgery(setup, monkeypatch):
   world, others, scratch = setup
   # A planted bug: the writer keeps what is stored under a taken key without comparing bytes.
   monkeypatch.setattr(faults.Store, '_publish_over',
-                      lambda self, *a, **k: (self.backing.delete(a[3]), (False, False))[1])
+                      lambda self, *a, **k: (self.backing.delete(a[3]), (
+                          False, False, self._entry(a[0], a[2], a[1])['header_sha256']))[1])
   kinds = faults.campaign(world, ['forgery'], trials=6, process_trials=0, seed=6, others=others,
                           scratch=scratch)
   assert kinds['forgery']['silent_wrong'] > 0

@@ -140,6 +140,30 @@ def test_graft_from_the_store_equals_fresh(tmp_path, url_kind, name):
   assert again['blocks_written'] == 0 and again['reused_tokens'] == len(library)
 
 
+def test_blocks_of_the_sha256_format_still_read_and_new_blocks_build_on_them(monkeypatch):
+  # A store written before BLAKE3 (kv-graft-block/2: SHA-256 leaf hashes, the same keys) grafts
+  # exactly, verifies clean, and a recompute finds its blocks equal to this engine's.
+  eng = engine()
+  store = Store('memory://', eng)
+  library, longer, query = tokens(3 * B, 21), tokens(5 * B + 2, 21), tokens(5, 22)[1:]
+  with monkeypatch.context() as old_writer:
+    old_writer.setattr(blocks, 'BLOCK_FORMAT', 'kv-graft-block/2')
+    store.put(library)
+  old = {name: store.backing.read(name) for name in object_names(store)}
+  assert all(b'"sha256":' in data and b'"blake3":' not in data for data in old.values())
+  logits, match = grafted_logits(store, library, query)
+  assert match.tokens == len(library)
+  assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, library, query))
+  report = store.put(longer)  # BLAKE3 blocks whose parents are SHA-256 ones
+  assert report['reused_tokens'] == len(library) and report['blocks_written'] == 3
+  logits, match = grafted_logits(store, longer, query)
+  assert match.tokens == len(longer)
+  assert sha256_bytes(logits) == sha256_bytes(fresh_logits(eng, longer, query))
+  assert store.verify() == []
+  assert store.put(library, recompute=True)['conflicts'] == 0
+  assert {name: store.backing.read(name) for name in old} == old  # kept, not replaced
+
+
 def test_contexts_that_share_a_prefix_share_its_blocks_and_a_divergence_mid_block_reuses_rows():
   eng = engine()
   store = Store('memory://', eng)

@@ -59,14 +59,14 @@ from absl import logging
 import numpy as np
 
 from gemma_jax import kv_state as kvs
-from graft.store import blocks, signing
+from graft.store import blocks, digest, signing
 from graft.store.artifact import differences
 from graft.store.blocks import BlockError
 from graft.engine import Context, Engine, fingerprint
 from graft.store.kvstore import KvStore, ShortValueError
 
 _DESCRIPTION = 'store.json'
-# Hashing runs in threads: hashlib releases the GIL on large buffers.
+# Hashing runs in threads: hashlib and blake3 release the GIL on large buffers.
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
 _HEX64 = re.compile('[0-9a-f]{64}')
 _OBJECT_NAME = re.compile('objects/[0-9a-f]{64}\\.[0-9a-f]{32}')
@@ -610,9 +610,11 @@ class Store:
     """Writes, verifies and publishes blocks [(parent, start, tokens, leaves)] of one chain,
     each step for the whole batch at once; `parent_header` is the header hash of the first
     one's parent. Returns the bytes written per block (0 where another writer's identical copy
-    was published first), the last block's header hash and the conflicts found."""
+    was published first), the header hash of the last block's copy that stands published and
+    the conflicts found."""
     hashed = list(_POOL.map(lambda b: blocks.hash_leaves(b[3], len(b[2]), self.block_layout),
                             batch))
+    first_parent_header = parent_header
     encoded = []
     for (parent, start, tokens, _), leaves in zip(batch, hashed):
       encoded.append(blocks.encode_block(self.namespace, parent, parent_header, start, tokens,
@@ -624,13 +626,17 @@ class Store:
     lease = f'staging/{uuid.uuid4().hex}.json'
     self.backing.write(lease, blocks.canonical({'objects': names, 'time': time.time()}))
     try:
-      out, conflicts = self._publish_batch(batch, encoded, names)
+      out, standing, conflicts = self._publish_batch(batch, encoded, names, first_parent_header)
     finally:
       self.backing.delete(lease)
-    return out, parent_header, conflicts
+    return out, standing, conflicts
 
-  def _publish_batch(self, batch, encoded, names) -> tuple[list[int], int]:
-    """Writes, verifies and publishes the encoded blocks of `_write_blocks` under `names`."""
+  def _publish_batch(self, batch, encoded, names,
+                     first_parent_header: str) -> tuple[list[int], str, int]:
+    """Writes, verifies and publishes the encoded blocks of `_write_blocks` under `names`.
+    Returns the bytes written per block, the header hash of the last block's copy that stands
+    published (another writer's equal copy may stand instead of ours, under another header
+    when it is of an older format) and the conflicts found."""
     self.backing.write_many([(name, data) for name, (_, data, _) in zip(names, encoded)])
     self._step('written', names)
     for name, (_, data, _), kept in zip(names, encoded,
@@ -647,16 +653,19 @@ class Store:
     published = self.backing.write_if_absent_many(entries)
     self._step('published', names)
     out, conflicts = [], 0
+    standing = {batch[0][0]: first_parent_header}  # key -> header hash of its published copy
     for (parent, start, _, _), name, (key, data, header), (entry_name, entry_bytes), won in zip(
         batch, names, encoded, entries, published):
+      standing[key] = blocks.header_sha256(data)
       if not won:
-        won, conflict = self._publish_over(parent, start, key, name, header, entry_name,
-                                           entry_bytes)
+        won, conflict, theirs = self._publish_over(parent, start, key, name, header, entry_name,
+                                                   entry_bytes, standing.get(parent))
         conflicts += conflict
-      self._sign(key, blocks.header_sha256(data))  # the stored copy has the same header
+        standing[key] = standing[key] if won else theirs
+      self._sign(key, standing[key])
       self.counters['blocks_written'] += won
       out.append(len(data) if won else 0)
-    return out, conflicts
+    return out, standing[encoded[-1][0]], conflicts
 
   def _step(self, step: str, names: list[str]) -> None:
     """Called after each step of a put ('written', 'verified', 'published') with the objects'
@@ -673,28 +682,34 @@ class Store:
       while True:  # until killed
         time.sleep(3600)
 
-  def _publish_over(self, parent, start, key, name, header, entry_name,
-                    entry_bytes) -> tuple[bool, bool]:
+  def _publish_over(self, parent, start, key, name, header, entry_name, entry_bytes,
+                    parent_standing: str | None) -> tuple[bool, bool, str | None]:
     """Another writer published this block first. Its copy is kept only if it verifies and is
-    the same block: the same bytes, computed on the same parent (under a byte-exact engine two
-    honest writers write identical blocks, so a difference means one of them is wrong, and
-    this writer's engine has just computed the block). Otherwise it is quarantined with the
-    reason and ours is published. Returns (ours published, a conflict was found)."""
+    the same block: the same bytes, computed on the same parent, ours or the parent's copy that
+    stands published (`parent_standing`, which this put wrote or found equal to its own)
+    (under a byte-exact engine two honest writers write identical blocks, so a difference
+    means one of them is wrong, and this writer's engine has just computed the block).
+    Otherwise it is quarantined with the reason and ours is published. Returns (ours
+    published, a conflict was found, the header hash of their copy when it was kept)."""
     conflict = False
     for _ in range(3):
       existing = self._entry(parent, key, start)
       if existing is not None and f'objects/{existing["object"]}' == name:
-        return True, conflict  # ours, published by a rebuild_index that ran beside this put
+        return True, conflict, None  # ours, published by a rebuild_index beside this put
       if existing is not None:
         try:
-          self._read_object(existing, global_only=False)
+          stored = self._read_object(existing, global_only=False)
           theirs = self._header_of(existing)
-          same = ([leaf['sha256'] for leaf in theirs['leaves']]
-                  == [leaf['sha256'] for leaf in header['leaves']]
-                  and theirs['parent_header_sha256'] == header['parent_header_sha256'])
+          # Their verified leaves hashed as ours are (an object of an older format carries
+          # another hash).
+          hash_name = blocks.content_hash(header)
+          same = (all(digest.hexdigest(hash_name, stored[leaf['name']]) == leaf[hash_name]
+                      for leaf in header['leaves'])
+                  and theirs['parent_header_sha256'] in (header['parent_header_sha256'],
+                                                         parent_standing))
           if same:
             self.backing.delete(name)  # first writer wins; ours was a copy
-            return False, conflict
+            return False, conflict, existing['header_sha256']
           conflict = True
           self.counters['conflicts'] += 1
           self.quarantine(existing['key'], f'objects/{existing["object"]}',
@@ -704,7 +719,7 @@ class Store:
         except BlockError as e:
           self.quarantine_object(existing, str(e))
       if self.backing.write_if_absent(entry_name, entry_bytes):
-        return True, conflict
+        return True, conflict, None
     raise StoreError(f'{self.url}: could not publish block {key[:16]}..')
 
   def _header_of(self, entry: dict) -> dict:
@@ -810,10 +825,11 @@ class Store:
         elif rng.random() < fraction:
           header = self._header_of(entry)
           rows = kvs.take_rows(child_ctx.kv, start, start + len(entry['tokens']))
-          mine = {f'layer_{i}/{part}': hashlib.sha256(np.ascontiguousarray(a).tobytes())
-                  .hexdigest() for i, k, v in zip(self.engine.config.cache_layers, rows.k,
-                                                  rows.v) for part, a in (('k', k), ('v', v))}
-          if any(mine[leaf['name']] != leaf['sha256'] for leaf in header['leaves']):
+          hash_name = blocks.content_hash(header)
+          mine = {f'layer_{i}/{part}': digest.hexdigest(hash_name, np.asarray(a))
+                  for i, k, v in zip(self.engine.config.cache_layers, rows.k, rows.v)
+                  for part, a in (('k', k), ('v', v))}
+          if any(mine[leaf['name']] != leaf[hash_name] for leaf in header['leaves']):
             problems.append(Problem(entry['key'], f'objects/{entry["object"]}',
                                     'forged: its bytes differ from a recomputation by this '
                                     'engine'))

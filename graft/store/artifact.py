@@ -1,22 +1,27 @@
-"""Artifacts: a KV state saved with its token ids and a manifest of SHA-256 hashes.
+"""Artifacts: a KV state saved with its token ids and a manifest of content hashes.
 
 On disk an artifact is a directory:
 
-    manifest.json   format, token count and hash, start and next position, the model and engine
-                    fingerprints, {dtype, shape, sha256} of every leaf's raw bytes, {size,
-                    sha256} of every file under state/, and `manifest_sha256`, the SHA-256 of
-                    the canonical JSON of every other field (so no field can change unnoticed)
+    manifest.json   format, token count and SHA-256, start and next position, the model and
+                    engine fingerprints, {dtype, shape, blake3} of every leaf's raw bytes,
+                    {size, blake3} of every file under state/, and `manifest_sha256`, the
+                    SHA-256 of the canonical JSON of every other field (so no field can change
+                    unnoticed)
     state/          an Orbax checkpoint of the leaves: `tokens` int32 [n] and, for each
                     cache-owning layer i, `layer_{i}/k`, `layer_{i}/v` [slots, K, H] and
-                    `layer_{i}/positions` int32 [slots] (gemma_jax.kv_state.to_leaves);
-                    compression off, raw dtype
+                    `layer_{i}/positions` int32 [slots] (gemma_jax.kv_state.to_leaves), zarr
+                    without OCDBT or compression: each leaf's raw C-order bytes are one file
+                    (orbax_util.save_leaf_files), so Orbax restores it and so can a plain read
 
 Writes build the directory under a staging name and rename it into place when complete
 (gemma_jax.files.atomic_directory). `load` trusts nothing it reads: it re-hashes the manifest,
 every file and every leaf, checks that the positions a graft will use follow from the recorded
 start position and token count, and refuses, with the reason, an artifact from another model,
 engine configuration or layout version, of another dtype, with a missing, extra or altered leaf
-or file. `graft` puts a verified artifact at its own positions.
+or file. It reads every file once, on every core, hashing each piece as it lands
+(graft/store/digest.py), without Orbax: Orbax's own restore of the same files runs at about a
+tenth of a raw read here (experiments.bench). Artifacts of format 2 (Orbax's OCDBT layout,
+SHA-256) still read, through Orbax. `graft` puts a verified artifact at its own positions.
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
-import hashlib
 import json
 import os
 import time
 
+import ml_dtypes
 import numpy as np
 
 from gemma_jax import kv_state as kvs
@@ -37,16 +42,18 @@ from gemma_jax.compare import sha256_bytes
 from gemma_jax.files import atomic_directory
 from graft.engine import fingerprint
 from graft.engine import Context, Engine
+from graft.store import digest
 
-FORMAT = 'kv-graft-artifact/2'
+FORMAT = 'kv-graft-artifact/3'
+# The content hash each readable format's leaves and files carry (digest.py).
+CONTENT_HASH = {'kv-graft-artifact/2': 'sha256', FORMAT: 'blake3'}
 MANIFEST = 'manifest.json'
 STATE = 'state'
 
 
-# SHA-256 runs in threads (hashlib releases the GIL on large buffers): a restore verifies its
-# files while Orbax reads them, and the leaves with every core (bench: restore_gbps).
-_HASHERS = concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 1),
-                                                 thread_name_prefix='artifact-sha256')
+# Reads and hashes run in threads (file reads and both hashes release the GIL): every core.
+_WORKERS = max(2, os.cpu_count() or 1)
+_HASHERS = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix='artifact-hash')
 _FILE_CHECKS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix='artifact-files')
 
 
@@ -68,11 +75,27 @@ class Artifact:
     return self.next_position - len(self.tokens)
 
 
-def describe(leaves: dict[str, np.ndarray]) -> dict[str, dict]:
+def describe(leaves: dict[str, np.ndarray], hash_name: str = 'blake3',
+             digests: dict[str, str] | None = None) -> dict[str, dict]:
+  """{name: {dtype, shape, <hash_name>}} of each leaf; `digests` gives hashes already made."""
   names = sorted(leaves)
-  digests = _HASHERS.map(lambda name: sha256_bytes(leaves[name]), names)
+  if digests is None:
+    digests = dict(zip(names, _HASHERS.map(
+        lambda name: digest.hexdigest(hash_name, leaves[name]), names)))
   return {name: {'dtype': np.dtype(leaves[name].dtype).name, 'shape': list(leaves[name].shape),
-                 'sha256': digest} for name, digest in zip(names, digests)}
+                 hash_name: digests[name]} for name in names}
+
+
+def stored_name(leaf: str) -> str:
+  """A leaf's name in the Orbax tree ('layer_0/k' -> 'layer_0.k': Orbax nests on '/')."""
+  return leaf.replace('/', '.')
+
+
+def _dtype(name) -> np.dtype:
+  try:
+    return np.dtype(getattr(ml_dtypes, name, name))
+  except TypeError:
+    raise ArtifactError(f'unknown leaf dtype {name!r}') from None
 
 
 def manifest_digest(manifest: dict) -> str:
@@ -108,8 +131,8 @@ def save(path: str, engine: Engine, ctx: Context) -> dict:
   manifest = dict(art.manifest)
   manifest['created'] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
   with atomic_directory(path) as staging:
-    orbax_util.save(os.path.join(staging, STATE),
-                    {name.replace('/', '.'): leaf for name, leaf in art.leaves.items()})
+    orbax_util.save_leaf_files(os.path.join(staging, STATE),
+                               {stored_name(name): leaf for name, leaf in art.leaves.items()})
     manifest['files'] = state_files(staging)
     manifest['manifest_sha256'] = manifest_digest(manifest)
     with open(os.path.join(staging, MANIFEST), 'w') as f:
@@ -117,35 +140,60 @@ def save(path: str, engine: Engine, ctx: Context) -> dict:
   return manifest
 
 
-def state_files(artifact_dir: str) -> dict[str, dict]:
-  """{relative path: {size, sha256}} of every file under state/: the manifest covers the bytes
-  Orbax does not read too, so no file can be truncated or altered unnoticed."""
-  root = os.path.join(artifact_dir, STATE)
-  paths = sorted(os.path.join(directory, name)
-                 for directory, _, names in os.walk(root) for name in names)
+def _listing(artifact_dir: str) -> dict[str, int]:
+  """{path relative to the artifact: size} of every file under state/ (symbolic links are
+  listed as what they point to)."""
+  out = {}
+  pending = [STATE]
+  while pending:
+    relative = pending.pop()
+    try:
+      entries = list(os.scandir(os.path.join(artifact_dir, relative)))
+    except FileNotFoundError:
+      continue
+    for entry in entries:
+      name = f'{relative}/{entry.name}'
+      if entry.is_dir():
+        pending.append(name)
+      else:
+        out[name] = entry.stat().st_size
+  return dict(sorted(out.items()))
 
-  def summary(path):
-    with open(path, 'rb') as f:
+
+def state_files(artifact_dir: str, hash_name: str = 'blake3') -> dict[str, dict]:
+  """{relative path: {size, <hash_name>}} of every file under state/: the manifest covers the
+  bytes no leaf holds too (Orbax's metadata), so no file can be truncated or altered
+  unnoticed."""
+  def summary(relative):
+    with open(os.path.join(artifact_dir, relative), 'rb') as f:
       data = f.read()
-    return {'size': len(data), 'sha256': hashlib.sha256(data).hexdigest()}
+    return {'size': len(data), hash_name: digest.hexdigest(hash_name, data)}
 
-  return {os.path.relpath(path, artifact_dir): entry
-          for path, entry in zip(paths, _HASHERS.map(summary, paths))}
+  names = list(_listing(artifact_dir))
+  return dict(zip(names, _HASHERS.map(summary, names)))
 
 
-def _check_files(path: str, expected: dict[str, dict]) -> None:
-  actual = state_files(path) if os.path.isdir(os.path.join(path, STATE)) else {}
+def _check_listing(path: str, expected: dict[str, dict], actual: dict[str, int]) -> None:
   for name in sorted(set(expected) | set(actual)):
     if name not in actual:
       raise ArtifactError(f'{path}: file {name} is missing')
     if name not in expected:
       raise ArtifactError(f'{path}: unexpected file {name}')
-    want, got = expected[name], actual[name]
-    if got['size'] != want['size']:
-      raise ArtifactError(f'{path}: file {name} has {got["size"]} bytes, the manifest says '
-                          f'{want["size"]} (truncated or extended)')
-    if got['sha256'] != want['sha256']:
-      raise ArtifactError(f'{path}: file {name} was altered (SHA-256 mismatch)')
+    if actual[name] != expected[name]['size']:
+      raise ArtifactError(f'{path}: file {name} has {actual[name]} bytes, the manifest says '
+                          f'{expected[name]["size"]} (truncated or extended)')
+
+
+def _check_digest(path: str, name: str, hash_name: str, got: str, want: str) -> None:
+  if got != want:
+    raise ArtifactError(f'{path}: file {name} was altered ({hash_name} mismatch)')
+
+
+def _check_files(path: str, expected: dict[str, dict], hash_name: str) -> None:
+  """Format 2: every file listed, of its size, hashed (a second read, beside Orbax's)."""
+  _check_listing(path, expected, _listing(path))
+  for name, got in state_files(path, hash_name).items():
+    _check_digest(path, name, hash_name, got[hash_name], expected[name][hash_name])
 
 
 def differences(expected, actual, prefix='') -> list[str]:
@@ -174,9 +222,9 @@ def _read_manifest(path: str) -> dict:
     raise ArtifactError(f'{manifest_path} is damaged: {e}') from None
   if not isinstance(manifest, dict):
     raise ArtifactError(f'{manifest_path} is not a JSON object')
-  if manifest.get('format') != FORMAT:
+  if manifest.get('format') not in CONTENT_HASH:
     raise ArtifactError(f'{path}: unknown artifact format {manifest.get("format")!r} (this '
-                        f'code reads {FORMAT})')
+                        f'code reads {", ".join(CONTENT_HASH)})')
   if manifest.get('manifest_sha256') != manifest_digest(manifest):
     raise ArtifactError(f'{path}: the manifest was altered (its SHA-256 does not match)')
   return manifest
@@ -197,14 +245,16 @@ def _check_fingerprints(path: str, manifest: dict, engine: Engine) -> None:
                         + '; '.join(diffs))
 
 
-def _check_leaves(path: str, manifest: dict, leaves: dict[str, np.ndarray]) -> None:
-  """Every leaf as the manifest describes it, and every field a graft uses bound to them."""
+def _check_leaves(path: str, manifest: dict, leaves: dict[str, np.ndarray],
+                  digests: dict[str, str] | None = None) -> None:
+  """Every leaf as the manifest describes it (hashed here unless `digests` has its hash), and
+  every field a graft uses bound to them."""
   expected = manifest['leaves']
   missing = sorted(set(expected) - set(leaves))
   extra = sorted(set(leaves) - set(expected))
   if missing or extra:
     raise ArtifactError(f'{path}: leaves missing {missing}, unexpected {extra}')
-  actual = describe(leaves)
+  actual = describe(leaves, CONTENT_HASH[manifest['format']], digests)
   for name in sorted(expected):
     if actual[name] != expected[name]:
       diffs = differences(expected[name], actual[name])
@@ -236,25 +286,91 @@ def load(path: str, engine: Engine, *, timings: dict | None = None) -> Artifact:
                         f'{str(e)[:120]})') from None
 
 
-def _load(path: str, engine: Engine, timings: dict | None) -> Artifact:
-  start = time.perf_counter()
-  verify = 0.0
-  manifest = _read_manifest(path)
-  _check_fingerprints(path, manifest, engine)
-  # The files are hashed while Orbax reads them; nothing restored is used before both pass.
-  files_checked = _FILE_CHECKS.submit(_check_files, path, manifest.get('files', {}))
+def _read_leaves(path: str, manifest: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """Format 3: every file under state/ read once, on every core, hashed piece by piece as it
+  lands, each leaf straight into its array (its file is its raw bytes). Returns the leaves and
+  their digests; any file of the wrong size or hash is refused."""
+  expected = manifest['files']
+  _check_listing(path, expected, _listing(path))
+  hash_name = CONTENT_HASH[manifest['format']]
+  leaf_files, layout, total = {}, {}, 0
+  for name, meta in manifest['leaves'].items():
+    relative = os.path.join(STATE, orbax_util.leaf_file(stored_name(name), len(meta['shape'])))
+    dtype = _dtype(meta['dtype'])
+    nbytes = int(np.prod(meta['shape'], dtype=np.int64)) * dtype.itemsize
+    if expected.get(relative, {}).get('size') != nbytes:
+      raise ArtifactError(f'{path}: leaf {name} has no file {relative} of its {nbytes} bytes')
+    leaf_files[name] = relative
+    layout[relative] = (total, dtype, meta['shape'])
+    total += -nbytes % 64 + nbytes  # each leaf 64-byte aligned
+  # One buffer for every leaf: the kernel maps it in huge pages (numpy advises it for large
+  # arrays), where separate arrays would fault in each 4 KiB page of fresh memory.
+  buffer = np.empty(total, np.uint8)
+  arrays = {relative: buffer[offset:offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize]
+            .view(dtype).reshape(shape) for relative, (offset, dtype, shape) in layout.items()}
+
+  def read(relative):
+    leaf = arrays.get(relative)
+    out = (digest.as_bytes(leaf) if leaf is not None
+           else memoryview(bytearray(expected[relative]['size'])))
+    try:
+      size, got = digest.read_into(os.path.join(path, relative), out, hash_name)
+    except OSError as e:
+      raise ArtifactError(f'{path}: file {relative} cannot be read ({e})') from None
+    if size != len(out):
+      raise ArtifactError(f'{path}: file {relative} has {size} bytes, its leaf has {len(out)}')
+    _check_digest(path, relative, hash_name, got, expected[relative][hash_name])
+    return got
+
+  digests = {}
+  def read_all(names):  # one task per core, not per file: a task hand-off costs a small read
+    digests.update((name, read(name)) for name in names)
+
+  shares = _shares(expected, _WORKERS)
+  others = [_HASHERS.submit(read_all, share) for share in shares[1:]]
+  read_all(shares[0])
+  for other in others:
+    other.result()
+  return ({name: arrays[f] for name, f in leaf_files.items()},
+          {name: digests[f] for name, f in leaf_files.items()})
+
+
+def _shares(files: dict[str, dict], n: int) -> list[list[str]]:
+  """The files in n lists of about equal bytes (largest first, each to the lightest list)."""
+  shares, loads = [[] for _ in range(n)], [0] * n
+  for name in sorted(files, key=lambda name: -files[name]['size']):
+    i = loads.index(min(loads))
+    shares[i].append(name)
+    loads[i] += files[name]['size']
+  return shares
+
+
+def _restore_v2(path: str, manifest: dict) -> dict[str, np.ndarray]:
+  """Format 2: Orbax restores the OCDBT checkpoint while the files are hashed beside it."""
+  files_checked = _FILE_CHECKS.submit(_check_files, path, manifest.get('files', {}),
+                                      CONTENT_HASH[manifest['format']])
   try:
     restored = orbax_util.restore(os.path.join(path, STATE))
   except Exception as e:  # orbax/tensorstore raise many kinds on damaged or missing files
     files_checked.result()  # a damaged file is the better message
     raise ArtifactError(f'{path}: the state cannot be read ({type(e).__name__}: {e})') from None
-  leaves = {name.replace('.', '/'): np.asarray(leaf) for name, leaf in restored.items()}
+  files_checked.result()  # nothing restored is used before the files pass
+  return {name.replace('.', '/'): np.asarray(leaf) for name, leaf in restored.items()}
+
+
+def _load(path: str, engine: Engine, timings: dict | None) -> Artifact:
+  start = time.perf_counter()
+  manifest = _read_manifest(path)
+  _check_fingerprints(path, manifest, engine)
+  if manifest['format'] == FORMAT:
+    leaves, digests = _read_leaves(path, manifest)
+  else:
+    leaves, digests = _restore_v2(path, manifest), None
   t = time.perf_counter()
-  files_checked.result()
-  _check_leaves(path, manifest, leaves)
-  verify += time.perf_counter() - t
+  _check_leaves(path, manifest, leaves, digests)
+  verify = time.perf_counter() - t
   if timings is not None:
-    timings.update(read_s=time.perf_counter() - start - verify, verify_s=verify)
+    timings.update(read_s=t - start, verify_s=verify)
   return Artifact(tokens=tuple(int(t) for t in leaves['tokens']),
                   next_position=int(manifest['next_position']), leaves=leaves, manifest=manifest)
 

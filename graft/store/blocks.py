@@ -13,9 +13,11 @@ Block key. Block k of a context holds its tokens at sequence indices kB .. kB + 
 store's tokens per block, the engine's rows per call: a block is computed by one call, though
 under a byte-exact plan any cut of the sequence gives the same bits). Its key is
 
-    SHA-256( b'kv-graft-block/1' | namespace (32 bytes) | parent key (32 bytes; zeros for block 0)
+    SHA-256( b'kv-graft-block/2' | namespace (32 bytes) | parent key (32 bytes; zeros for block 0)
              | token count (uint32 little-endian) | token ids (int32 little-endian) )
 
+(KEY_DOMAIN: the object format's version before BLAKE3, kept so that objects of both versions
+share their keys)
 a fixed, prefix-free byte encoding (never Python hash(), never pickle): a block's key names its
 whole prefix, so contexts that share a prefix share its blocks, and a block is found only after
 the same tokens in the same order. A context's last block may hold fewer than B tokens.
@@ -26,7 +28,8 @@ Block object (immutable):
     b'KVGRAFT1' | header length (uint32 LE) | header (canonical JSON) | leaf bytes
 
 The header holds the format, namespace, key, parent, start index, token ids and, per leaf, its
-name, dtype, shape, byte offset and SHA-256. Leaves are `layer_{i}/k`, `layer_{i}/v` [T, K, H]
+name, dtype, shape, byte offset and content hash: BLAKE3 in kv-graft-block/3 (written), SHA-256
+in kv-graft-block/2 (still read); graft/store/digest.py says why. Leaves are `layer_{i}/k`, `layer_{i}/v` [T, K, H]
 for every cache-owning layer, global layers first: the rows a graft reads from a block far
 behind its end (global layers only) are one byte range.
 
@@ -49,9 +52,13 @@ import numpy as np
 
 from gemma_jax.config import AttentionType
 from graft.engine import fingerprint
+from graft.store import digest
 
 STORE_FORMAT = 'kv-graft-store/2'
-BLOCK_FORMAT = 'kv-graft-block/2'
+BLOCK_FORMAT = 'kv-graft-block/3'
+# The content hash of each readable block format's leaves.
+CONTENT_HASH = {'kv-graft-block/2': 'sha256', BLOCK_FORMAT: 'blake3'}
+KEY_DOMAIN = b'kv-graft-block/2'
 ENTRY_FORMAT = 'kv-graft-index/2'
 MAGIC = b'KVGRAFT1'
 ROOT = '0' * 64  # the parent of block 0
@@ -74,7 +81,7 @@ def namespace(model_fp: dict, engine_fp: dict, salt: str = '') -> str:
 
 def block_key(ns: str, parent: str, tokens) -> str:
   tokens = np.asarray(tokens, '<i4')
-  payload = (BLOCK_FORMAT.encode() + bytes.fromhex(ns) + bytes.fromhex(parent)
+  payload = (KEY_DOMAIN + bytes.fromhex(ns) + bytes.fromhex(parent)
              + struct.pack('<I', len(tokens)) + tokens.tobytes())
   return hashlib.sha256(payload).hexdigest()
 
@@ -138,18 +145,24 @@ def canonical(value) -> bytes:
   return json.dumps(value, sort_keys=True, separators=(',', ':')).encode()
 
 
+def content_hash(header: dict) -> str:
+  """The name of the hash a (decoded) header's leaves carry."""
+  return CONTENT_HASH[header['format']]
+
+
 def hash_leaves(leaves: dict[str, np.ndarray], num_tokens: int,
-                layout: BlockLayout) -> tuple[list[dict], list[bytes]]:
-  """The described leaves (layout order, with SHA-256) and their bytes: the costly half of
-  encoding a block, independent of its place in the chain."""
+                layout: BlockLayout) -> tuple[list[dict], list[memoryview]]:
+  """The described leaves (layout order, with the content hash of BLOCK_FORMAT) and byte views
+  of them: the costly half of encoding a block, independent of its place in the chain."""
+  hash_name = CONTENT_HASH[BLOCK_FORMAT]
   described, chunks = [], []
   for leaf in layout.leaves(num_tokens):
-    array = np.ascontiguousarray(leaves[leaf['name']])
+    array = np.asarray(leaves[leaf['name']])
     if list(array.shape) != leaf['shape'] or array.dtype.name != leaf['dtype']:
       raise BlockError(f'{leaf["name"]}: got {array.dtype.name}{list(array.shape)}, the layout '
                        f'needs {leaf["dtype"]}{leaf["shape"]}')
-    data = array.tobytes()
-    described.append({**leaf, 'sha256': hashlib.sha256(data).hexdigest()})
+    data = digest.as_bytes(array)
+    described.append({**leaf, hash_name: digest.hexdigest(hash_name, data)})
     chunks.append(data)
   return described, chunks
 
@@ -169,7 +182,7 @@ def encode_block(ns: str, parent: str, parent_header_sha256: str, start: int, to
             'global_bytes': layout.global_bytes(len(tokens)),
             'data_bytes': layout.data_bytes(len(tokens))}
   header_bytes = canonical(header)
-  return key, MAGIC + struct.pack('<I', len(header_bytes)) + header_bytes + b''.join(chunks), header
+  return key, b''.join([MAGIC, struct.pack('<I', len(header_bytes)), header_bytes, *chunks]), header
 
 
 def header_sha256(data: bytes) -> str:
@@ -222,8 +235,9 @@ def decode_header(header_bytes: bytes, *, ns: str, expected_key: str, layout: Bl
                   vocab_size: int) -> dict:
   """The verified header of the object published as `expected_key`."""
   header = _load_json(header_bytes, 'the header')
-  if not isinstance(header, dict) or header.get('format') != BLOCK_FORMAT:
-    raise BlockError(f'the header is not a {BLOCK_FORMAT} header')
+  if not isinstance(header, dict) or header.get('format') not in CONTENT_HASH:
+    raise BlockError(f'the header is not a header of {", ".join(CONTENT_HASH)}')
+  hash_name = content_hash(header)
   if header.get('namespace') != ns:
     raise BlockError('the object belongs to another namespace (another model, engine, dtype '
                      'or machine)')
@@ -240,7 +254,7 @@ def decode_header(header_bytes: bytes, *, ns: str, expected_key: str, layout: Bl
   leaves = header.get('leaves')
   if (not isinstance(leaves, list) or len(leaves) != len(want)
       or any(not isinstance(g, dict) or {k: g.get(k) for k in w} != w
-             or not isinstance(g.get('sha256'), str) for g, w in zip(leaves, want))):
+             or not isinstance(g.get(hash_name), str) for g, w in zip(leaves, want))):
     raise BlockError('the header\'s leaves do not match this engine\'s layout (names, dtypes, '
                      'shapes, offsets)')
   if (header.get('global_bytes') != layout.global_bytes(len(tokens))
@@ -257,6 +271,7 @@ def decode_leaves(header: dict, data: bytes, data_offset: int, *, global_only: b
                   layout: BlockLayout) -> dict[str, np.ndarray]:
   """The leaves in `data` (the object's bytes from `data_offset`), each re-hashed."""
   dtype = _numpy_dtype(layout.dtype)
+  hash_name = content_hash(header)
   stop = header['global_bytes'] if global_only else header['data_bytes']
   if len(data) != stop:
     raise BlockError(f'{len(data)} data bytes read, the header says {stop} (truncated?)')
@@ -266,9 +281,9 @@ def decode_leaves(header: dict, data: bytes, data_offset: int, *, global_only: b
     if begin >= stop:
       break
     size = int(np.prod(leaf['shape'])) * np.dtype(dtype).itemsize
-    chunk = data[begin:begin + size]
-    if hashlib.sha256(chunk).hexdigest() != leaf['sha256']:
-      raise BlockError(f'leaf {leaf["name"]} was altered (SHA-256 mismatch)')
+    chunk = memoryview(data)[begin:begin + size]
+    if digest.hexdigest(hash_name, chunk) != leaf[hash_name]:
+      raise BlockError(f'leaf {leaf["name"]} was altered ({hash_name} mismatch)')
     out[leaf['name']] = np.frombuffer(chunk, dtype).reshape(leaf['shape'])
   return out
 
