@@ -13,11 +13,16 @@ import json
 import os
 import signal
 import socket
+import tempfile
 import urllib.request
 import uuid
 
 import pytest
 
+# moto's request recorder writes its file where this names (read when moto is imported), not
+# into the working directory.
+os.environ.setdefault('MOTO_RECORDER_FILEPATH', os.path.join(
+    tempfile.mkdtemp(prefix='moto_recorder.'), 'recording'))
 moto_server = pytest.importorskip('moto.server', reason='moto[server] (the test extra) runs the '
                                   'S3-protocol server these tests need')
 import boto3  # noqa: E402  (moto's own dependency)
