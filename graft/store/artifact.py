@@ -19,8 +19,8 @@ every file and every leaf, checks that the positions a graft will use follow fro
 start position and token count, and refuses, with the reason, an artifact from another model,
 engine configuration or layout version, of another dtype, with a missing, extra or altered leaf
 or file. It reads every file once, on every core, hashing each piece as it lands
-(graft/store/digest.py), without Orbax: Orbax's own restore of the same files runs at about a
-tenth of a raw read here (experiments.bench). Artifacts of format 2 (Orbax's OCDBT layout,
+(graft/store/digest.py), without Orbax, whose own restore of the same files is several times
+slower (experiments.bench: orbax_restore_gbps against restore_gbps). Artifacts of format 2 (Orbax's OCDBT layout,
 SHA-256) still read, through Orbax. `graft` puts a verified artifact at its own positions.
 """
 
@@ -293,21 +293,15 @@ def _read_leaves(path: str, manifest: dict) -> tuple[dict[str, np.ndarray], dict
   expected = manifest['files']
   _check_listing(path, expected, _listing(path))
   hash_name = CONTENT_HASH[manifest['format']]
-  leaf_files, layout, total = {}, {}, 0
+  leaf_files, arrays = {}, {}
   for name, meta in manifest['leaves'].items():
     relative = os.path.join(STATE, orbax_util.leaf_file(stored_name(name), len(meta['shape'])))
     dtype = _dtype(meta['dtype'])
     nbytes = int(np.prod(meta['shape'], dtype=np.int64)) * dtype.itemsize
-    if expected.get(relative, {}).get('size') != nbytes:
+    if expected.get(relative, {}).get('size') != nbytes:  # so nothing allocated exceeds the files
       raise ArtifactError(f'{path}: leaf {name} has no file {relative} of its {nbytes} bytes')
     leaf_files[name] = relative
-    layout[relative] = (total, dtype, meta['shape'])
-    total += -nbytes % 64 + nbytes  # each leaf 64-byte aligned
-  # One buffer for every leaf: the kernel maps it in huge pages (numpy advises it for large
-  # arrays), where separate arrays would fault in each 4 KiB page of fresh memory.
-  buffer = np.empty(total, np.uint8)
-  arrays = {relative: buffer[offset:offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize]
-            .view(dtype).reshape(shape) for relative, (offset, dtype, shape) in layout.items()}
+    arrays[relative] = np.empty(meta['shape'], dtype)
 
   def read(relative):
     leaf = arrays.get(relative)
