@@ -15,7 +15,8 @@ import pytest
 from gemma_jax.compare import sha256_bytes
 from gemma_jax import weights
 from gemma_jax.checkpoints import orbax_util
-from graft.store import artifact, digest
+from gemma_jax import digest
+from graft.store import artifact
 from graft.store.artifact import ArtifactError
 from graft.engine import Engine, EngineConfig
 
@@ -77,10 +78,10 @@ def test_each_leaf_is_one_file_of_its_raw_bytes_and_orbax_reads_it_too(eng, save
   seq, _ = eng.prefill(LIBRARY, logits='none')
   leaves = artifact.capture(eng, seq).leaves
   for name, leaf in leaves.items():
-    chunk = saved / 'state' / orbax_util.leaf_file(artifact.stored_name(name), leaf.ndim)
+    chunk = saved / 'state' / orbax_util.leaf_file(orbax_util.stored_name(name), leaf.ndim)
     assert chunk.read_bytes() == leaf.tobytes(), name
   restored = orbax_util.restore(str(saved / 'state'))
-  assert {artifact.stored_name(n): sha256_bytes(v) for n, v in leaves.items()} == {
+  assert {orbax_util.stored_name(n): sha256_bytes(v) for n, v in leaves.items()} == {
       n: sha256_bytes(v) for n, v in restored.items()}
 
 
@@ -90,7 +91,7 @@ def test_format_2_artifacts_still_read(eng, tmp_path):
   seq, _ = eng.prefill(LIBRARY, logits='none')
   art = artifact.capture(eng, seq)
   path = tmp_path / 'v2'
-  orbax_util.save(str(path / 'state'), {artifact.stored_name(n): v for n, v in art.leaves.items()})
+  orbax_util.save(str(path / 'state'), {orbax_util.stored_name(n): v for n, v in art.leaves.items()})
   manifest = {**art.manifest, 'format': 'kv-graft-artifact/2',
               'leaves': artifact.describe(art.leaves, 'sha256'),
               'files': artifact.state_files(str(path), 'sha256')}
@@ -120,7 +121,8 @@ def test_restore_in_a_fresh_process_is_byte_exact(eng, saved):
 from gemma_jax.compare import sha256_bytes
 from gemma_jax import weights
 from gemma_jax.checkpoints import orbax_util
-from graft.store import artifact, digest
+from gemma_jax import digest
+from graft.store import artifact
 from graft.engine import Engine, EngineConfig
 eng = Engine(weights.load('tiny_gemma3', 'random:0'), EngineConfig(rows_per_call=8, cache_len=256, attention_tile=8))
 seq = artifact.graft(eng, artifact.load({str(saved)!r}, eng))

@@ -10,7 +10,8 @@ import pytest
 
 from graft import faults
 from gemma_jax import weights
-from graft.store import blocks, digest
+from gemma_jax import digest
+from graft.store import blocks
 from graft.engine import Engine, EngineConfig
 
 # Kinds that must be refused at least once in a CI-sized run (the others may find nothing to

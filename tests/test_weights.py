@@ -1,5 +1,6 @@
 """Resolving --weights: the embedded model, its cache, random weights, and bad input."""
 
+import json
 import os
 import shutil
 
@@ -82,3 +83,35 @@ def test_parameter_cache_is_atomic(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ['key']  # no staging directory left behind
   np.testing.assert_array_equal(again[0]['a']['w'], params['a']['w'])
   assert again[1].encode('abc') == first[1].encode('abc')
+
+
+def test_a_damaged_or_older_parameter_cache_entry_is_rebuilt_never_used(tmp_path):
+  tokenizer = synthetic_tokenizer(300)
+  params = {'a': {'w': np.arange(6, dtype=np.float32).reshape(2, 3)},
+            'b': {'scale': np.full(4, 0.5, np.float32)}}
+  calls = []
+
+  def build():
+    calls.append(1)
+    return params, tokenizer
+
+  param_cache.cached('key', build, root=str(tmp_path))
+  leaf = tmp_path / 'key' / 'params' / 'a.w' / '0.0'
+  assert leaf.read_bytes() == params['a']['w'].tobytes()  # each parameter one file of raw bytes
+  data = bytearray(leaf.read_bytes())
+  data[5] ^= 0x40
+  leaf.write_bytes(bytes(data))
+  with pytest.raises(param_cache.CacheEntryError, match='does not match its hashes \\(a/w\\)'):
+    param_cache.load_entry(str(tmp_path / 'key'))
+  again = param_cache.cached('key', build, root=str(tmp_path))
+  assert calls == [1, 1]  # rebuilt from the source
+  np.testing.assert_array_equal(again[0]['a']['w'], params['a']['w'])
+  hashes = tmp_path / 'key' / 'hashes.json'
+  older = json.loads(hashes.read_text())
+  del older['format']
+  hashes.write_text(json.dumps(older))
+  with pytest.raises(param_cache.CacheEntryError, match='of format None'):
+    param_cache.load_entry(str(tmp_path / 'key'))
+  leaf.write_bytes(leaf.read_bytes()[:-4])
+  param_cache.cached('key', build, root=str(tmp_path))
+  assert calls == [1, 1, 1]

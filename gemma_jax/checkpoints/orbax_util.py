@@ -44,6 +44,11 @@ def save_leaf_files(path: str, tree: dict) -> None:
     ocp.Checkpointer(handler).save(path, tree)
 
 
+def stored_name(leaf: str) -> str:
+  """A leaf's name in a flat Orbax tree ('layer_0/k' -> 'layer_0.k': Orbax nests on '/')."""
+  return leaf.replace('/', '.')
+
+
 def leaf_file(name: str, ndim: int) -> str:
   """Where save_leaf_files put leaf `name`'s bytes, relative to the checkpoint: its zarr
   directory and the name of its only chunk ('layer_0.k/0.0.0')."""

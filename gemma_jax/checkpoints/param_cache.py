@@ -1,11 +1,13 @@
 """A cache of dequantized float32 parameters, as Orbax checkpoints keyed by the source's SHA-256.
 
-Dequantizing the embedded GGUF takes tens of seconds; reading the cached float32 checkpoint takes a
-few. An entry holds the parameters, the tokenizer model and `hashes.json`: the SHA-256 of every
-parameter's raw bytes and of the tokenizer. Entries are written under a staging name and renamed
-into place once complete (gemma_jax.files.atomic_directory), so a reader sees a whole entry or
-none. Every read re-hashes the entry against `hashes.json`; an entry that does not match (a flipped
-bit, a truncated file, an entry from an older layout without hashes) is reported, moved aside and
+Dequantizing the embedded GGUF takes tens of seconds; reading the cached float32 checkpoint takes
+a fraction of a second. An entry holds the parameters (orbax_util.save_leaf_files: each
+parameter's raw bytes one file), the tokenizer model and `hashes.json`: its format, the BLAKE3 of
+every parameter's raw bytes and the SHA-256 of the tokenizer. Entries are written under a
+staging name and renamed into place once complete (gemma_jax.files.atomic_directory), so a
+reader sees a whole entry or none. Every read reads each parameter file once, hashing it as it
+lands (gemma_jax/digest.py), and checks it against `hashes.json`; an entry that does not match
+(a flipped bit, a truncated file, an entry of an older format) is reported, moved aside and
 rebuilt from the source, never used.
 """
 
@@ -20,7 +22,7 @@ from typing import Callable
 from absl import logging
 import numpy as np
 
-from gemma_jax import files
+from gemma_jax import digest, files
 from gemma_jax.checkpoints import orbax_util, tree
 from gemma_jax.compare import sha256_bytes
 from gemma_jax.tokenizer import Tokenizer
@@ -28,6 +30,7 @@ from gemma_jax.tokenizer import Tokenizer
 _TOKENIZER_FILE = 'tokenizer.model'
 _PARAMS_DIR = 'params'
 _HASHES_FILE = 'hashes.json'
+FORMAT = 'gemma-jax-param-cache/2'
 
 
 class CacheEntryError(ValueError):
@@ -41,9 +44,15 @@ def cache_root() -> str:
 
 
 def _hashes(flat: dict[str, np.ndarray], tokenizer_proto: bytes) -> dict:
-  return {'params': {name: {'dtype': leaf.dtype.name, 'shape': list(leaf.shape),
-                            'sha256': sha256_bytes(leaf)} for name, leaf in sorted(flat.items())},
+  return {'format': FORMAT,
+          'params': {name: {'dtype': leaf.dtype.name, 'shape': list(leaf.shape),
+                            'blake3': digest.hexdigest('blake3', leaf)}
+                     for name, leaf in sorted(flat.items())},
           'tokenizer_sha256': sha256_bytes(np.frombuffer(tokenizer_proto, np.uint8))}
+
+
+def _leaf_file(name: str, ndim: int) -> str:
+  return os.path.join(_PARAMS_DIR, orbax_util.leaf_file(orbax_util.stored_name(name), ndim))
 
 
 def save_entry(directory: str, params, tokenizer: Tokenizer) -> None:
@@ -51,7 +60,8 @@ def save_entry(directory: str, params, tokenizer: Tokenizer) -> None:
   not exist), atomically."""
   flat = {name: np.asarray(leaf, np.float32) for name, leaf in tree.flatten(params).items()}
   with files.atomic_directory(directory) as staging:
-    orbax_util.save(os.path.join(staging, _PARAMS_DIR), flat)
+    orbax_util.save_leaf_files(os.path.join(staging, _PARAMS_DIR),
+                               {orbax_util.stored_name(n): leaf for n, leaf in flat.items()})
     with open(os.path.join(staging, _TOKENIZER_FILE), 'wb') as f:
       f.write(tokenizer.model_proto)
     with open(os.path.join(staging, _HASHES_FILE), 'w') as f:
@@ -64,19 +74,27 @@ def load_entry(directory: str):
   try:
     with open(os.path.join(directory, _HASHES_FILE)) as f:
       expected = json.load(f)
+    if expected.get('format') != FORMAT:
+      raise CacheEntryError(f'{directory} is of format {expected.get("format")!r}, not {FORMAT}')
     with open(os.path.join(directory, _TOKENIZER_FILE), 'rb') as f:
       proto = f.read()
-    flat = {name: np.asarray(leaf)
-            for name, leaf in orbax_util.restore(os.path.join(directory, _PARAMS_DIR)).items()}
-  except Exception as e:  # missing files, damaged JSON or Orbax data
+    params = expected['params']
+    flat = {name: np.empty(meta['shape'], np.float32) for name, meta in params.items()}
+    where = {_leaf_file(name, leaf.ndim): name for name, leaf in flat.items()}
+    digests = digest.read_files(directory, {f: flat[n].nbytes for f, n in where.items()},
+                                'blake3', into={f: flat[n] for f, n in where.items()})
+  except CacheEntryError:
+    raise
+  except Exception as e:  # missing or short files, damaged JSON
     raise CacheEntryError(f'{directory} cannot be read ({type(e).__name__}: {e})') from None
-  actual = _hashes(flat, proto)
-  if actual != expected:
-    names = sorted(n for n in set(actual['params']) | set(expected.get('params', {}))
-                   if actual['params'].get(n) != expected.get('params', {}).get(n))
-    what = names[:3] or ['the tokenizer']
-    raise CacheEntryError(f'{directory} does not match its hashes ({", ".join(what)}'
-                          f'{" and more" if len(names) > 3 else ""})')
+  bad = sorted(name for f, name in where.items()
+               if params[name] != {'dtype': 'float32', 'shape': list(flat[name].shape),
+                                   'blake3': digests[f]})
+  if sha256_bytes(np.frombuffer(proto, np.uint8)) != expected['tokenizer_sha256']:
+    bad.append('the tokenizer')
+  if bad:
+    raise CacheEntryError(f'{directory} does not match its hashes ({", ".join(bad[:3])}'
+                          f'{" and more" if len(bad) > 3 else ""})')
   return tree.unflatten(flat), Tokenizer.from_model_proto(proto)
 
 

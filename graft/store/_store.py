@@ -59,7 +59,8 @@ from absl import logging
 import numpy as np
 
 from gemma_jax import kv_state as kvs
-from graft.store import blocks, digest, signing
+from gemma_jax import digest
+from graft.store import blocks, signing
 from graft.store.artifact import differences
 from graft.store.blocks import BlockError
 from graft.engine import Context, Engine, fingerprint

@@ -19,7 +19,7 @@ every file and every leaf, checks that the positions a graft will use follow fro
 start position and token count, and refuses, with the reason, an artifact from another model,
 engine configuration or layout version, of another dtype, with a missing, extra or altered leaf
 or file. It reads every file once, on every core, hashing each piece as it lands
-(graft/store/digest.py), without Orbax, whose own restore of the same files is several times
+(gemma_jax/digest.py), without Orbax, whose own restore of the same files is several times
 slower (experiments.bench: orbax_restore_gbps against restore_gbps). Artifacts of format 2 (Orbax's OCDBT layout,
 SHA-256) still read, through Orbax. `graft` puts a verified artifact at its own positions.
 """
@@ -36,13 +36,13 @@ import time
 import ml_dtypes
 import numpy as np
 
+from gemma_jax import digest
 from gemma_jax import kv_state as kvs
 from gemma_jax.checkpoints import orbax_util
 from gemma_jax.compare import sha256_bytes
 from gemma_jax.files import atomic_directory
 from graft.engine import fingerprint
 from graft.engine import Context, Engine
-from graft.store import digest
 
 FORMAT = 'kv-graft-artifact/3'
 # The content hash each readable format's leaves and files carry (digest.py).
@@ -51,9 +51,6 @@ MANIFEST = 'manifest.json'
 STATE = 'state'
 
 
-# Reads and hashes run in threads (file reads and both hashes release the GIL): every core.
-_WORKERS = max(2, os.cpu_count() or 1)
-_HASHERS = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix='artifact-hash')
 _FILE_CHECKS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix='artifact-files')
 
 
@@ -80,15 +77,10 @@ def describe(leaves: dict[str, np.ndarray], hash_name: str = 'blake3',
   """{name: {dtype, shape, <hash_name>}} of each leaf; `digests` gives hashes already made."""
   names = sorted(leaves)
   if digests is None:
-    digests = dict(zip(names, _HASHERS.map(
+    digests = dict(zip(names, digest.POOL.map(
         lambda name: digest.hexdigest(hash_name, leaves[name]), names)))
   return {name: {'dtype': np.dtype(leaves[name].dtype).name, 'shape': list(leaves[name].shape),
                  hash_name: digests[name]} for name in names}
-
-
-def stored_name(leaf: str) -> str:
-  """A leaf's name in the Orbax tree ('layer_0/k' -> 'layer_0.k': Orbax nests on '/')."""
-  return leaf.replace('/', '.')
 
 
 def _dtype(name) -> np.dtype:
@@ -132,7 +124,7 @@ def save(path: str, engine: Engine, ctx: Context) -> dict:
   manifest['created'] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
   with atomic_directory(path) as staging:
     orbax_util.save_leaf_files(os.path.join(staging, STATE),
-                               {stored_name(name): leaf for name, leaf in art.leaves.items()})
+                               {orbax_util.stored_name(name): leaf for name, leaf in art.leaves.items()})
     manifest['files'] = state_files(staging)
     manifest['manifest_sha256'] = manifest_digest(manifest)
     with open(os.path.join(staging, MANIFEST), 'w') as f:
@@ -170,7 +162,7 @@ def state_files(artifact_dir: str, hash_name: str = 'blake3') -> dict[str, dict]
     return {'size': len(data), hash_name: digest.hexdigest(hash_name, data)}
 
   names = list(_listing(artifact_dir))
-  return dict(zip(names, _HASHERS.map(summary, names)))
+  return dict(zip(names, digest.POOL.map(summary, names)))
 
 
 def _check_listing(path: str, expected: dict[str, dict], actual: dict[str, int]) -> None:
@@ -295,7 +287,7 @@ def _read_leaves(path: str, manifest: dict) -> tuple[dict[str, np.ndarray], dict
   hash_name = CONTENT_HASH[manifest['format']]
   leaf_files, arrays = {}, {}
   for name, meta in manifest['leaves'].items():
-    relative = os.path.join(STATE, orbax_util.leaf_file(stored_name(name), len(meta['shape'])))
+    relative = os.path.join(STATE, orbax_util.leaf_file(orbax_util.stored_name(name), len(meta['shape'])))
     dtype = _dtype(meta['dtype'])
     nbytes = int(np.prod(meta['shape'], dtype=np.int64)) * dtype.itemsize
     if expected.get(relative, {}).get('size') != nbytes:  # so nothing allocated exceeds the files
@@ -303,40 +295,15 @@ def _read_leaves(path: str, manifest: dict) -> tuple[dict[str, np.ndarray], dict
     leaf_files[name] = relative
     arrays[relative] = np.empty(meta['shape'], dtype)
 
-  def read(relative):
-    leaf = arrays.get(relative)
-    out = (digest.as_bytes(leaf) if leaf is not None
-           else memoryview(bytearray(expected[relative]['size'])))
-    try:
-      size, got = digest.read_into(os.path.join(path, relative), out, hash_name)
-    except OSError as e:
-      raise ArtifactError(f'{path}: file {relative} cannot be read ({e})') from None
-    if size != len(out):
-      raise ArtifactError(f'{path}: file {relative} has {size} bytes, its leaf has {len(out)}')
+  try:
+    digests = digest.read_files(path, {f: entry['size'] for f, entry in expected.items()},
+                                hash_name, into=arrays)
+  except digest.ReadError as e:
+    raise ArtifactError(f'{path}: {e}') from None
+  for relative, got in sorted(digests.items()):
     _check_digest(path, relative, hash_name, got, expected[relative][hash_name])
-    return got
-
-  digests = {}
-  def read_all(names):  # one task per core, not per file: a task hand-off costs a small read
-    digests.update((name, read(name)) for name in names)
-
-  shares = _shares(expected, _WORKERS)
-  others = [_HASHERS.submit(read_all, share) for share in shares[1:]]
-  read_all(shares[0])
-  for other in others:
-    other.result()
   return ({name: arrays[f] for name, f in leaf_files.items()},
           {name: digests[f] for name, f in leaf_files.items()})
-
-
-def _shares(files: dict[str, dict], n: int) -> list[list[str]]:
-  """The files in n lists of about equal bytes (largest first, each to the lightest list)."""
-  shares, loads = [[] for _ in range(n)], [0] * n
-  for name in sorted(files, key=lambda name: -files[name]['size']):
-    i = loads.index(min(loads))
-    shares[i].append(name)
-    loads[i] += files[name]['size']
-  return shares
 
 
 def _restore_v2(path: str, manifest: dict) -> dict[str, np.ndarray]:

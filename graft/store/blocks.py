@@ -29,7 +29,7 @@ Block object (immutable):
 
 The header holds the format, namespace, key, parent, start index, token ids and, per leaf, its
 name, dtype, shape, byte offset and content hash: BLAKE3 in kv-graft-block/3 (written), SHA-256
-in kv-graft-block/2 (still read); graft/store/digest.py says why. Leaves are `layer_{i}/k`, `layer_{i}/v` [T, K, H]
+in kv-graft-block/2 (still read); gemma_jax/digest.py says why. Leaves are `layer_{i}/k`, `layer_{i}/v` [T, K, H]
 for every cache-owning layer, global layers first: the rows a graft reads from a block far
 behind its end (global layers only) are one byte range.
 
@@ -50,9 +50,9 @@ import struct
 
 import numpy as np
 
+from gemma_jax import digest
 from gemma_jax.config import AttentionType
 from graft.engine import fingerprint
-from graft.store import digest
 
 STORE_FORMAT = 'kv-graft-store/2'
 BLOCK_FORMAT = 'kv-graft-block/3'

@@ -11,13 +11,22 @@ chains; only the per-leaf and per-file content hashes change.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
+import os
 
 import blake3
 import numpy as np
 
 HASHES = {'sha256': hashlib.sha256, 'blake3': blake3.blake3}
 PIECE = 4 << 20  # bytes read and hashed at a time: they are hashed while still in the cache
+WORKERS = max(2, os.cpu_count() or 1)
+# Reads and hashes run in threads (file reads and both hashes release the GIL): every core.
+POOL = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix='read-hashed')
+
+
+class ReadError(OSError):
+  """A file that cannot be read, or holds fewer bytes than expected; the message names it."""
 
 
 def as_bytes(data) -> memoryview:
@@ -47,3 +56,35 @@ def read_into(path: str, out: memoryview, name: str) -> tuple[int, str]:
       h.update(out[done:done + n])
       done += n
   return done, h.hexdigest()
+
+
+def read_files(root: str, sizes: dict[str, int], name: str,
+               into: dict[str, np.ndarray] | None = None) -> dict[str, str]:
+  """Reads each file (a path relative to `root`, of the size given) once, hashing it as it
+  lands, the files shared out by bytes over every core (one task per core: a task per file
+  would cost more than a small file's read). A file named in `into` lands in that array (its
+  raw bytes, `sizes` of them); any other is hashed and dropped. Returns {file: hex digest}."""
+  into = into or {}
+
+  def read(relative):
+    out = (as_bytes(into[relative]) if relative in into
+           else memoryview(bytearray(sizes[relative])))
+    try:
+      size, got = read_into(os.path.join(root, relative), out, name)
+    except OSError as e:
+      raise ReadError(f'file {relative} cannot be read ({e})') from None
+    if size != len(out):
+      raise ReadError(f'file {relative} has {size} bytes, {len(out)} expected')
+    return got
+
+  shares, loads = [[] for _ in range(WORKERS)], [0] * WORKERS
+  for relative in sorted(sizes, key=lambda relative: -sizes[relative]):
+    i = loads.index(min(loads))
+    shares[i].append(relative)
+    loads[i] += sizes[relative]
+  others = [POOL.submit(lambda share: [(f, read(f)) for f in share], share)
+            for share in shares[1:]]
+  digests = dict((f, read(f)) for f in shares[0])
+  for other in others:
+    digests.update(other.result())
+  return digests
