@@ -143,14 +143,16 @@ def main(argv):
   writer = common.make_engine(loaded)
   pairs = samples.draw(loaded.tokenizer, FLAGS.exactness_samples, seed=0,
                        window=loaded.config.sliding_window)
+  rows = []
   with tempfile.TemporaryDirectory() as scratch:
-    rows = [exactness.check_sample(
-                engine, exactness.artifact_graft(writer, engine, os.path.join(scratch, f'a{i}')),
-                s.library, s.query)
-            for i, s in enumerate(pairs)]
-  for r in rows:
-    print(f"library {r['library_tokens']:5d}  query {r['query_tokens']:4d}  "
-          f"fresh {r['fresh_sha256'][:16]}  graft {r['graft_sha256'][:16]}  equal={r['equal']}")
+    for i, s in enumerate(pairs):
+      r = exactness.check_sample(
+          engine, exactness.artifact_graft(writer, engine, os.path.join(scratch, f'a{i}')),
+          s.library, s.query)
+      rows.append(r)
+      print(f"{i + 1}/{len(pairs)}: library {r['library_tokens']:5d}  query "
+            f"{r['query_tokens']:4d}  fresh {r['fresh_sha256'][:16]}  graft "
+            f"{r['graft_sha256'][:16]}  equal={r['equal']}", flush=True)
   summary = exactness.summarize(rows)
   print(json.dumps(summary))
   if summary['equal'] != summary['samples']:

@@ -39,8 +39,9 @@ def save_leaf_files(path: str, tree: dict) -> None:
   chunk per single-device array. Orbax restores it as any checkpoint; a reader that knows the
   leaves' dtypes and shapes can read the files directly, in one pass, at disk speed."""
   import orbax.checkpoint as ocp  # imported lazily: it is slow to import
-  handler = ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False, use_zarr3=False)
   with quiet(logging.ERROR):  # it warns that it has no OCDBT files to merge
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False,
+                                          use_zarr3=False)
     ocp.Checkpointer(handler).save(path, tree)
 
 

@@ -273,9 +273,9 @@ def round_of_heldout(asker, library, header, heldout, settings, round_) -> list[
       lib.graft_exact = text.logits_sha256 == lib.logits_sha256
     rows.append({'task': task, 'split': 'heldout', 'round': round_, 'base': base,
                  'library': lib, 'text': text, 'retrieved': [e.id for e in entries]})
-    logging.info('held-out (round %d) %d/%d: base %s, library %s, text %s', round_, i + 1,
-                 len(heldout), base[0].verdict.correct, lib.verdict.correct if lib else None,
-                 text.tokens == lib.tokens if lib else None)
+    logging.info('held-out (round %d) %d/%d: base %s, library %s, the same tokens as text %s',
+                 round_, i + 1, len(heldout), base[0].verdict.correct,
+                 lib.verdict.correct if lib else None, text.tokens == lib.tokens if lib else None)
   return rows
 
 
