@@ -142,12 +142,15 @@ class Engine:
     return self._output_table
 
   def step_function(self, tiles: int | None = None, with_logits: bool = False):
-    """The jitted transformer call (params, tokens [1, T], positions [1, T], kv) -> (hidden
-    [1, T, D], kv[, logits [1, 1, V]]) whose attention reads the first `tiles` KV tiles (None:
-    the whole cache). with_logits: a one-row call that also returns its logits (a decode step:
-    the same ops as the call then the head on row 0, one dispatch instead of two). The KV state
-    is donated: XLA updates the cache in place; callers' contexts stay valid because a context
-    that may be used again is copied first (see extend's `consume`)."""
+    """The jitted transformer call (params, output table, tokens [1, T], positions [1, T], kv)
+    -> (hidden [1, T, D], kv[, logits [1, 1, V]]) whose attention reads the first `tiles` KV
+    tiles (None: the whole cache). with_logits: a one-row call that also returns its logits (a
+    decode step: the same ops as the call then the head on row 0, one dispatch instead of two).
+    The output table (`output_table`) is an argument, never a closed-over constant: a constant
+    would be compiled into the executable (hundreds of MB in the persistent cache, slower to
+    load than to compile). The KV state is donated: XLA updates the cache in place; callers'
+    contexts stay valid because a context that may be used again is copied first (see extend's
+    `consume`)."""
     key = (tiles, with_logits)
     if key not in self._steps:
       attention_fn = self._attention_fn
@@ -155,7 +158,7 @@ class Engine:
         attention_fn = attention_fn.reading(tiles)
       precision, numerics = self.engine_config.matmul_precision, self.numerics
 
-      def step(params, tokens, positions, kv):
+      def step(params, output_table, tokens, positions, kv):
         with jax.default_matmul_precision(precision):
           hidden, kv = model.forward(params, self.config, tokens, positions, kv, attention_fn,
                                      numerics)
@@ -165,9 +168,9 @@ class Engine:
         # constant, or a value it can prove non-negative, would let it fold the head's
         # run-time zero, and with it every barrier of the head).
         row = jnp.minimum(kv.fill[:1], 0)
-        return hidden, kv, self._head_fn(params, self._output_table, hidden, row)
+        return hidden, kv, self._head_fn(params, output_table, hidden, row)
 
-      self._steps[key] = jax.jit(step, donate_argnums=(3,),
+      self._steps[key] = jax.jit(step, donate_argnums=(4,),
                                  compiler_options=self.plan.compiler_options)
     return self._steps[key]
 
@@ -281,7 +284,7 @@ class Engine:
     the context's length after the call."""
     ids, positions = call_inputs([tokens], [first_position], rows, lead)
     step = self.step_function(self._tiles_for(end), with_logits)
-    return step(self._params, ids, positions, kv)
+    return step(self._params, self._output_table, ids, positions, kv)
 
   def _logits(self, hidden: jax.Array, rows: list[int]) -> list[np.ndarray]:
     """float32 logits [V] of the given rows of one call's hidden states [B, T, D] (row
@@ -387,8 +390,8 @@ class Engine:
                                     -(-self.engine_config.min_rows // len(ctxs))))
       ids, positions = call_inputs(chunks, [c.next_position + first for c in ctxs], rows)
       end = max(len(c.tokens) + min(first + b, len(t)) for c, t in zip(ctxs, tokens))
-      hidden, kv = self.step_function(self._tiles_for(end))(self._params, ids, positions,
-                                                             kv)
+      hidden, kv = self.step_function(self._tiles_for(end))(self._params, self._output_table,
+                                                             ids, positions, kv)
       # Every slot's wanted rows in shared logits calls (row i * rows + j: slot i's row j).
       flat = [(i, i * rows + j - first) for i, chunk in enumerate(chunks)
               for j in range(max(first, len(tokens[i]) - wanted[i]), first + len(chunk))]

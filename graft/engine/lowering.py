@@ -107,7 +107,7 @@ def abstract_inputs(engine: Engine) -> dict[str, tuple]:
   rows = engine.max_rows
   params = engine.loaded.params
   return {
-      'step': (params, jax.ShapeDtypeStruct((1, rows), i32),
+      'step': (params, engine.output_table, jax.ShapeDtypeStruct((1, rows), i32),
                jax.ShapeDtypeStruct((1, rows), i32), kv),
       'logits': (params, engine.output_table,
                  jax.ShapeDtypeStruct((1, rows, config.embed_dim), engine.dtype),
