@@ -216,6 +216,18 @@ def test_refuses_a_missing_leaf_and_a_tampered_manifest(eng, saved):
   artifact.load(str(saved), eng)  # the untouched fields verify again
 
 
+def test_a_resealed_manifest_cannot_ask_for_an_object_array(eng, saved):
+  # Raw bytes are read straight into each leaf's array: a dtype from the manifest must never
+  # make it an array of object pointers (same byte size, so only the dtype check stands).
+  manifest = json.loads((saved / 'manifest.json').read_text())
+  leaf = manifest['leaves']['layer_0/k']
+  assert leaf['dtype'] == 'float32' and leaf['shape'] == [16, 2, 16]
+  manifest['leaves']['layer_0/k'] = {**leaf, 'dtype': 'object', 'shape': [256]}
+  reseal(saved, manifest)
+  with pytest.raises(ArtifactError, match="leaf dtype: unsupported array dtype 'object'"):
+    artifact.load(str(saved), eng)
+
+
 @pytest.mark.parametrize('field, value, message', [
     ('next_position', 1000, 'next_position 1000 is not start 0'),
     ('start_position', 5, 'next_position 41 is not start 5'),

@@ -75,7 +75,7 @@ def test_the_campaign_catches_a_reader_that_skips_the_leaf_hashes(setup, monkeyp
 
   # A planted bug: the reader recomputes the expected hashes from what it read (trusts it).
   def planted(header, data, data_offset, *, global_only, layout):
-    dtype_size = np.dtype(blocks._numpy_dtype(layout.dtype)).itemsize
+    dtype_size = blocks.numpy_dtype(layout.dtype).itemsize
     patched = []
     for leaf in header['leaves']:
       size = int(np.prod(leaf['shape'])) * dtype_size

@@ -33,7 +33,6 @@ import json
 import os
 import time
 
-import ml_dtypes
 import numpy as np
 
 from gemma_jax import digest
@@ -43,6 +42,7 @@ from gemma_jax.compare import sha256_bytes
 from gemma_jax.files import atomic_directory
 from graft.engine import fingerprint
 from graft.engine import Context, Engine
+from graft.store import blocks
 
 FORMAT = 'kv-graft-artifact/3'
 # The content hash each readable format's leaves and files carry (digest.py).
@@ -85,9 +85,9 @@ def describe(leaves: dict[str, np.ndarray], hash_name: str = 'blake3',
 
 def _dtype(name) -> np.dtype:
   try:
-    return np.dtype(getattr(ml_dtypes, name, name))
-  except TypeError:
-    raise ArtifactError(f'unknown leaf dtype {name!r}') from None
+    return blocks.numpy_dtype(name)
+  except (TypeError, ValueError) as e:
+    raise ArtifactError(f'leaf dtype: {e}') from None
 
 
 def manifest_digest(manifest: dict) -> str:

@@ -48,6 +48,7 @@ import json
 import re
 import struct
 
+import ml_dtypes
 import numpy as np
 
 from gemma_jax import digest
@@ -59,6 +60,8 @@ BLOCK_FORMAT = 'kv-graft-block/3'
 # The content hash of each readable block format's leaves.
 CONTENT_HASH = {'kv-graft-block/2': 'sha256', BLOCK_FORMAT: 'blake3'}
 KEY_DOMAIN = b'kv-graft-block/2'
+_DTYPES = {'float32': np.dtype(np.float32), 'bfloat16': np.dtype(ml_dtypes.bfloat16),
+           'int32': np.dtype(np.int32)}
 ENTRY_FORMAT = 'kv-graft-index/2'
 MAGIC = b'KVGRAFT1'
 ROOT = '0' * 64  # the parent of block 0
@@ -117,7 +120,7 @@ class BlockLayout:
 
   def leaves(self, num_tokens: int) -> list[dict]:
     """[{name, dtype, shape, offset}] in stored order (without hashes)."""
-    itemsize = np.dtype(_numpy_dtype(self.dtype)).itemsize
+    itemsize = numpy_dtype(self.dtype).itemsize
     out, offset = [], 0
     for index, _, k, h in self.layers:
       for part in ('k', 'v'):
@@ -127,18 +130,23 @@ class BlockLayout:
     return out
 
   def global_bytes(self, num_tokens: int) -> int:
-    itemsize = np.dtype(_numpy_dtype(self.dtype)).itemsize
+    itemsize = numpy_dtype(self.dtype).itemsize
     return sum(2 * num_tokens * k * h * itemsize for _, is_global, k, h in self.layers
                if is_global)
 
   def data_bytes(self, num_tokens: int) -> int:
-    itemsize = np.dtype(_numpy_dtype(self.dtype)).itemsize
+    itemsize = numpy_dtype(self.dtype).itemsize
     return sum(2 * num_tokens * k * h * itemsize for _, _, k, h in self.layers)
 
 
-def _numpy_dtype(name: str):
-  import ml_dtypes  # bfloat16 for numpy
-  return ml_dtypes.bfloat16 if name == 'bfloat16' else np.dtype(name)
+def numpy_dtype(name: str) -> np.dtype:
+  """The numpy dtype of a stored array's dtype name. Only the plain numeric dtypes stored
+  arrays have: a name from a record (an artifact manifest) must never give an object dtype,
+  whose array raw bytes would be written into."""
+  if name not in _DTYPES:
+    raise ValueError(f'unsupported array dtype {name!r} (stored arrays are '
+                     f'{", ".join(_DTYPES)})')
+  return _DTYPES[name]
 
 
 def canonical(value) -> bytes:
@@ -270,7 +278,7 @@ def decode_header(header_bytes: bytes, *, ns: str, expected_key: str, layout: Bl
 def decode_leaves(header: dict, data: bytes, data_offset: int, *, global_only: bool,
                   layout: BlockLayout) -> dict[str, np.ndarray]:
   """The leaves in `data` (the object's bytes from `data_offset`), each re-hashed."""
-  dtype = _numpy_dtype(layout.dtype)
+  dtype = numpy_dtype(layout.dtype)
   hash_name = content_hash(header)
   stop = header['global_bytes'] if global_only else header['data_bytes']
   if len(data) != stop:
