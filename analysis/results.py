@@ -57,6 +57,12 @@ KINDS: dict[str, Kind] = {
                        'the spec engine against the NumPy interpreter of the written arithmetic'),
     'bench': Kind(1, ('config', 'ceilings', 'systems'),
                   'speed of this project\'s engines and of peers, side by side'),
+    # {"config", "ceilings": {"matmul_gflops", "read_gbps"}, "prefill" and "decode": {"wall_s",
+    #  "thunk_s", "outside_thunks_s", "dot_s", "dot_share", "dot_gflops",
+    #  "dot_fraction_of_matmul_ceiling", "by_kind": [{"kind", "s", "share"}],
+    #  "by_component": [{"component", "s", "share"}], ...}} (analysis/profile.py `summarize`)
+    'profile': Kind(1, ('config', 'ceilings', 'prefill', 'decode'),
+                    'where prefill and decode spend their time, op by op'),
     # {"config", "summary": {"addressable_tokens", "device_kv_tokens", "ratio",
     #  "device_bytes_before", "device_bytes_after", "store_bytes", "bytes_per_token", "put_gbps",
     #  "get_gbps", "disk_write_gbps", "disk_read_gbps", "ttft_hit_host_s", "ttft_hit_backing_s",
