@@ -81,9 +81,10 @@ KINDS: dict[str, Kind] = {
     #  "token_factor", "flops_factor", "energy_factor", "graft_exact", ...}}
     'flywheel': Kind(1, ('config', 'tasks', 'summary'),
                      'verified solutions deposited as KV and grafted on recurrence'),
-    # {"config": {"meshes", "layouts", "samples", ...}, "runs": [{"mesh", "layout", "devices",
-    #  "graft_equal", "equal_to_one_device", "samples", "rows": [{"fresh_sha256",
-    #  "graft_sha256"}]}]}
+    # {"config": {"engine", "meshes", "layouts", "samples", ...}, "runs": [{"mesh", "layout",
+    #  "devices", "graft_equal", "equal_to_one_device", "carried_from", "carried_equal",
+    #  "carried_refused", "samples", "rows": [{"fresh_sha256", "graft_sha256",
+    #  "carried_sha256" and "carried_equal", or "carried_refused" (the reason)}]}]}
     'mesh_exactness': Kind(1, ('config', 'runs'),
                            'grafts within device meshes, and bits across device counts'),
     # {"config": {"processes", "devices", "engine_config", ...}, "summary": {"samples", "equal",

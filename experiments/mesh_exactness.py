@@ -2,24 +2,30 @@
 
   python -m experiments.mesh_exactness --model=gemma3_1b --weights=random:0 \\
       --meshes=,model:2,model:4,model:8 --layouts=gather,split --samples=4
+  python -m experiments.mesh_exactness --engine=spec --meshes=,model:2 --samples=4
 
 On a CPU host the process asks XLA for as many host devices as the largest mesh needs. For each
-(mesh, layout) the pinned engine computes the same samples fresh and through an own-position
-graft (the library's KV captured on that mesh, grafted back); a sample's logits SHA-256 on every
-mesh is then compared with the one-device engine's. Splitting a contraction over devices
-changes its summation order (layout 'split'); layout 'gather' never splits one. The result
-(schema mesh_exactness) says, per (mesh, layout): grafts equal to fresh, and fresh equal to
-one device.
+(mesh, layout) the engine (--engine: pinned, or spec in the gather layout) computes the same
+samples fresh and through an own-position graft (the library's KV captured on that mesh, saved
+as an artifact and restored); a sample's logits SHA-256 on every mesh is then compared with the
+first mesh's (one device). The first mesh's artifacts are also restored on every other mesh and
+grafted: exact there, or refused with the reason (the pinned engine's fingerprint binds its
+mesh; the spec engine's binds only the arithmetic). Splitting a contraction over devices changes
+its summation order (layout 'split'); layout 'gather' never splits one. The result (schema
+mesh_exactness) says, per (mesh, layout): grafts equal to fresh, fresh equal to one device, and
+carried artifacts equal or refused.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 
 from absl import flags, logging
 
 from experiments import common, samples
-from gemma_jax import sharding
+from gemma_jax import compare, sharding
 from graft.store import artifact
 from graft import exactness
 from graft.engine import Engine, EngineConfig
@@ -35,25 +41,75 @@ def define_flags() -> None:
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model).')
   common.define_model_flags()
   flags.DEFINE_integer('cache_len', 2304, 'KV slots.')
+  flags.DEFINE_enum('engine', 'pinned', ['pinned', 'spec'], 'The byte-exact engine to run '
+                    '(spec: the gather layout only).')
 
 
-def run(loaded, pairs, mesh: str, layout: str) -> list[dict]:
-  """graft_exactness's check per sample on this mesh: the graft source is the library's KV
-  captured on the same mesh and grafted back (no disk), no continuation."""
-  engine = Engine(loaded, EngineConfig(mode='pinned', cache_len=FLAGS.cache_len, mesh=mesh,
+def run(loaded, pairs, mesh: str, layout: str, scratch: str, carried: list[str] | None
+        ) -> list[dict]:
+  """graft_exactness's check per sample on this mesh: the library's KV captured on this mesh,
+  saved as an artifact under `scratch` and grafted back from disk; no continuation. With
+  `carried` (the artifacts the first mesh saved), each sample's artifact from there is also
+  restored here and grafted: its logits against this mesh's fresh ones (`carried_equal`), or
+  the reason this engine refuses it (`carried_refused`)."""
+  engine = Engine(loaded, EngineConfig(mode=FLAGS.engine, cache_len=FLAGS.cache_len, mesh=mesh,
                                        mesh_layout=layout))
+  rows = []
+  for i, s in enumerate(pairs):
+    path = os.path.join(scratch, f'{mesh or "one"}_{layout}_{i}')
+    row = exactness.check_sample(engine, exactness.artifact_graft(engine, engine, path),
+                                 s.library, s.query, continuation_tokens=0)
+    rows.append({'fresh_sha256': row['fresh_sha256'], 'graft_sha256': row['graft_sha256'],
+                 'artifact': path})
+    if carried is not None:
+      try:
+        grafted = artifact.graft(engine, artifact.load(carried[i], engine))
+      except artifact.ArtifactError as e:
+        rows[-1]['carried_refused'] = str(e)
+        continue
+      logits, _ = exactness.graft_logits(engine, grafted, s.library, s.query)
+      rows[-1]['carried_sha256'] = compare.sha256_bytes(logits)
+      rows[-1]['carried_equal'] = rows[-1]['carried_sha256'] == row['fresh_sha256']
+  return rows
 
-  def graft(library):
-    ctx, _ = engine.prefill(list(library), logits='none')
-    return artifact.graft(engine, artifact.capture(engine, ctx))
 
-  rows = [exactness.check_sample(engine, graft, s.library, s.query, continuation_tokens=0)
-          for s in pairs]
-  return [{'fresh_sha256': r['fresh_sha256'], 'graft_sha256': r['graft_sha256']} for r in rows]
+def measure(loaded, pairs, layouts: list[str], scratch: str) -> list[dict]:
+  """`run` on every mesh and layout, the first one's artifacts carried to the others."""
+  reference = None
+  runs = []
+  for mesh in FLAGS.meshes:
+    for layout in (layouts if mesh else ['gather']):  # one device: no layout
+      logging.info('mesh %r layout %s', mesh, layout)
+      rows = run(loaded, pairs, mesh, layout, scratch,
+                 None if reference is None else [r['artifact'] for r in reference])
+      if reference is None:
+        reference = rows
+      carried = [r for r in rows if 'carried_refused' in r or 'carried_sha256' in r]
+      runs.append({
+          'mesh': mesh, 'layout': layout if mesh else None,
+          'devices': math.prod(sharding.parse_mesh(mesh).values()) if mesh else 1,
+          'graft_equal': sum(r['fresh_sha256'] == r['graft_sha256'] for r in rows),
+          'equal_to_one_device': sum(r['fresh_sha256'] == ref['fresh_sha256']
+                                     for r, ref in zip(rows, reference)),
+          # The first mesh's artifacts restored on this one: exact, or refused (and why).
+          'carried_from': runs[0]['mesh'] if runs else None,
+          'carried_equal': sum(r.get('carried_equal', False) for r in carried),
+          'carried_refused': sum('carried_refused' in r for r in carried),
+          'samples': len(rows), 'rows': [{k: v for k, v in r.items() if k != 'artifact'}
+                                         for r in rows]})
+      carried_text = (f", carried from {runs[0]['mesh'] or 'one device'}: "
+                      f"{runs[-1]['carried_equal']} equal, {runs[-1]['carried_refused']} refused"
+                      if carried else '')
+      print(f"mesh {mesh or 'one device'!s:16s} {runs[-1]['layout'] or '':6s} grafts equal "
+            f"{runs[-1]['graft_equal']}/{len(rows)}, equal to one device "
+            f"{runs[-1]['equal_to_one_device']}/{len(rows)}{carried_text}", flush=True)
+  return runs
 
 
 def main(argv):
   del argv
+  # The spec engine never splits a contraction (graft.engine.plans.Spec): gather only.
+  layouts = ['gather'] if FLAGS.engine == 'spec' else FLAGS.layouts
   sizes = [math.prod(sharding.parse_mesh(m).values()) for m in FLAGS.meshes if m]
   if sizes:
     sharding.set_host_devices({'data': 1, 'model': max(sizes)})
@@ -61,25 +117,10 @@ def main(argv):
   pairs = samples.draw(loaded.tokenizer, FLAGS.samples, seed=FLAGS.seed,
                        window=loaded.config.sliding_window)
   pairs = [p for p in pairs if len(p.library) + len(p.query) <= FLAGS.cache_len]
-  reference = None
-  runs = []
-  for mesh in FLAGS.meshes:
-    for layout in (FLAGS.layouts if mesh else ['gather']):  # one device: no layout
-      logging.info('mesh %r layout %s', mesh, layout)
-      rows = run(loaded, pairs, mesh, layout)
-      if reference is None:
-        reference = rows
-      runs.append({
-          'mesh': mesh, 'layout': layout if mesh else None,
-          'devices': math.prod(sharding.parse_mesh(mesh).values()) if mesh else 1,
-          'graft_equal': sum(r['fresh_sha256'] == r['graft_sha256'] for r in rows),
-          'equal_to_one_device': sum(r['fresh_sha256'] == ref['fresh_sha256']
-                                     for r, ref in zip(rows, reference)),
-          'samples': len(rows), 'rows': rows})
-      print(f"mesh {mesh or 'one device'!s:16s} {runs[-1]['layout'] or '':6s} grafts equal "
-            f"{runs[-1]['graft_equal']}/{len(rows)}, equal to one device "
-            f"{runs[-1]['equal_to_one_device']}/{len(rows)}")
-  config = {**common.model_config_json(), 'meshes': FLAGS.meshes, 'layouts': FLAGS.layouts,
+  with tempfile.TemporaryDirectory(prefix='mesh_exactness_') as scratch:
+    runs = measure(loaded, pairs, layouts, scratch)
+  config = {**common.model_config_json(), 'engine': FLAGS.engine, 'meshes': FLAGS.meshes,
+            'layouts': layouts,
             'samples': len(pairs), 'seed': FLAGS.seed, 'cache_len': FLAGS.cache_len}
   output = FLAGS.output or common.default_output('mesh_exactness', FLAGS.model, FLAGS.dtype)
   common.write_result(output, 'mesh_exactness', {'config': config, 'runs': runs})

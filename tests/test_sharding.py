@@ -77,6 +77,29 @@ def test_pinned_engine_grafts_exactly_on_every_mesh(tmp_path):
     assert r['samples'] == 3 and r['graft_equal'] == 3, r
   # Measured on tiny_gemma3 at two devices: the gather layout keeps the one-device bits.
   assert runs[1]['equal_to_one_device'] == 3
+  # The pinned engine's fingerprint binds its mesh: a one-device artifact is refused on two.
+  for r in runs[1:]:
+    assert r['carried_from'] == '' and r['carried_refused'] == 3, r
+    assert 'another engine configuration' in r['rows'][0]['carried_refused']
+
+
+def test_a_spec_artifact_made_on_one_device_grafts_exactly_on_two(tmp_path):
+  # The spec engine's fingerprint binds the arithmetic, not the mesh: the one-device artifact
+  # is accepted on model:2 (gather), and its graft is SHA-256 equal to that mesh's fresh
+  # logits, which equal one device's.
+  output = tmp_path / 'mesh.json'
+  out = subprocess.run(
+      [sys.executable, '-m', 'experiments.mesh_exactness', '--model=tiny_gemma3',
+       '--weights=random:0', '--engine=spec', '--meshes=,model:2', '--samples=2',
+       '--cache_len=2304', f'--output={output}'],
+      cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True,
+      timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  one, two = json.loads(output.read_text())['runs']
+  assert (one['mesh'], two['mesh'], two['layout']) == ('', 'model:2', 'gather')
+  assert one['graft_equal'] == two['graft_equal'] == 2
+  assert two['equal_to_one_device'] == 2
+  assert two['carried_refused'] == 0 and two['carried_equal'] == 2, two
 
 
 def test_two_jax_distributed_processes_graft_exactly_on_one_mesh(tmp_path):
