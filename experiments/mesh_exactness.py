@@ -61,15 +61,20 @@ def run(loaded, pairs, mesh: str, layout: str, scratch: str, carried: list[str] 
                                  s.library, s.query, continuation_tokens=0)
     rows.append({'fresh_sha256': row['fresh_sha256'], 'graft_sha256': row['graft_sha256'],
                  'artifact': path})
+    carried_text = ''
     if carried is not None:
       try:
         grafted = artifact.graft(engine, artifact.load(carried[i], engine))
       except artifact.ArtifactError as e:
         rows[-1]['carried_refused'] = str(e)
-        continue
-      logits, _ = exactness.graft_logits(engine, grafted, s.library, s.query)
-      rows[-1]['carried_sha256'] = compare.sha256_bytes(logits)
-      rows[-1]['carried_equal'] = rows[-1]['carried_sha256'] == row['fresh_sha256']
+        carried_text = ', carried artifact refused'
+      else:
+        logits, _ = exactness.graft_logits(engine, grafted, s.library, s.query)
+        rows[-1]['carried_sha256'] = compare.sha256_bytes(logits)
+        rows[-1]['carried_equal'] = rows[-1]['carried_sha256'] == row['fresh_sha256']
+        carried_text = f", carried {'==' if rows[-1]['carried_equal'] else '!='} fresh"
+    logging.info('sample %d/%d: graft %s fresh%s', i + 1, len(pairs),
+                 '==' if row['equal'] else '!=', carried_text)
   return rows
 
 

@@ -93,8 +93,11 @@ def profile_in(scratch: str) -> None:
   # The time a token would take reading every weight once at the streaming-read ceiling.
   decode['read_ceiling_s_per_token'] = (decode['weight_bytes_per_token']
                                         / (limits['read_gbps'] * 1e9))
-  decode['s_per_token'] = decode['wall_s'] / (FLAGS.decode_tokens + 1)
-  decode['dot_s_per_token'] = decode['dot_s'] / (FLAGS.decode_tokens + 1)
+  # generate(n + 1) makes n decode steps: the first token comes from the prompt's logits.
+  decode['s_per_token'] = decode['wall_s'] / FLAGS.decode_tokens
+  decode['dot_s_per_token'] = decode['dot_s'] / FLAGS.decode_tokens
+  decode['fraction_of_read_ceiling'] = (decode['read_ceiling_s_per_token']
+                                        / decode['s_per_token'])
   for name, phase in phases.items():
     print(f"{name}: {phase['wall_s']:.3f} s wall, {phase['thunk_s']:.3f} s in "
           f"{phase['thunks']} thunks; dots {phase['dot_share']:.0%} of thunk time at "
