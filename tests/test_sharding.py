@@ -57,20 +57,25 @@ def test_two_device_tensor_parallel_forward_matches_one_device():
   assert relative <= 1e-5
 
 
+def mesh_exactness(tmp_path, *flags) -> list[dict]:
+  """The runs of experiments.mesh_exactness on tiny_gemma3 over one device and model:2."""
+  output = tmp_path / 'mesh.json'
+  out = subprocess.run(
+      [sys.executable, '-m', 'experiments.mesh_exactness', '--model=tiny_gemma3',
+       '--weights=random:0', '--meshes=,model:2', '--cache_len=2304', f'--output={output}',
+       *flags],
+      cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True,
+      timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(output.read_text())['runs']
+
+
 def test_pinned_engine_grafts_exactly_on_every_mesh(tmp_path):
   # experiments.mesh_exactness on tiny_gemma3 over one device and model:2 in both layouts
   # (two host CPU devices stand in for accelerators): within every mesh an own-position graft
   # is SHA-256 equal to fresh. Across device counts only the 'gather' layout can keep bits;
   # what it does is recorded (equal_to_one_device) and checked below.
-  output = tmp_path / 'mesh.json'
-  out = subprocess.run(
-      [sys.executable, '-m', 'experiments.mesh_exactness', '--model=tiny_gemma3',
-       '--weights=random:0', '--meshes=,model:2', '--layouts=gather,split', '--samples=3',
-       '--cache_len=2304', f'--output={output}'],
-      cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True,
-      timeout=900)
-  assert out.returncode == 0, out.stderr[-3000:]
-  runs = json.loads(output.read_text())['runs']
+  runs = mesh_exactness(tmp_path, '--layouts=gather,split', '--samples=3')
   assert [(r['mesh'], r['layout']) for r in runs] == [('', None), ('model:2', 'gather'),
                                                        ('model:2', 'split')]
   for r in runs:
@@ -87,15 +92,7 @@ def test_a_spec_artifact_made_on_one_device_grafts_exactly_on_two(tmp_path):
   # The spec engine's fingerprint binds the arithmetic, not the mesh: the one-device artifact
   # is accepted on model:2 (gather), and its graft is SHA-256 equal to that mesh's fresh
   # logits, which equal one device's.
-  output = tmp_path / 'mesh.json'
-  out = subprocess.run(
-      [sys.executable, '-m', 'experiments.mesh_exactness', '--model=tiny_gemma3',
-       '--weights=random:0', '--engine=spec', '--meshes=,model:2', '--samples=2',
-       '--cache_len=2304', f'--output={output}'],
-      cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True,
-      timeout=900)
-  assert out.returncode == 0, out.stderr[-3000:]
-  one, two = json.loads(output.read_text())['runs']
+  one, two = mesh_exactness(tmp_path, '--engine=spec', '--samples=2')
   assert (one['mesh'], two['mesh'], two['layout']) == ('', 'model:2', 'gather')
   assert one['graft_equal'] == two['graft_equal'] == 2
   assert two['equal_to_one_device'] == 2
