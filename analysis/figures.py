@@ -831,6 +831,38 @@ class Figure:
   draw: Callable[..., pathlib.Path | None]  # (input, path) -> path, or None when skipped
 
 
+def profile(found_results: Sequence[tuple[pathlib.Path, dict]],
+            path: pathlib.Path) -> pathlib.Path | None:
+  """Where prefill and decode spend their time (experiments.profile): per engine and phase, the
+  seconds of the largest parts (dots by the model code or weight they serve, other thunks by
+  code and kind) and of the wall time outside thunks."""
+  if not found_results:
+    logging.warning('profile: no profile results; skipped')
+    return None
+  phases = ('prefill', 'decode')
+  fig, axes = plt.subplots(len(found_results), len(phases), squeeze=False, layout='constrained',
+                           figsize=(14, 3.6 * len(found_results)))
+  for row, (_, data) in zip(axes, found_results):
+    engine = data['config'].get('engine_config', {}).get('mode', '?')
+    for ax, phase in zip(row, phases):
+      summary = data[phase]
+      parts = [(r['component'], r['s']) for r in summary['by_component'][:8]]
+      parts.append(('outside thunks (dispatch, host)', summary['outside_thunks_s']))
+      labels, seconds = zip(*reversed(parts))
+      colors = ['tab:gray' if label.startswith('outside') else
+                'tab:orange' if label.endswith(']') else 'tab:blue' for label in labels]
+      ax.barh(np.arange(len(labels)), seconds, color=colors)
+      ax.set_yticks(np.arange(len(labels)), labels, fontsize=7)
+      ax.set_xlabel('seconds')
+      ceiling = summary.get('fraction_of_matmul_ceiling', summary.get('fraction_of_read_ceiling'))
+      ax.set_title(f"{engine}, {phase}: {summary['wall_s']:.2f} s wall, dots "
+                   f"{summary['dot_share']:.0%} of thunk time"
+                   + (f', {ceiling:.0%} of the ceiling' if ceiling else ''), fontsize=9)
+  fig.suptitle('Where the time goes (blue: dots, orange: other thunks [kind], gray: outside '
+               'thunks)')
+  return _save(fig, path)
+
+
 FIGURES: tuple[Figure, ...] = (
     Figure('position_exactness', ('position_sweep',),
            lambda found, _: position_sweep_rows(found), position_exactness),
@@ -852,6 +884,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure('faults', ('faults',), lambda found, _: found['faults'], faults),
     Figure('bench', ('bench',), lambda found, _: found['bench'], bench),
     Figure('flywheel', ('flywheel',), lambda found, _: found['flywheel'], flywheel),
+    Figure('profile', ('profile',), lambda found, _: found['profile'], profile),
 )
 
 

@@ -113,8 +113,22 @@ def _flywheel_fixture() -> dict:
           'tasks': tasks, 'summary': summary}
 
 
+def _profile_fixture() -> dict:
+  """A made-up profile result in experiments/profile.py's shape."""
+  def phase(wall, dots):
+    return {'wall_s': wall, 'thunk_s': wall * 0.9, 'outside_thunks_s': wall * 0.1,
+            'dot_s': dots, 'dot_share': dots / (wall * 0.9),
+            'by_component': [{'component': 'FeedForward.__call__ > Dense.__call__', 's': dots,
+                              'share': 0.6},
+                             {'component': 'RMSNorm.__call__ [kLoop]', 's': 0.1, 'share': 0.1}]}
+  return {'config': {'engine_config': {'mode': 'spec'}, 'fixture': True},
+          'ceilings': {'matmul_gflops': 100.0, 'read_gbps': 10.0},
+          'prefill': {**phase(2.0, 1.4), 'fraction_of_matmul_ceiling': 0.6},
+          'decode': {**phase(1.5, 1.2), 'fraction_of_read_ceiling': 0.75}}
+
+
 def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True,
-                    store=True, bench=True, flywheel=True) -> None:
+                    store=True, bench=True, flywheel=True, profile=True) -> None:
   results.mkdir(parents=True, exist_ok=True)
   if sweeps:
     for rope_mode in ('float', 'quarter_turn', 'none'):
@@ -154,6 +168,8 @@ def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True
                         'lost': 0}}, 'faults')
   if bench:
     _write(results / 'bench_tiny_gemma3_float32.json', _bench_fixture(), 'bench')
+  if profile:
+    _write(results / 'profile_tiny_gemma3_float32_spec.json', _profile_fixture(), 'profile')
   if flywheel:
     _write(results / 'flywheel_tiny_gemma3_float32_arithmetic.json', _flywheel_fixture(),
            'flywheel')
@@ -275,7 +291,8 @@ def _ceiling_lines(ax) -> list[float]:
 
 def test_bench_figure_draws_skipped_systems_ceilings_and_ttft(tmp_path, monkeypatch):
   results = tmp_path / 'results'
-  _write_fixtures(results, sweeps=False, graft=False, rope=False, store=False, flywheel=False)
+  _write_fixtures(results, sweeps=False, graft=False, rope=False, store=False, flywheel=False,
+                  profile=False)
   drawn, fig = _draw_bench_only(results, tmp_path / 'figures', monkeypatch)
   png = tmp_path / 'figures' / 'bench.png'
   assert drawn['bench'] == png
