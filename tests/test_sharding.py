@@ -88,15 +88,24 @@ def test_pinned_engine_grafts_exactly_on_every_mesh(tmp_path):
     assert 'another engine configuration' in r['rows'][0]['carried_refused']
 
 
-def test_a_spec_artifact_made_on_one_device_grafts_exactly_on_two(tmp_path):
-  # The spec engine's fingerprint binds the arithmetic, not the mesh: the one-device artifact
-  # is accepted on model:2 (gather), and its graft is SHA-256 equal to that mesh's fresh
-  # logits, which equal one device's.
-  one, two = mesh_exactness(tmp_path, '--engine=spec', '--samples=2')
+def test_the_device_check_runs_both_engines_on_a_mesh_and_carries_spec_artifacts():
+  # experiments.device_check's mesh step (run on a host of several devices), here on
+  # tiny_gemma3 at two host devices: the pinned engine in both layouts and the spec engine,
+  # whose fingerprint binds the arithmetic, not the mesh: its one-device artifacts are accepted
+  # on model:2 and their grafts are SHA-256 equal to that mesh's fresh logits.
+  from experiments import device_check
+  assert [device_check.mesh_plan(n) for n in (1, 2, 3, 4, 7, 8, 16)] == [
+      None, 'model:2', 'model:2', 'model:4', 'model:4', 'model:8', 'model:8']
+  steps = device_check.mesh_steps('model:2', 2, ('--model=tiny_gemma3', '--weights=random:0',
+                                                 '--cache_len=2304'))
+  assert device_check.mesh_exact(steps), steps
+  one, two = steps['mesh_exactness_spec']['runs']
   assert (one['mesh'], two['mesh'], two['layout']) == ('', 'model:2', 'gather')
-  assert one['graft_equal'] == two['graft_equal'] == 2
-  assert two['equal_to_one_device'] == 2
-  assert two['carried_refused'] == 0 and two['carried_equal'] == 2, two
+  assert two['equal_to_one_device'] == 2 and two['carried_equal'] == 2, two
+  assert [r['carried_refused'] for r in steps['mesh_exactness_pinned']['runs']] == [0, 2, 2]
+  # A spec artifact that did not graft exactly on the mesh fails the check.
+  two['carried_equal'] = 1
+  assert not device_check.mesh_exact(steps)
 
 
 def test_two_jax_distributed_processes_graft_exactly_on_one_mesh(tmp_path):
