@@ -69,6 +69,13 @@ def _next_power_of_two(n: int) -> int:
   return 1 << max(0, n - 1).bit_length()
 
 
+@jax.jit
+def _transposed_table(table: jax.Array) -> jax.Array:
+  """The [D, V] float32 copy of a [V, D] table, in one pass over it (an eager transpose and
+  copy made two)."""
+  return table.astype(jnp.float32).T
+
+
 class Engine:
   """Runs a loaded model under an EngineConfig, through its plan (graft.engine.plans)."""
 
@@ -114,7 +121,7 @@ class Engine:
     abstract = isinstance(table, jax.ShapeDtypeStruct)  # an engine that lowers, never runs
     if self.numerics.output_table == 'transposed':
       self._output_table = (jax.ShapeDtypeStruct(table.shape[::-1], jnp.float32) if abstract
-                            else jnp.asarray(table.astype(jnp.float32).T.copy()))
+                            else _transposed_table(table))
 
     def head(params, output_table, hidden, rows):
       # hidden [B, T, D], rows [R] -> logits [1, R, V] of those rows of the B x T rows (row
