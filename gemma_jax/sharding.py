@@ -12,8 +12,11 @@ collectives.
 Two layouts (LAYOUTS), because where a contraction is split decides the bits:
 
   split    Megatron: row-parallel weights are split along their contraction, each device sums
-           its part and an all-reduce adds the parts. The sum's order follows the device count,
-           so results on 2 devices differ in their last bits from results on 1 or 4.
+           its part and an all-reduce adds the parts. Under XLA's own numerics the sum's order
+           follows the device count, so results on 2 devices differ in their last bits from
+           results on 1 or 4. The fixed-order numerics (pinned, spec) add their contraction
+           chunks' results in chunk order whichever device made them, and measured at two
+           devices they keep the one-device bits (docs/determinism.md, "Meshes").
   gather   no contraction is ever split: row-parallel weights are replicated and the activation
            entering them is gathered whole (`Numerics.whole`, a sharding constraint the model
            applies before every row-parallel projection, bound by the engine with
