@@ -39,8 +39,9 @@ class Op:
   def component(self) -> str:
     """The model code that made the op: up to two frames below the model's containers, e.g.
     'Attention.__call__ > Dense.__call__' (a projection) or 'FeedForward.__call__ >
-    Dense.__call__'; 'outside the model' for the engine's own ops (cache writes, logits
-    selection)."""
+    Dense.__call__'; for an op XLA made without a stack, the weight it reads
+    ('weight:layers.*.mlp.down_proj.w'); 'outside the model' for the engine's own ops (cache
+    writes, logits selection)."""
     if len(self.stack) == 1 and self.stack[0].startswith('weight:'):
       return self.stack[0]
     model = [frame.split(':', 1)[1] for frame in reversed(self.stack)
@@ -188,6 +189,7 @@ def read_dump(directory: str) -> dict[int, dict[str, Op]]:
 
 @dataclasses.dataclass(frozen=True)
 class Thunk:
+  """One executed thunk: its module's program id and name, its instruction, its seconds."""
   program: int
   module: str
   op: str
