@@ -76,13 +76,14 @@ def profile_in(scratch: str) -> None:
   run_decode()
   logging.info('measuring the ceilings')
   limits = ceilings.measure(repeats=FLAGS.repeats)
-  phases = {}
+  walls = {}
   for name, fn in (('prefill', run_prefill), ('decode', run_decode)):
     logging.info('tracing %s', name)
-    trace = os.path.join(scratch, name)
-    wall = traced(fn, trace)
-    phases[name] = profile.summarize(profile.read_trace(trace), profile.read_dump(dump), wall,
-                                     limits['matmul_gflops'])
+    walls[name] = traced(fn, os.path.join(scratch, name))
+  modules = profile.read_dump(dump)  # every executable both phases ran was compiled by now
+  phases = {name: profile.summarize(profile.read_trace(os.path.join(scratch, name)), modules,
+                                     wall, limits['matmul_gflops'])
+            for name, wall in walls.items()}
   prefill, decode = phases['prefill'], phases['decode']
   prefill['tokens'] = len(prompt)
   prefill['model_flops'] = cost.prefill_flops(loaded.config, len(prompt))

@@ -91,7 +91,8 @@ def test_format_2_artifacts_still_read(eng, tmp_path):
   seq, _ = eng.prefill(LIBRARY, logits='none')
   art = artifact.capture(eng, seq)
   path = tmp_path / 'v2'
-  orbax_util.save(str(path / 'state'), {orbax_util.stored_name(n): v for n, v in art.leaves.items()})
+  orbax_util.save(str(path / 'state'),
+                  {orbax_util.stored_name(n): v for n, v in art.leaves.items()})
   manifest = {**art.manifest, 'format': 'kv-graft-artifact/2',
               'leaves': artifact.describe(art.leaves, 'sha256'),
               'files': artifact.state_files(str(path), 'sha256')}

@@ -124,7 +124,8 @@ def save(path: str, engine: Engine, ctx: Context) -> dict:
   manifest['created'] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
   with atomic_directory(path) as staging:
     orbax_util.save_leaf_files(os.path.join(staging, STATE),
-                               {orbax_util.stored_name(name): leaf for name, leaf in art.leaves.items()})
+                               {orbax_util.stored_name(name): leaf
+                                for name, leaf in art.leaves.items()})
     manifest['files'] = state_files(staging)
     manifest['manifest_sha256'] = manifest_digest(manifest)
     with open(os.path.join(staging, MANIFEST), 'w') as f:
@@ -287,7 +288,8 @@ def _read_leaves(path: str, manifest: dict) -> tuple[dict[str, np.ndarray], dict
   hash_name = CONTENT_HASH[manifest['format']]
   leaf_files, arrays = {}, {}
   for name, meta in manifest['leaves'].items():
-    relative = os.path.join(STATE, orbax_util.leaf_file(orbax_util.stored_name(name), len(meta['shape'])))
+    relative = os.path.join(STATE, orbax_util.leaf_file(orbax_util.stored_name(name),
+                                                         len(meta['shape'])))
     dtype = _dtype(meta['dtype'])
     nbytes = int(np.prod(meta['shape'], dtype=np.int64)) * dtype.itemsize
     if expected.get(relative, {}).get('size') != nbytes:  # so nothing allocated exceeds the files
