@@ -27,6 +27,8 @@ from graft.store.artifact import differences
 
 HASHES = ('fresh_sha256', 'graft_sha256', 'continuation_sha256')
 # What of the environment decides the bits of a CPU run besides the engine config.
+# How a difference between a manifest and this machine reads: 'x: the manifest has 1, this machine 2'.
+_LABELS = ('the manifest has', 'this machine')
 _MACHINE_FIELDS = ('backend', 'machine', 'cpu_features', 'cpu_model', 'jax', 'jaxlib')
 
 
@@ -89,19 +91,19 @@ def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Eng
   engine, writer = Engine(loaded, engine_config), Engine(loaded, engine_config)
   if engine.model_fingerprint['sha256'] != manifest['model_fingerprint']['sha256']:
     raise ValueError('this machine loads a different model than the manifest was made with: '
-                     + '; '.join(differences(manifest['model_fingerprint'],
-                                              engine.model_fingerprint)))
+                     + '; '.join(differences(engine.model_fingerprint,
+                                              manifest['model_fingerprint'], labels=_LABELS)))
   if machine_independent(manifest):
     made_on = manifest['engine_fingerprint'].get('made_on', {})
     logging.info('a spec manifest made on %s %s; this machine passed the spec self-check',
                  made_on.get('cpu_model'), made_on.get('device_kind'))
     if engine.fingerprint['sha256'] != manifest['engine_fingerprint']['sha256']:
       logging.warning('the engine fingerprint differs from the manifest: %s', '; '.join(
-          d for d in differences(manifest['engine_fingerprint'], engine.fingerprint)
+          d for d in differences(engine.fingerprint, manifest['engine_fingerprint'], labels=_LABELS)
           if not d.startswith(('made_on', 'sha256'))))
     return engine, writer
-  environment = differences(manifest['engine_fingerprint'].get('environment'),
-                            engine.fingerprint['environment'])
+  environment = differences(engine.fingerprint['environment'],
+                            manifest['engine_fingerprint'].get('environment'), labels=_LABELS)
   if environment:
     logging.warning('engine environment differs from the manifest: %s', '; '.join(environment))
   return engine, writer

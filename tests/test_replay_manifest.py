@@ -39,3 +39,10 @@ def test_a_spec_manifest_is_chosen_whatever_machine_made_it(tmp_path):
   (tmp_path / 'ci_b.json').unlink()
   with pytest.raises(FileNotFoundError, match='none of .* was made on a machine like this one'):
     replay.select(str(tmp_path / 'ci_*.json'))
+
+
+def test_a_manifest_of_another_model_is_refused_naming_both_sides():
+  manifest = json.loads(CI_MANIFEST.read_text())
+  manifest['model_fingerprint']['sha256'] = '0' * 64
+  with pytest.raises(ValueError, match="sha256: the manifest has '0000000000.*', this machine '"):
+    replay.replay(manifest)

@@ -214,9 +214,9 @@ class Store:
         raise StoreError(f'{self.url}{_DESCRIPTION}: its {part} fingerprint does not hash to the '
                          'fields recorded beside it (altered?)')
     if theirs.get('namespace') != mine['namespace']:
-      diffs = [d.replace('the artifact has', 'the store has') for d in
-               differences({k: mine[k] for k in ('model', 'engine')},
-                           {k: theirs.get(k) for k in ('model', 'engine')})
+      diffs = [d for d in differences({k: mine[k] for k in ('model', 'engine')},
+                                      {k: theirs.get(k) for k in ('model', 'engine')},
+                                      labels=('the store has', 'expected'))
                if not d.endswith('sha256') and '.sha256:' not in d]
       raise StoreError(f'{self.url} was made under another model or engine configuration '
                        f'(namespace {str(theirs.get("namespace"))[:16]}..): '

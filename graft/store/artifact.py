@@ -189,17 +189,18 @@ def _check_files(path: str, expected: dict[str, dict], hash_name: str) -> None:
     _check_digest(path, name, hash_name, got[hash_name], expected[name][hash_name])
 
 
-def differences(expected, actual, prefix='') -> list[str]:
+def differences(expected, actual, prefix='', labels=('the artifact has', 'expected')) -> list[str]:
   """Readable differences between two JSON-like values, e.g.
-  ['engine_config.rows_per_call: the artifact has 8, expected 16']."""
+  ['engine_config.rows_per_call: the artifact has 8, expected 16']; `labels` name the actual
+  and the expected side."""
   if isinstance(expected, dict) and isinstance(actual, dict):
     out = []
     for key in sorted(set(expected) | set(actual)):
-      out += differences(expected.get(key), actual.get(key), f'{prefix}{key}.')
+      out += differences(expected.get(key), actual.get(key), f'{prefix}{key}.', labels)
     return out
   if expected == actual:
     return []
-  return [f'{prefix.rstrip(".")}: the artifact has {actual!r}, expected {expected!r}']
+  return [f'{prefix.rstrip(".")}: {labels[0]} {actual!r}, {labels[1]} {expected!r}']
 
 
 def _read_manifest(path: str) -> dict:
