@@ -95,6 +95,11 @@ KINDS: dict[str, Kind] = {
     # {"config", "report": {"backend", "device_kind", "steps": {name: {"status", "seconds",
     #  "tail", ...}}, "ok"}}
     'device_check': Kind(1, ('config', 'report'), 'the accelerator host check'),
+    # {"config": {"cpu", "qemu", "tokens", "replay_limit", "manifest", ...},
+    #  "report": {"emulator", "cpu", "another_machine", "spec_rsqrt_equal", "ok",
+    #             "steps": {name: {"command", "status", "seconds", "tail", "probe"|"summary"}}}}
+    'emulated_check': Kind(1, ('config', 'report'),
+                           'the spec engine on an emulated CPU of another vendor'),
     # {"config", "prompts": [{"name", "tokens", "argmax_agreement", "max_abs_over_max_logit",
     #  "continuation_equal"}], "summary"}
     'hf_parity': Kind(1, ('config', 'prompts', 'summary'),

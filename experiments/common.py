@@ -228,6 +228,22 @@ def write_result(path: str, kind: str, result: dict) -> dict:
   return tagged
 
 
+def run_step(command: list[str], timeout: int = 600, env: dict | None = None) -> dict:
+  """Runs one step of a check (a command, from the repository root, with it on PYTHONPATH);
+  returns {"command", "status" (exit status, or "timeout"), "seconds", "tail" (the last 4,000
+  characters it printed)}. A step that fails is recorded, not raised: the checks run the rest."""
+  start = time.perf_counter()
+  try:
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, 'PYTHONPATH': REPO, **(env or {})})
+    status, out = proc.returncode, proc.stdout + proc.stderr
+  except subprocess.TimeoutExpired as e:
+    status = 'timeout'
+    out = e.stdout.decode(errors='replace') if isinstance(e.stdout, bytes) else str(e.stdout or '')
+  return {'command': ' '.join(command), 'status': status, 'seconds': time.perf_counter() - start,
+          'tail': out[-4000:]}
+
+
 def median_seconds(fn, repeats: int) -> float:
   """Median wall time of `repeats` calls of fn, after one untimed warm-up (compilation)."""
   fn()

@@ -24,9 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 
 from absl import flags
 
@@ -42,20 +40,6 @@ def define_flags() -> None:
   flags.DEFINE_integer('mesh_samples', 4, 'Samples per mesh on a host of several devices.')
 
 
-def _run(command: list[str], timeout: int = 600, env: dict | None = None) -> dict:
-  start = time.perf_counter()
-  try:
-    proc = subprocess.run(command, cwd=common.REPO, capture_output=True, text=True,
-                          timeout=timeout,
-                          env={**os.environ, 'PYTHONPATH': common.REPO, **(env or {})})
-    status, out = proc.returncode, proc.stdout + proc.stderr
-  except subprocess.TimeoutExpired as e:
-    status, out = 'timeout', (e.stdout or b'').decode(errors='replace') if isinstance(
-        e.stdout, bytes) else str(e.stdout or '')
-  return {'command': ' '.join(command), 'status': status, 'seconds': time.perf_counter() - start,
-          'tail': out[-4000:]}
-
-
 def mesh_plan(devices: int) -> str | None:
   """The model mesh the check runs on a host of `devices` devices: the largest of 2, 4, 8 that
   fits (None on one device)."""
@@ -69,7 +53,7 @@ def mesh_steps(mesh: str, samples: int, model_flags: tuple[str, ...] = ()) -> di
   steps = {}
   for engine, layouts in (('pinned', 'gather,split'), ('spec', 'gather')):
     output = os.path.join('/tmp', f'device_check_mesh_{engine}_{os.getpid()}.json')
-    step = _run([sys.executable, '-m', 'experiments.mesh_exactness', *model_flags,
+    step = common.run_step([sys.executable, '-m', 'experiments.mesh_exactness', *model_flags,
                  f'--engine={engine}', f'--meshes=,{mesh}', f'--layouts={layouts}',
                  f'--samples={samples}', f'--output={output}'])
     if os.path.exists(output):
@@ -100,12 +84,13 @@ def main(argv):
   report = {'backend': jax.default_backend(), 'device_kind': device.device_kind,
             'devices': len(jax.devices()), 'jax': jax.__version__, 'steps': {}}
   steps = report['steps']
-  steps['kernel_tests'] = _run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
-                                '-k', 'pallas or kernel', 'tests/test_pallas_kernel.py'])
+  steps['kernel_tests'] = common.run_step([sys.executable, '-m', 'pytest', '-q', '-p',
+                                           'no:cacheprovider', '-k', 'pallas or kernel',
+                                           'tests/test_pallas_kernel.py'])
   for attention in ('xla', 'pallas'):
     name = f'graft_exactness_gemma3_270m_float32_{attention}_{kind}'
     output = os.path.join('/tmp', f'{name}.json')
-    steps[f'graft_exactness_{attention}'] = _run(
+    steps[f'graft_exactness_{attention}'] = common.run_step(
         [sys.executable, '-m', 'experiments.graft_exactness', f'--samples={FLAGS.samples}',
          '--engine=pinned', f'--attention={attention}', '--continuation_tokens=8',
          f'--output={output}',
@@ -117,15 +102,17 @@ def main(argv):
       steps[f'graft_exactness_{attention}']['hashes'] = [
           {k: s[k] for k in ('library_tokens', 'query_tokens', 'fresh_sha256', 'graft_sha256')}
           for s in result['samples']]
-  steps['replay_ci_manifest'] = _run([sys.executable, '-m', 'experiments.replay',
-                                      '--manifest=manifests/ci_gemma3_270m_float32.json'])
+  steps['replay_ci_manifest'] = common.run_step(
+      [sys.executable, '-m', 'experiments.replay',
+       '--manifest=manifests/ci_gemma3_270m_float32.json'])
   # The same CPU-made manifest with the spec engine's dots in the spec dot kernel (Triton, one
   # fma.rn.ftz.f32 per term) and XLA:GPU flushing subnormals as the spec does: equal hashes are
   # a CPU <-> GPU byte-exact graft; a refusal names the self-check probe that differs.
-  steps['replay_ci_manifest_spec_dot'] = _run(
-      [sys.executable, '-m', 'experiments.replay', '--manifest=manifests/ci_gemma3_270m_float32.json',
-       '--dot_library=pallas'], env={'XLA_FLAGS': '--xla_gpu_ftz=true'})
-  steps['lowering_summary'] = _run([sys.executable, '-m', 'graft.engine.lowering', 'gemma3_270m'])
+  steps['replay_ci_manifest_spec_dot'] = common.run_step(
+      [sys.executable, '-m', 'experiments.replay',
+       '--manifest=manifests/ci_gemma3_270m_float32.json', '--dot_library=pallas'], env={'XLA_FLAGS': '--xla_gpu_ftz=true'})
+  steps['lowering_summary'] = common.run_step(
+      [sys.executable, '-m', 'graft.engine.lowering', 'gemma3_270m'])
   mesh = mesh_plan(len(jax.devices()))
   meshes = mesh_steps(mesh, FLAGS.mesh_samples) if mesh else {}
   steps.update(meshes)

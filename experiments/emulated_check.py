@@ -1,0 +1,163 @@
+"""The spec engine on an emulated CPU of another vendor, for when no such machine is at hand.
+
+  python -m experiments.emulated_check                  # an AMD EPYC-Rome (Zen 2: AVX2, FMA)
+  python -m experiments.emulated_check --cpu=EPYC-Milan --replay_limit=4
+
+Runs this repository's checks under QEMU's user-mode emulator (`qemu-x86_64 -cpu CPU`, the
+Debian package qemu-user; 7.2 or later emulates AVX2 and FMA):
+
+1. a probe, here and emulated: the CPU XLA compiles for (the LLVM target in the IR of a small
+   jitted function) and the bits of XLA's reciprocal square root against the spec's 1 / sqrt.
+   A different target and different rsqrt bits show the emulated machine is not this one;
+2. experiments.spec_check on tiny Gemma 2, 3 and 4 past their sliding windows;
+3. experiments.replay of the first --replay_limit records of the committed spec CI manifest
+   (made on a real CPU; the embedded 270M, self-check included);
+4. everything to results/emulated_<cpu>.json, with what each step printed and its time.
+
+What emulation shows, and what not: XLA and Eigen choose their kernels for the emulated CPU
+model and its instruction set (no AVX-512), and QEMU executes every floating-point instruction
+in software, with its own results for the estimate instructions (rcpps, rsqrtps) whose bits
+each vendor defines. So it is another machine in everything XLA and the spec look at. It is not
+the other vendor's silicon: a hardware defect or an undocumented rounding of a real chip is not
+covered. Under qemu-user /proc/cpuinfo is the host's, so the `made_on` of the steps' own results
+name the host; this result records the emulated CPU. About 50 to 100 times slower than native.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from absl import flags
+
+from experiments import common
+
+FLAGS = flags.FLAGS
+
+CI_MANIFEST = 'manifests/ci_gemma3_270m_float32.json'
+TINY_MODELS = ('tiny_gemma2', 'tiny_gemma3', 'tiny_gemma4')
+
+
+def define_flags() -> None:
+  flags.DEFINE_string('cpu', 'EPYC-Rome', 'The CPU model QEMU emulates (qemu-x86_64 -cpu help).')
+  flags.DEFINE_string('qemu', 'qemu-x86_64', 'The QEMU user-mode emulator.')
+  flags.DEFINE_integer('tokens', 60, 'Tokens of each tiny model\'s spec_check (windows are 8).')
+  flags.DEFINE_integer('replay_limit', 1, 'Records of the CI manifest to replay (0: none).')
+  flags.DEFINE_integer('step_timeout', 7200, 'Seconds a step may take before it is recorded as '
+                       'timed out.')
+  flags.DEFINE_string('probe_only', None, 'Run only the probe, with XLA dumping to this folder, '
+                      'and write it there as probe.json (what the check runs here and emulated).')
+  flags.DEFINE_string('output', None, 'Result JSON (default results/emulated_<cpu>.json).')
+
+
+def probe(dump: str) -> dict:
+  """What XLA compiles for in this process (run with --xla_dump_to=`dump`), and the bits of its
+  reciprocal square root and of the spec engine's (1 / sqrt, gemma_jax.numerics.Spec) on
+  163,840 inputs, and whether the latter is the interpreter's: {"llvm_target_cpu", "avx512",
+  "xla_rsqrt_sha256", "spec_rsqrt_sha256", "spec_rsqrt_is_the_spec"}."""
+  import jax
+  import numpy as np
+  from gemma_jax import numerics
+  from gemma_jax.spec import binary32, functions
+  rng = np.random.default_rng(0)
+  x = rng.uniform(0.01, 100.0, (256, 640)).astype(np.float32)
+  xla = np.asarray(jax.jit(jax.lax.rsqrt)(x))
+  spec = np.asarray(jax.jit(lambda v, zero: numerics.Spec().with_zero(zero).rsqrt(v))(
+      x, np.uint32(0)))
+  # XLA:CPU dumps the target machine with each module: triple, CPU name, feature list.
+  topology = ''.join(open(p, errors='replace').read()
+                     for p in glob.glob(f'{dump}/*/topology.textproto'))
+  targets = set(re.findall(r'gnu\\022(?:\\\d{3}|\\[a-z]|.)([a-z][a-z0-9_-]*)\\032', topology))
+  sha = lambda a: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+  return {'llvm_target_cpu': ','.join(sorted(targets)), 'avx512': '+avx512f,' in topology,
+          'xla_rsqrt_sha256': sha(xla), 'spec_rsqrt_sha256': sha(spec),
+          'spec_rsqrt_is_the_spec': sha(spec) == sha(functions.rsqrt(binary32.OPS, x))}
+
+
+def probe_step(command: list[str], timeout: int = 7200) -> dict:
+  """Runs the probe as `command` (a python, emulated or not): run_step's record with the
+  probe's JSON under "probe" (None if it failed). Compiled afresh (no executable from the
+  cache), so that XLA dumps the target machine."""
+  dump = tempfile.mkdtemp(prefix='emulated_check_ir_')
+  step = common.run_step(command + ['-m', 'experiments.emulated_check', f'--probe_only={dump}',
+                                    '--nocompilation_cache'], timeout=timeout,
+                         env={'XLA_FLAGS': f'--xla_dump_to={dump}'})
+  path = os.path.join(dump, 'probe.json')
+  step['probe'] = None
+  if step['status'] == 0 and os.path.exists(path):
+    with open(path) as f:
+      step['probe'] = json.load(f)
+  shutil.rmtree(dump, ignore_errors=True)
+  return step
+
+
+def _qemu_version() -> str:
+  out = subprocess.run([FLAGS.qemu, '--version'], capture_output=True, text=True).stdout
+  return out.splitlines()[0] if out else ''
+
+
+def main(argv):
+  del argv
+  if FLAGS.probe_only:
+    with open(os.path.join(FLAGS.probe_only, 'probe.json'), 'w') as f:
+      json.dump(probe(FLAGS.probe_only), f)
+    return 0
+  if not shutil.which(FLAGS.qemu):
+    raise FileNotFoundError(f'--qemu={FLAGS.qemu}: not found (apt-get install qemu-user)')
+  emulate = [FLAGS.qemu, '-cpu', FLAGS.cpu, sys.executable]
+  # Executables compiled for another CPU are kept apart by JAX's cache key (the topology
+  # fingerprint holds the target machine); a folder of the run's own keeps the check clean.
+  cache = tempfile.mkdtemp(prefix='emulated_check_cache_')
+  env = {'GEMMA_JAX_COMPILATION_CACHE': cache}
+  steps = {'probe_here': probe_step([sys.executable], FLAGS.step_timeout),
+           'probe_emulated': probe_step(emulate, FLAGS.step_timeout)}
+  outputs = tempfile.mkdtemp(prefix='emulated_check_')
+  for model in TINY_MODELS:
+    output = os.path.join(outputs, f'{model}.json')
+    step = common.run_step(
+        emulate + ['-m', 'experiments.spec_check', f'--model={model}', '--weights=random:0',
+                   f'--tokens={FLAGS.tokens}', '--rows_per_call=16', '--cache_len=256',
+                   f'--output={output}'], timeout=FLAGS.step_timeout, env=env)
+    if os.path.exists(output):
+      with open(output) as f:
+        step['summary'] = json.load(f)['summary']
+    steps[f'spec_check_{model}'] = step
+    print(f'spec_check {model}: status {step["status"]}, {step["seconds"]:.0f} s', flush=True)
+  if FLAGS.replay_limit:
+    steps['replay_ci_manifest'] = common.run_step(
+        emulate + ['-m', 'experiments.replay', f'--manifest={CI_MANIFEST}',
+                   f'--limit={FLAGS.replay_limit}'], timeout=FLAGS.step_timeout, env=env)
+  shutil.rmtree(cache, ignore_errors=True)
+  shutil.rmtree(outputs, ignore_errors=True)
+  here, there = steps['probe_here']['probe'], steps['probe_emulated']['probe']
+  report = {
+      'emulator': _qemu_version(), 'cpu': FLAGS.cpu, 'steps': steps,
+      'another_machine': bool(here and there and (
+          here['llvm_target_cpu'] != there['llvm_target_cpu'] or
+          here['xla_rsqrt_sha256'] != there['xla_rsqrt_sha256'])),
+      'spec_rsqrt_equal': bool(here and there and
+                               here['spec_rsqrt_sha256'] == there['spec_rsqrt_sha256']),
+  }
+  report['ok'] = report['another_machine'] and all(s['status'] == 0 for s in steps.values())
+  output = FLAGS.output or os.path.join(
+      'results', f'emulated_{re.sub(r"[^a-z0-9]+", "_", FLAGS.cpu.lower())}.json')
+  common.write_result(output, 'emulated_check', {
+      'config': {'cpu': FLAGS.cpu, 'qemu': FLAGS.qemu, 'tokens': FLAGS.tokens,
+                 'replay_limit': FLAGS.replay_limit, 'manifest': CI_MANIFEST},
+      'report': report})
+  for name, step in steps.items():
+    print(f'{name}: status {step["status"]}, {step["seconds"]:.0f} s')
+  print(f'another machine: {report["another_machine"]}; all steps passed: {report["ok"]}')
+  return 0 if report['ok'] else 1
+
+
+if __name__ == '__main__':
+  define_flags()
+  common.run(main)

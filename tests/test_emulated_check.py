@@ -1,0 +1,53 @@
+"""experiments.emulated_check: the spec's bits on an emulated CPU of another vendor.
+
+Under QEMU (qemu-x86_64 -cpu EPYC-Rome: an AMD Zen 2 with AVX2 and FMA, no AVX-512) XLA compiles
+for that CPU model and QEMU computes every float instruction in software, its reciprocal square
+root estimate included. The spec engine's 1 / sqrt must give this machine's bits there, while
+XLA's own rsqrt is free to differ.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from experiments import emulated_check
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_the_probe_names_the_compiler_target_and_computes_the_spec_rsqrt():
+  step = emulated_check.probe_step([sys.executable])
+  assert step['status'] == 0, step['tail']
+  probe = step['probe']
+  assert probe['llvm_target_cpu'], 'no target CPU in the dumped topology'
+  assert probe['spec_rsqrt_is_the_spec']
+  assert len(probe['xla_rsqrt_sha256']) == 64
+
+
+def test_an_emulated_amd_cpu_computes_the_same_spec_bits():
+  if not shutil.which('qemu-x86_64'):
+    pytest.skip('qemu-x86_64 is not installed (apt-get install qemu-user)')
+  here = emulated_check.probe_step([sys.executable])['probe']
+  step = emulated_check.probe_step(['qemu-x86_64', '-cpu', 'EPYC-Rome', sys.executable])
+  assert step['status'] == 0, step['tail']
+  there = step['probe']
+  assert there['llvm_target_cpu'] == 'znver2' and not there['avx512']
+  assert there['spec_rsqrt_is_the_spec']
+  assert there['spec_rsqrt_sha256'] == here['spec_rsqrt_sha256']
+
+
+def test_a_missing_emulator_is_one_line_and_writes_nothing(tmp_path):
+  output = tmp_path / 'emulated.json'
+  result = subprocess.run(
+      [sys.executable, '-m', 'experiments.emulated_check', '--qemu=no-such-emulator',
+       f'--output={output}'], cwd=REPO, capture_output=True, text=True, timeout=120,
+      env={**os.environ, 'PYTHONPATH': str(REPO)})
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1] == (
+      'error: --qemu=no-such-emulator: not found (apt-get install qemu-user)')
+  assert not output.exists()
