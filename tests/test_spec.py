@@ -157,6 +157,18 @@ def test_the_self_check_catches_a_dot_of_another_order(monkeypatch):
   selfcheck._RESULTS.clear()
 
 
+def test_a_refused_engine_names_the_spec_dot_kernel(monkeypatch):
+  # An engine refused for its dots (here: attention's scores summed in reverse) says what
+  # computes them as FMA chains by construction.
+  reversed_scores = lambda self, q, k: jnp.einsum('bkjrh,bkjsh->bkjrs', q[..., ::-1],  # noqa
+                                                  k[..., ::-1])
+  monkeypatch.setattr(Spec, 'tile_scores', reversed_scores)
+  selfcheck._RESULTS.clear()
+  with pytest.raises(selfcheck.SpecError, match=r'attention .*--dot_library=pallas computes'):
+    Engine(weights.load('tiny_gemma3', 'random:0', 'float32'), SMALL)
+  selfcheck._RESULTS.clear()
+
+
 def test_the_fingerprint_binds_the_spec_not_the_machine(monkeypatch):
   loaded = weights.load('tiny_gemma3', 'random:0', 'float32')
   spec = Engine(loaded, SMALL)
