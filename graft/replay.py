@@ -19,6 +19,7 @@ import tempfile
 from absl import logging
 
 from gemma_jax import sharding, weights
+from gemma_jax.spec.selfcheck import SpecError
 from graft import exactness
 from graft.engine import Engine, EngineConfig, fingerprint
 from graft.knowledge.flywheel import Asker  # the decoding a flywheel run used
@@ -27,7 +28,7 @@ from graft.store.artifact import differences
 
 HASHES = ('fresh_sha256', 'graft_sha256', 'continuation_sha256')
 # What of the environment decides the bits of a CPU run besides the engine config.
-# How a difference between a manifest and this machine reads: 'x: the manifest has 1, this machine 2'.
+# A difference between a manifest and this machine reads 'x: the manifest has 1, this machine 2'.
 _LABELS = ('the manifest has', 'this machine')
 _MACHINE_FIELDS = ('backend', 'machine', 'cpu_features', 'cpu_model', 'jax', 'jaxlib')
 
@@ -76,7 +77,8 @@ def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Eng
   """Two separately constructed engines of the manifest's model and configuration, after
   checking that this machine loads the same model. A spec manifest's engine runs under this
   process's XLA_FLAGS and, if given, another `dot_library` (neither decides a bit there: the
-  self-check says whether this machine computes the spec under them)."""
+  self-check says whether this machine computes the spec under them). Where none is given and
+  the self-check refuses only the recorded library's dots, it runs on the spec dot kernel."""
   config = manifest['config']
   loaded = weights.load(config['model'], config['weights'], config['dtype'])
   # Manifests made before the config was named EngineConfig hold it under 'pinned'.
@@ -88,7 +90,15 @@ def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Eng
   elif dot_library:
     raise ValueError(f'dot library {dot_library!r}: only a spec manifest replays with another '
                      'dot library (the others\' bits follow it)')
-  engine, writer = Engine(loaded, engine_config), Engine(loaded, engine_config)
+  try:
+    engine = Engine(loaded, engine_config)
+  except SpecError as e:
+    if dot_library or engine_config.dot_library == 'pallas' or not e.in_dots_only:
+      raise
+    logging.warning('%s: replaying with the spec dot kernel instead', e)
+    engine_config = dataclasses.replace(engine_config, dot_library='pallas')
+    engine = Engine(loaded, engine_config)
+  writer = Engine(loaded, engine_config)
   if engine.model_fingerprint['sha256'] != manifest['model_fingerprint']['sha256']:
     raise ValueError('this machine loads a different model than the manifest was made with: '
                      + '; '.join(differences(engine.model_fingerprint,

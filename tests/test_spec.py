@@ -5,6 +5,7 @@ refuses a machine that does not, and the fingerprint binds the spec, not the mac
 Equality is equality of raw bits (int32 views), never a tolerance.
 """
 
+import dataclasses
 import fractions
 import json
 import os
@@ -166,6 +167,26 @@ def test_a_refused_engine_names_the_spec_dot_kernel(monkeypatch):
   selfcheck._RESULTS.clear()
   with pytest.raises(selfcheck.SpecError, match=r'attention .*--dot_library=pallas computes'):
     Engine(weights.load('tiny_gemma3', 'random:0', 'float32'), SMALL)
+  selfcheck._RESULTS.clear()
+
+
+def test_a_replay_refused_for_its_dots_runs_on_the_spec_dot_kernel(monkeypatch):
+  # XLA's attention dots made to differ from the spec; the kernel's path is left as it is.
+  from graft import replay
+  loaded = weights.load('tiny_gemma3', 'random:0', 'float32')
+  config = dataclasses.replace(SMALL, dot_library='pallas')
+  made = Engine(loaded, config)
+  manifest = {'config': {'model': 'tiny_gemma3', 'weights': 'random:0', 'dtype': 'float32',
+                         'engine_config': dataclasses.asdict(SMALL)},
+              'engine_fingerprint': made.fingerprint, 'model_fingerprint': made.model_fingerprint}
+  tile_scores = Spec.tile_scores
+  monkeypatch.setattr(Spec, 'tile_scores', lambda self, q, k: tile_scores(
+      self, q[..., ::-1], k[..., ::-1]) if self.dot is None else tile_scores(self, q, k))
+  selfcheck._RESULTS.clear()
+  engine, writer = replay._engine(manifest)
+  assert engine.engine_config.dot_library == writer.engine_config.dot_library == 'pallas'
+  with pytest.raises(selfcheck.SpecError, match='attention scores'):
+    replay._engine(manifest, dot_library='eigen')  # a library asked for is not replaced
   selfcheck._RESULTS.clear()
 
 

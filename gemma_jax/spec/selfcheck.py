@@ -26,7 +26,18 @@ from gemma_jax.spec import functions as fn
 
 
 class SpecError(ValueError):
-  """This machine (in this configuration) does not compute the written arithmetic."""
+  """This machine (in this configuration) does not compute the written arithmetic; `failures`
+  names each probe that differs."""
+
+  def __init__(self, message: str, failures: tuple[str, ...] = ()):
+    super().__init__(message)
+    self.failures = tuple(failures)
+
+  @property
+  def in_dots_only(self) -> bool:
+    """Whether only contractions differ (what a dot kernel of the spec's order replaces)."""
+    return bool(self.failures) and all(f.startswith(('matmul ', 'attention '))
+                                       for f in self.failures)
 
 
 class RowDependenceError(ValueError):
@@ -244,7 +255,7 @@ def run(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...],
                     f'{jax.device_count()} device(s), {intra_op_threads()} intra-op threads, '
                     f'XLA_FLAGS={_xla_flags()!r}): '
                     + '; '.join(failures[:6]) + (f'; and {len(failures) - 6} more'
-                                                  if len(failures) > 6 else ''))
+                                                  if len(failures) > 6 else ''), failures)
 
 
 _RESULTS: dict = {}

@@ -307,12 +307,13 @@ class Spec(Pinned):
                     head_dims=head_dims, tile=engine.attention_tile, kv_heads=1)
     except selfcheck.SpecError as e:
       if self.config.dot_library == 'pallas' or not any(
-          probe in str(e) for probe in ('matmul', 'attention')):
+          f.startswith(('matmul ', 'attention ')) for f in e.failures):
         raise
       # Where a library's dots are not FMA chains (XLA:CPU's Eigen on AVX2 machines without
       # AVX-512, docs/determinism.md), the spec dot kernel is, by construction.
       raise selfcheck.SpecError(f'{e}; --dot_library=pallas computes every dot with the spec '
-                                'dot kernel (sequential FMA by construction)') from None
+                                'dot kernel (sequential FMA by construction)',
+                                e.failures) from None
 
   def fingerprint(self, engine) -> dict:
     from graft.engine import fingerprint
