@@ -27,9 +27,9 @@ from graft.store.artifact import differences
 
 
 HASHES = ('fresh_sha256', 'graft_sha256', 'continuation_sha256')
-# What of the environment decides the bits of a CPU run besides the engine config.
 # A difference between a manifest and this machine reads 'x: the manifest has 1, this machine 2'.
 _LABELS = ('the manifest has', 'this machine')
+# What of the environment decides the bits of a CPU run besides the engine config.
 _MACHINE_FIELDS = ('backend', 'machine', 'cpu_features', 'cpu_model', 'jax', 'jaxlib')
 
 
