@@ -54,8 +54,8 @@ def mesh_steps(mesh: str, samples: int, model_flags: tuple[str, ...] = ()) -> di
   for engine, layouts in (('pinned', 'gather,split'), ('spec', 'gather')):
     output = os.path.join('/tmp', f'device_check_mesh_{engine}_{os.getpid()}.json')
     step = common.run_step([sys.executable, '-m', 'experiments.mesh_exactness', *model_flags,
-                 f'--engine={engine}', f'--meshes=,{mesh}', f'--layouts={layouts}',
-                 f'--samples={samples}', f'--output={output}'])
+                            f'--engine={engine}', f'--meshes=,{mesh}', f'--layouts={layouts}',
+                            f'--samples={samples}', f'--output={output}'])
     if os.path.exists(output):
       with open(output) as f:
         step['runs'] = [{k: v for k, v in r.items() if k != 'rows'} for r in json.load(f)['runs']]
@@ -110,7 +110,8 @@ def main(argv):
   # a CPU <-> GPU byte-exact graft; a refusal names the self-check probe that differs.
   steps['replay_ci_manifest_spec_dot'] = common.run_step(
       [sys.executable, '-m', 'experiments.replay',
-       '--manifest=manifests/ci_gemma3_270m_float32.json', '--dot_library=pallas'], env={'XLA_FLAGS': '--xla_gpu_ftz=true'})
+       '--manifest=manifests/ci_gemma3_270m_float32.json', '--dot_library=pallas'],
+      env={'XLA_FLAGS': '--xla_gpu_ftz=true'})
   steps['lowering_summary'] = common.run_step(
       [sys.executable, '-m', 'graft.engine.lowering', 'gemma3_270m'])
   mesh = mesh_plan(len(jax.devices()))
