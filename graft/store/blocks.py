@@ -30,8 +30,8 @@ Block object (immutable):
 The header holds the format, namespace, key, parent, start index, token ids and, per leaf, its
 name, dtype, shape, byte offset and content hash: BLAKE3 in kv-graft-block/3 (written), SHA-256
 in kv-graft-block/2 (still read); gemma_jax/digest.py says why. Leaves are `layer_{i}/k`,
-`layer_{i}/v` [T, K, H] for every cache-owning layer, global layers first: the rows a graft reads from a block far
-behind its end (global layers only) are one byte range.
+`layer_{i}/v` [T, K, H] for every cache-owning layer, global layers first: the rows a graft
+reads from a block far behind its end (global layers only) are one byte range.
 
 Index entry: the small immutable record that publishes an object under its parent
 (`index/<parent>/<key>`): format, key, parent, start, tokens, the object's name and size and the
