@@ -1,0 +1,93 @@
+// One instruction set's chains (chains.h), compiled once per path with its own flags:
+//   -DGEMMA_SPEC_ISA=avx512    -mavx512f -mfma
+//   -DGEMMA_SPEC_ISA=avx2      -mavx2 -mfma
+//   -DGEMMA_SPEC_ISA=neon      (aarch64; NEON is part of the base instruction set)
+//   -DGEMMA_SPEC_ISA=portable  no vector extension: one scalar std::fma per term (correctly
+//                              rounded by definition; a software routine on an x86 without FMA)
+// Each path exports gemma_spec_panel_<isa> and gemma_spec_stream_<isa> (chains.h). Every build uses -ffp-contract=off and no fast-math:
+// the only fused operations are the FMAs written here.
+#include <cmath>
+#include <cstdint>
+
+#include "chains.h"
+
+#define GEMMA_SPEC_CAT2(a, b) a##b
+#define GEMMA_SPEC_CAT(a, b) GEMMA_SPEC_CAT2(a, b)
+
+#if GEMMA_SPEC_ISA_avx512
+#include <immintrin.h>
+namespace {
+struct V {
+  using T = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kVectors = 4;  // 4 x 4 accumulators + 4 loads of the 32 registers
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T splat(float x) { return _mm512_set1_ps(x); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+};
+}  // namespace
+#define GEMMA_SPEC_NAME avx512
+#elif GEMMA_SPEC_ISA_avx2
+#include <immintrin.h>
+namespace {
+struct V {
+  using T = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kVectors = 2;  // 4 x 2 accumulators of the 16 registers
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static T splat(float x) { return _mm256_set1_ps(x); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+};
+}  // namespace
+#define GEMMA_SPEC_NAME avx2
+#elif GEMMA_SPEC_ISA_neon
+#include <arm_neon.h>
+namespace {
+struct V {
+  using T = float32x4_t;
+  static constexpr int kLanes = 4;
+  static constexpr int kVectors = 4;
+  static T zero() { return vdupq_n_f32(0.0f); }
+  static T load(const float* p) { return vld1q_f32(p); }
+  static void store(float* p, T v) { vst1q_f32(p, v); }
+  static T splat(float x) { return vdupq_n_f32(x); }
+  static T fma(T a, T b, T c) { return vfmaq_f32(c, a, b); }  // c + a * b, fused
+  static T add(T a, T b) { return vaddq_f32(a, b); }
+};
+}  // namespace
+#define GEMMA_SPEC_NAME neon
+#elif GEMMA_SPEC_ISA_portable
+namespace {
+struct V {
+  using T = float;
+  static constexpr int kLanes = 1;
+  static constexpr int kVectors = 4;
+  static T zero() { return 0.0f; }
+  static T load(const float* p) { return *p; }
+  static void store(float* p, T v) { *p = v; }
+  static T splat(float x) { return x; }
+  static T fma(T a, T b, T c) { return std::fma(a, b, c); }
+  static T add(T a, T b) { return a + b; }
+};
+}  // namespace
+#define GEMMA_SPEC_NAME portable
+#else
+#error "define GEMMA_SPEC_ISA_<avx512|avx2|neon|portable>=1"
+#endif
+
+extern "C" void GEMMA_SPEC_CAT(gemma_spec_panel_, GEMMA_SPEC_NAME)(
+    const gemma_spec::Problem* p, int64_t row0, int64_t rows, int64_t col0, int64_t width) {
+  gemma_spec::Panel<V, V::kVectors>(*p, row0, rows, col0, width);
+}
+
+extern "C" void GEMMA_SPEC_CAT(gemma_spec_stream_, GEMMA_SPEC_NAME)(
+    const gemma_spec::Problem* p, int64_t row0, int64_t rows, int64_t col0, int64_t width,
+    float* part) {
+  gemma_spec::Stream<V>(*p, row0, rows, col0, width, part);
+}

@@ -1,0 +1,128 @@
+"""Builds the native contraction kernels (gemma_jax/kernels/csrc) on first use, cached.
+
+    path = native_build.library()             # compiled once per content key, then reused
+
+Why on first use and not at `pip install`: the kernels need only a C++17 compiler and the XLA
+FFI headers that jaxlib ships, so compiling them where they run keeps `pip install -e .` a pure
+Python install (no build isolation that downloads jaxlib again, nothing to rebuild after an
+editable change of a .py file), and a machine without a compiler still installs and runs the
+Eigen path. The library is cached under $GEMMA_JAX_CACHE/native/<key>, the key a SHA-256 of
+everything that goes into it: the sources, the compiler's identity (its --version), the flags,
+the jaxlib version and the machine architecture. A changed source or compiler is a new key, so
+a stale library is never loaded. Concurrent first uses (test workers) each compile into a
+staging folder and the first rename wins.
+
+One object per instruction-set path (isa.cc, with its flags), all linked into one library; the
+kernel picks a path per call from the CPU (ffi.cc). Every object is compiled with
+-ffp-contract=off and without fast-math: the only fused operations are the FMAs in the source.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+from gemma_jax.checkpoints.param_cache import cache_root
+
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'csrc')
+SOURCES = ('chains.h', 'isa.cc', 'ffi.cc')
+LIBRARY = 'libgemma_spec.so'
+COMMON_FLAGS = ('-O3', '-std=c++17', '-fPIC', '-ffp-contract=off', '-fno-fast-math',
+                '-Wall')
+# path name -> its compiler flags, per machine architecture.
+PATHS = {
+    'x86_64': {'portable': (), 'avx2': ('-mavx2', '-mfma'), 'avx512': ('-mavx512f', '-mfma')},
+    'aarch64': {'portable': (), 'neon': ()},
+}
+
+
+class BuildError(RuntimeError):
+  """The native kernels cannot be built here; the message names what is missing."""
+
+
+def compiler() -> str:
+  """The C++ compiler: $CXX, else g++, else c++ (BuildError where none is found)."""
+  for name in filter(None, (os.environ.get('CXX'), 'g++', 'c++', 'clang++')):
+    found = shutil.which(name)
+    if found:
+      return found
+  raise BuildError('the native spec kernels need a C++17 compiler: none found ($CXX, g++, c++, '
+                   'clang++); install g++ or use --dot_library=eigen')
+
+
+def _architecture() -> str:
+  machine = platform.machine().lower()
+  arch = {'amd64': 'x86_64', 'arm64': 'aarch64'}.get(machine, machine)
+  if arch not in PATHS:
+    raise BuildError(f'the native spec kernels have no paths for a {machine} CPU '
+                     f'(known: {", ".join(PATHS)}); use --dot_library=eigen')
+  return arch
+
+
+def _include_dir() -> str:
+  import jax
+  return jax.ffi.include_dir()
+
+
+def build_key() -> str:
+  """The SHA-256 of everything the library is made of (see the module doc)."""
+  import jaxlib
+  cxx = compiler()
+  h = hashlib.sha256()
+  for name in SOURCES:
+    with open(os.path.join(SOURCE_DIR, name), 'rb') as f:
+      h.update(name.encode() + b'\0' + f.read() + b'\0')
+  version = subprocess.run([cxx, '--version'], capture_output=True, text=True).stdout
+  arch = _architecture()
+  h.update(repr((version, COMMON_FLAGS, PATHS[arch], jaxlib.__version__, arch)).encode())
+  return h.hexdigest()
+
+
+def _run(command: list[str]) -> None:
+  done = subprocess.run(command, capture_output=True, text=True)
+  if done.returncode:
+    last = (done.stderr.strip().splitlines() or ['(no output)'])[-1]
+    raise BuildError(f'compiling the native spec kernels failed ({os.path.basename(command[0])}'
+                     f' exit {done.returncode}): {last}')
+
+
+def _compile(directory: str) -> None:
+  cxx, include, arch = compiler(), _include_dir(), _architecture()
+  common = [*COMMON_FLAGS, '-isystem', include, f'-I{SOURCE_DIR}']
+  objects = []
+  for name, flags in PATHS[arch].items():
+    obj = os.path.join(directory, f'isa_{name}.o')
+    _run([cxx, *common, *flags, f'-DGEMMA_SPEC_ISA_{name}=1', '-c',
+          os.path.join(SOURCE_DIR, 'isa.cc'), '-o', obj])
+    objects.append(obj)
+  obj = os.path.join(directory, 'ffi.o')
+  _run([cxx, *common, '-c', os.path.join(SOURCE_DIR, 'ffi.cc'), '-o', obj])
+  _run([cxx, '-shared', '-o', os.path.join(directory, LIBRARY), obj, *objects, '-lpthread'])
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> str:
+  """The path of the compiled library, building it on first use (BuildError, naming what is
+  missing, where it cannot be built)."""
+  key = build_key()
+  target = os.path.join(cache_root(), 'native', key[:32])
+  path = os.path.join(target, LIBRARY)
+  if os.path.exists(path):
+    return path
+  os.makedirs(os.path.dirname(target), exist_ok=True)
+  staging = tempfile.mkdtemp(prefix='.build-', dir=os.path.dirname(target))
+  try:
+    _compile(staging)
+    try:
+      os.rename(staging, target)
+    except OSError:
+      if not os.path.exists(path):  # not another process's finished build
+        raise
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+  return path

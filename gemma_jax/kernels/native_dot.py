@@ -1,0 +1,152 @@
+"""The written arithmetic's contractions as native CPU kernels behind XLA's FFI.
+
+    dot = make_native_dot()                    # the best path of this CPU
+    y = dot.matmul(x, w, chunk)                # x [M, K] @ w [K, N], chunks of `chunk` terms
+    s = dot.tile_scores(q, k, chunk)           # q [B, K, R, H] . k [B, K, n, S, H]
+    o = dot.tile_values(p, v)                  # p [B, K, n, R, S] @ v [B, K, n, S, H]
+
+Each output is the spec's chain (docs/determinism.md): per contraction chunk, acc = fma(a, b,
+acc) with k in order from +0, the chunk results added in chunk order; subnormals flushed. The
+loops are ours (gemma_jax/kernels/csrc), so no library chooses an order: a vector lane only
+holds independent outputs, and threads split rows and columns, never a contraction. The result
+is the same on every path (AVX-512, AVX2+FMA, NEON, portable std::fma) and at every thread
+count, which tests/test_native_dot.py checks against gemma_jax.spec.binary32.
+
+The path is chosen when the kernel is made: $GEMMA_JAX_NATIVE_ISA (auto, portable, avx2, avx512,
+neon) forces one; otherwise the best the CPU has, capped by XLA's own cap where
+XLA_FLAGS sets --xla_cpu_max_isa (SSE4_2 or AVX: the portable path; AVX2: avx2). Neither the
+path nor the thread count decides a bit, so neither is in the engine fingerprint.
+
+The kernels are compiled on first use (gemma_jax.kernels.native_build) and registered with XLA
+as CPU custom calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ISAS = ('auto', 'portable', 'avx2', 'avx512', 'neon')  # the index is the kernel's `isa` code
+ISA_VARIABLE = 'GEMMA_JAX_NATIVE_ISA'
+_TARGETS = {'gemma_spec_matmul': 'GemmaSpecMatmul', 'gemma_spec_matmul_packed': 'GemmaSpecMatmulPacked',
+            'gemma_spec_scores': 'GemmaSpecScores', 'gemma_spec_values': 'GemmaSpecValues'}
+PANEL = 64  # columns of a packed weight panel (ffi.cc kPanel)
+# --xla_cpu_max_isa -> the most this kernel uses under it.
+_XLA_CAPS = {'SSE4_2': 'portable', 'AVX': 'portable', 'AVX2': 'avx2'}
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+  """The compiled kernels, loaded and registered with XLA once per process."""
+  from gemma_jax.kernels import native_build
+  lib = ctypes.cdll.LoadLibrary(native_build.library())
+  for target, symbol in _TARGETS.items():
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform='cpu')
+  lib.gemma_spec_resolve.restype = ctypes.c_int64
+  lib.gemma_spec_resolve.argtypes = [ctypes.c_int64]
+  return lib
+
+
+def resolve(isa: str) -> str:
+  """The path `isa` runs on this CPU ('auto': the best); ValueError where it cannot run here."""
+  if isa not in ISAS:
+    raise ValueError(f'unknown native kernel path {isa!r}; expected one of {ISAS}')
+  code = _library().gemma_spec_resolve(ISAS.index(isa))
+  if code < 0:
+    raise ValueError(f'this CPU cannot run the native kernel path {isa!r}')
+  return ISAS[code]
+
+
+def available_paths() -> tuple[str, ...]:
+  """The paths this CPU runs (portable always)."""
+  lib = _library()
+  return tuple(name for i, name in enumerate(ISAS) if i and lib.gemma_spec_resolve(i) == i)
+
+
+def default_isa() -> str:
+  """$GEMMA_JAX_NATIVE_ISA, else XLA's --xla_cpu_max_isa cap, else 'auto'."""
+  forced = os.environ.get(ISA_VARIABLE)
+  if forced:
+    return forced
+  from gemma_jax.sharding import xla_flags
+  cap = re.search(r'--xla_cpu_max_isa=(\w+)', xla_flags())
+  return _XLA_CAPS.get(cap.group(1).upper(), 'auto') if cap else 'auto'
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeDot:
+  """The spec's contractions on `isa` (a name in ISAS, resolved on this CPU) in up to `parts`
+  work items at once (0: as many as XLA's intra-op thread pool has threads). Neither decides a
+  bit."""
+
+  isa: str = 'auto'
+  parts: int = 0
+
+  def _call(self, target, out_shape, *args, **attrs):
+    _library()
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32))(
+        *args, isa=np.int64(ISAS.index(self.isa)), parts=np.int64(self.parts),
+        **{k: np.int64(v) for k, v in attrs.items()})
+
+  def matmul(self, x: jax.Array, w: jax.Array, chunk: int) -> jax.Array:
+    """x [M, K] @ w [K, N] (float32) over chunks of `chunk` terms added in chunk order."""
+    _check_f32(x, w)
+    return self._call('gemma_spec_matmul', (x.shape[0], w.shape[1]), x, w, chunk=chunk)
+
+  def packs(self, k: int, n: int) -> bool:
+    """Whether a [k, n] weight is kept packed (`pack`): whole panels only."""
+    return n % PANEL == 0
+
+  def matmul_packed(self, x: jax.Array, panels: jax.Array, chunk: int) -> jax.Array:
+    """x [M, K] @ the weight `pack` made `panels` from -> [M, N], bit for bit `matmul`'s."""
+    _check_f32(x, panels)
+    return self._call('gemma_spec_matmul_packed', (x.shape[0], panels.shape[0] * PANEL), x,
+                      panels, chunk=chunk)
+
+  def tile_scores(self, q: jax.Array, k: jax.Array, chunk: int) -> jax.Array:
+    """q [B, K, R, H] . k [B, K, n, S, H] -> [B, K, n, R, S]: every tile's scores against the
+    same rows, contracted over H in chunks of `chunk`."""
+    _check_f32(q, k)
+    b, kv, r, h = q.shape
+    n, s = k.shape[2], k.shape[3]
+    out = self._call('gemma_spec_scores', (b * kv, n, r, s), q.reshape(b * kv, r, h),
+                     k.reshape(b * kv, n, s, h), chunk=chunk)
+    return out.reshape(b, kv, n, r, s)
+
+  def tile_values(self, p: jax.Array, v: jax.Array) -> jax.Array:
+    """p [B, K, n, R, S] @ v [B, K, n, S, H] -> [B, K, n, R, H], one chain over a tile's S
+    slots."""
+    _check_f32(p, v)
+    b, kv, n, r, s = p.shape
+    h = v.shape[-1]
+    out = self._call('gemma_spec_values', (b * kv, n, r, h), p.reshape(b * kv, n, r, s),
+                     v.reshape(b * kv, n, s, h))
+    return out.reshape(b, kv, n, r, h)
+
+
+def pack(w: jax.Array) -> jax.Array:
+  """A [K, N] weight (N a multiple of PANEL) as column panels [N / PANEL, K, PANEL]: panel j holds
+  columns [j PANEL, (j + 1) PANEL), each term's PANEL columns contiguous, so that a call reads a
+  weight as one contiguous run per panel whatever its row count (a layout, not a value: the
+  products and their order are `matmul`'s)."""
+  k, n = w.shape
+  return w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
+
+
+def _check_f32(*arrays):
+  for a in arrays:
+    if a.dtype != jnp.float32:
+      raise ValueError(f'the native spec kernels are binary32; got {a.dtype}')
+
+
+def make_native_dot(isa: str | None = None, parts: int = 0) -> NativeDot:
+  """The native kernels on `isa` (None: `default_isa()`), resolved on this CPU: builds and loads
+  them on first use (native_build.BuildError where this machine cannot)."""
+  return NativeDot(isa=resolve(default_isa() if isa is None else isa), parts=parts)
