@@ -68,8 +68,8 @@ class Dense(nnx.Module):
 
   def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
     batch = x.shape[:x.ndim - len(self.in_shape)]
-    w = self.w[...].reshape(math.prod(self.in_shape), math.prod(self.out_shape))
-    y = numerics.matmul(x.reshape(-1, w.shape[0]), w)
+    k, n = math.prod(self.in_shape), math.prod(self.out_shape)
+    y = numerics.dense(x.reshape(-1, k), self.w[...], k, n)  # w as the engine stores it
     return y.reshape(batch + self.out_shape)
 
 

@@ -197,6 +197,27 @@ def bind(params: Params, config: TransformerConfig) -> Transformer:
   return nnx.merge(graphdef, params)
 
 
+def store_weights(params: Params, config: TransformerConfig, numerics: Numerics) -> Params:
+  """params with every dense projection's weight in the form `numerics.dense` reads it
+  (`numerics.stored`: the native kernels' column panels; unchanged for every other numerics).
+  Concrete or abstract (jax.ShapeDtypeStruct) leaves."""
+  module = bind(params, config)
+  for _, node in nnx.iter_graph(module):
+    if isinstance(node, Dense):
+      k, n = math.prod(node.in_shape), math.prod(node.out_shape)
+      if numerics.packs(k, n):  # else kept as the parameter it is
+        w = node.w.value
+        node.w.value = (jax.eval_shape(_packed, w, k, n) if isinstance(w, jax.ShapeDtypeStruct)
+                        else _packed(w, k, n))
+  return nnx.to_pure_dict(nnx.state(module))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _packed(w: jax.Array, k: int, n: int) -> jax.Array:
+  from gemma_jax.kernels import native_dot
+  return native_dot.pack(w.reshape(k, n))
+
+
 def forward(params: Params, config: TransformerConfig, tokens: jax.Array, positions: jax.Array,
             kv: kvs.KVState, attention_fn: AttendFn = attend,
             numerics: Numerics = XLA) -> tuple[jax.Array, kvs.KVState]:

@@ -116,6 +116,22 @@ class Numerics:
     """x [M, K] @ w [K, N]."""
     return x @ w
 
+  def packs(self, k: int, n: int) -> bool:
+    """Whether a [k, n] weight is stored in a dot kernel's panel layout (`stored`)."""
+    return False
+
+  def stored(self, w: jax.Array) -> jax.Array:
+    """A [K, N] weight in the form `dense` reads it (an engine stores its weights so, once)."""
+    if not self.packs(*w.shape):
+      return w
+    from gemma_jax.kernels import native_dot
+    return native_dot.pack(w)
+
+  def dense(self, x: jax.Array, w: jax.Array, k: int, n: int) -> jax.Array:
+    """x [M, k] @ a weight of k x n values as stored (a parameter of any shape holding them in
+    [k, n] order, or `stored`'s form)."""
+    return self.matmul(x, w.reshape(k, n))
+
   # The layout of the output table `logits` reads: 'tied' (the embedding table [V, D] itself) or
   # 'transposed' (a [D, V] copy the engine makes once, `output_table`).
   output_table: ClassVar[str] = 'tied'
@@ -126,9 +142,9 @@ class Numerics:
     return rows @ table.T
 
   def tile_scores(self, q: jax.Array, k: jax.Array) -> jax.Array:
-    """Attention scores per KV tile: q [B, K, n, R, H] . k [B, K, n, S, H] -> [B, K, n, R, S]
-    (gemma_jax.tiled_attention)."""
-    return jnp.einsum('bkjrh,bkjsh->bkjrs', q, k)
+    """Attention scores per KV tile: q [B, K, R, H] . k [B, K, n, S, H] -> [B, K, n, R, S]
+    (gemma_jax.tiled_attention): the same rows against every tile."""
+    return jnp.einsum('bkjrh,bkjsh->bkjrs', _per_tile(q, k), k)
 
   def tile_values(self, p: jax.Array, v: jax.Array) -> jax.Array:
     """Probabilities times values per KV tile: p [B, K, n, R, S] . v [B, K, n, S, H] ->
@@ -245,6 +261,12 @@ class FixedOrder(Numerics):
     return self.barrier(jnp.sin(angles)), self.barrier(jnp.cos(angles))
 
 
+def _per_tile(q: jax.Array, k: jax.Array) -> jax.Array:
+  """q [B, K, R, H] broadcast to every tile of k [B, K, n, S, H]: one dot per tile (XLA would
+  otherwise merge the tiles into one wide dot, whose bits, for few rows, differ)."""
+  return jnp.broadcast_to(q[:, :, None], k.shape[:3] + q.shape[-2:])
+
+
 class _SpecOps:
   """The operations of gemma_jax.spec.functions as XLA ops: every product is materialized (no
   FMA contraction with a later add) and every divisor too (XLA cannot turn a division by a
@@ -291,11 +313,13 @@ class Spec(FixedOrder):
   contracted with an add outside a dot, and the logits as a chunked dot against a transposed
   copy of the embedding table. float32 only.
 
-  dot: what computes the dots, each output one sequential FMA chain over at most k_chunk terms:
-  None for XLA's own dot (Eigen on XLA:CPU, which does so for these sizes: the self-check says
-  where), or a kernel with the signature [J, M, C] @ [J, C, N] (gemma_jax.kernels.spec_dot, for
-  platforms whose library dots do not). It decides no bit, so it is not part of the value's
-  identity (`describe`)."""
+  dot: what computes the contractions, each output one sequential FMA chain per chunk of at most
+  k_chunk terms: None for XLA's own dot (Eigen on XLA:CPU, which does so for these sizes on some
+  CPUs: the self-check says where), or a kernel object with `matmul(x, w, chunk)`,
+  `tile_scores(q, k, chunk)`, `tile_values(p, v)`, `packs(k, n)` and `matmul_packed(x, panels,
+  chunk)`: the native CPU kernels (gemma_jax.kernels.native_dot) or the Pallas kernel
+  (gemma_jax.kernels.spec_dot, for accelerators). It decides no bit, so it is not part of the
+  value's identity (`describe`); weights it `packs` are stored in its panel layout."""
 
   name: ClassVar[str] = 'spec'
   output_table: ClassVar[str] = 'transposed'
@@ -305,44 +329,47 @@ class Spec(FixedOrder):
   def _ops(self):
     return _SpecOps(self)
 
+  def chunk(self, k: int) -> int:
+    """The contraction chunk of a dot over k terms (all of them up to k_chunk)."""
+    return chunk_size(k, self.k_chunk) if k > self.k_chunk else k
+
   def matmul(self, x, w):
     k, n = w.shape
     if self.dot is None or k * n <= self.small:
       return super().matmul(x, w)
-    c = chunk_size(k, self.k_chunk) if k > self.k_chunk else k
-    parts = self.dot(x.reshape(-1, k // c, c).transpose(1, 0, 2), w.reshape(k // c, c, n))
-    acc = parts[0]
-    for i in range(1, k // c):
-      acc = acc + parts[i]
-    return acc
+    return self.dot.matmul(x, w, self.chunk(k))
+
+  def packs(self, k, n):
+    return (self.dot is not None and self.mesh is None and k * n > self.small
+            and self.dot.packs(k, n))
+
+  def dense(self, x, w, k, n):
+    if self.packs(k, n):
+      return self.dot.matmul_packed(x, w, self.chunk(k))
+    return self.matmul(x, w.reshape(k, n))
 
   def product(self, a, b):
     return self.materialize(a * b)
 
   def logits(self, table, rows):
-    return self.matmul(rows, table)  # table: the [D, V] output table
+    # table: the [D, V] output table as the engine stores it (`stored`).
+    d = rows.shape[-1]
+    return self.dense(rows, table, d, table.size // d)
 
   def tile_scores(self, q, k):
+    if self.dot is not None:
+      return self.dot.tile_scores(q, k, self.chunk(q.shape[-1]))
     h = q.shape[-1]  # contracted over chunks of at most k_chunk, added in order
-    c = chunk_size(h, self.k_chunk) if h > self.k_chunk else h
+    c = self.chunk(h)
+    q = _per_tile(q, k)
     acc = None
     for j in range(h // c):
-      qj, kj = q[..., j * c:(j + 1) * c], k[..., j * c:(j + 1) * c]
-      if self.dot is None:
-        part = jnp.einsum('bkjrh,bkjsh->bkjrs', qj, kj)
-      else:
-        part = self._batched(qj, jnp.swapaxes(kj, -1, -2))
+      part = jnp.einsum('bkjrh,bkjsh->bkjrs', q[..., j * c:(j + 1) * c], k[..., j * c:(j + 1) * c])
       acc = part if acc is None else acc + part
     return acc
 
   def tile_values(self, p, v):
-    return super().tile_values(p, v) if self.dot is None else self._batched(p, v)
-
-  def _batched(self, a, b):
-    """a [..., M, C] . b [..., C, N] through the dot kernel."""
-    lead = a.shape[:-2]
-    out = self.dot(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
-    return out.reshape(*lead, *out.shape[-2:])
+    return super().tile_values(p, v) if self.dot is None else self.dot.tile_values(p, v)
 
   def mean_square(self, x):
     ops = self._ops()

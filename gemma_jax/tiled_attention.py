@@ -66,10 +66,7 @@ def tiled_attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_p
   kt, vt = tiles(k), tiles(v)
   kp = k_pos[:, :n * tile].reshape(batch, 1, n, 1, tile)
   qp = row_pos[:, None, None, :, None]  # [B, 1, 1, R, 1]
-  # One dot per tile, batched over tiles: q is broadcast so that XLA cannot merge the tiles into
-  # one wide dot (whose bits, for few rows, differ from the per-tile ones).
-  qb = jnp.broadcast_to(qr[:, :, None], (batch, num_kv_heads, n, padded_rows, head_dim))
-  s = numerics.tile_scores(qb, kt)  # [B, K, n, R, tile]
+  s = numerics.tile_scores(qr, kt)  # [B, K, n, R, tile]: one dot per tile
   if softcap is not None:
     s = numerics.materialize(numerics.softcap(s, softcap))
   visible = (kp >= 0) & (kp <= qp)

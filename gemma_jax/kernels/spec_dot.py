@@ -59,6 +59,42 @@ class SpecDot:
   def __call__(self, a: jax.Array, b: jax.Array) -> jax.Array:
     return spec_dot(a, b, config=self)
 
+  # The contractions of gemma_jax.numerics.Spec, each through __call__.
+
+  def matmul(self, x: jax.Array, w: jax.Array, chunk: int) -> jax.Array:
+    """x [M, K] @ w [K, N]: chains over chunks of `chunk` terms, added in chunk order."""
+    k, n = w.shape
+    parts = self(x.reshape(-1, k // chunk, chunk).transpose(1, 0, 2),
+                 w.reshape(k // chunk, chunk, n))
+    acc = parts[0]
+    for i in range(1, k // chunk):
+      acc = acc + parts[i]
+    return acc
+
+  def packs(self, k: int, n: int) -> bool:
+    """Weights stay [K, N] (no panel layout)."""
+    return False
+
+  def tile_scores(self, q: jax.Array, k: jax.Array, chunk: int) -> jax.Array:
+    """q [B, K, R, H] . k [B, K, n, S, H] -> [B, K, n, R, S], over H in chunks added in order."""
+    q = jnp.broadcast_to(q[:, :, None], k.shape[:3] + q.shape[-2:])
+    acc = None
+    for j in range(q.shape[-1] // chunk):
+      qj, kj = q[..., j * chunk:(j + 1) * chunk], k[..., j * chunk:(j + 1) * chunk]
+      part = self._batched(qj, jnp.swapaxes(kj, -1, -2))
+      acc = part if acc is None else acc + part
+    return acc
+
+  def tile_values(self, p: jax.Array, v: jax.Array) -> jax.Array:
+    """p [B, K, n, R, S] @ v [B, K, n, S, H] -> [B, K, n, R, H]."""
+    return self._batched(p, v)
+
+  def _batched(self, a, b):
+    """a [..., M, C] . b [..., C, N] through the kernel."""
+    lead = a.shape[:-2]
+    out = self(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+    return out.reshape(*lead, *out.shape[-2:])
+
 
 def _next_power_of_two(n: int) -> int:
   return 1 << max(0, n - 1).bit_length()

@@ -93,11 +93,24 @@ def elementwise_failures(numerics, compiler_options) -> list[str]:
   return [f for name in want if (f := _differ(f'elementwise {name}', got[name], want[name]))]
 
 
+def _logical(w) -> tuple[int, int]:
+  """(K, N) of a weight stored [K, N] or in the native kernels' panels [N / P, K, P]."""
+  return (w.shape[1], w.shape[0] * w.shape[2]) if w.ndim == 3 else tuple(w.shape)
+
+
+def _weight_columns(w: np.ndarray, cols: np.ndarray) -> np.ndarray:
+  """Columns `cols` [K, len(cols)] of a weight stored [K, N] or in panels [N / P, K, P]."""
+  if w.ndim == 3:
+    return w[cols // w.shape[2], :, cols % w.shape[2]].T
+  return w[:, cols]
+
+
 def matmul_failures(numerics, compiler_options, weights: dict[str, np.ndarray],
                     rows: tuple[int, ...], head_rows: tuple[int, ...]) -> list[str]:
-  """numerics.matmul of rows x [M, K] against each named weight [K, N], for every M in rows
-  (head_rows for the 'output_table'), against the spec's contraction (on a sample of columns)."""
-  xs = {(name, m): _inputs(m * 7 + len(name), (m, w.shape[0]))
+  """numerics.dense of rows x [M, K] against each named weight (as the engine stores it:
+  `numerics.stored`), for every M in rows (head_rows for the 'output_table'), against the
+  spec's contraction (on a sample of columns)."""
+  xs = {(name, m): _inputs(m * 7 + len(name), (m, _logical(w)[0]))
         for name, w in weights.items()
         for m in (head_rows if name == 'output_table' else rows)}
 
@@ -106,9 +119,9 @@ def matmul_failures(numerics, compiler_options, weights: dict[str, np.ndarray],
     # dots that share an operand into one bigger dot, which would probe another kernel.
     out = {}
     for i, (key, x) in enumerate(xs.items()):
-      n = numerics.with_zero(zeros[i])
-      out[key] = n.matmul(x, n.materialize(ws[key[0]]) if key[0] != 'output_table'
-                          else ws[key[0]])
+      n, w = numerics.with_zero(zeros[i]), ws[key[0]]
+      out[key] = n.dense(x, n.materialize(w) if key[0] != 'output_table' else w,
+                         *_logical(w))
     return out
 
   got = jax.jit(probe, compiler_options=compiler_options)(
@@ -118,14 +131,15 @@ def matmul_failures(numerics, compiler_options, weights: dict[str, np.ndarray],
     # The spec computes each output row on its own, so one reference call per weight holds
     # the sampled rows of every row count (a chain per row and column either way).
     w = to_host(weights[name])
-    cols, keys = _columns(w.shape[1]), [key for key in xs if key[0] == name]
+    k, n = _logical(w)
+    cols, keys = _columns(n), [key for key in xs if key[0] == name]
     samples = [_rows(m) for _, m in keys]
     want = b32.matmul(np.concatenate([xs[key][sample] for key, sample in zip(keys, samples)]),
-                      b32.flush(w[:, cols]), k_chunk=numerics.k_chunk, small=numerics.small,
-                      weight_count=w.size)
+                      b32.flush(_weight_columns(w, cols)), k_chunk=numerics.k_chunk,
+                      small=numerics.small, weight_count=k * n)
     wants = np.split(want, np.cumsum([len(sample) for sample in samples])[:-1])
     for (_, m), sample, want in zip(keys, samples, wants):
-      failure = _differ(f'matmul {name} [{m}, {w.shape[0]}] x [{w.shape[0]}, {w.shape[1]}]',
+      failure = _differ(f'matmul {name} [{m}, {k}] x [{k}, {n}]',
                         to_host(got[(name, m)])[sample][:, cols], want)
       if failure:
         failures.append(failure)
@@ -139,7 +153,7 @@ def attention_failures(numerics, compiler_options, *, head_dims, rows, tile: int
   cases = {}
   for h in head_dims:
     for r in rows:
-      cases[(h, r)] = (_inputs(h + r, (1, kv_heads, 2, r, h)),
+      cases[(h, r)] = (_inputs(h + r, (1, kv_heads, r, h)),
                        _inputs(h + r + 1, (1, kv_heads, 2, tile, h), 0.5),
                        np.abs(_inputs(h + r + 2, (1, kv_heads, 2, r, tile))),
                        _inputs(h + r + 3, (1, kv_heads, 2, tile, h)))
@@ -153,7 +167,7 @@ def attention_failures(numerics, compiler_options, *, head_dims, rows, tile: int
   failures = []
   for (h, r), (q, k, p, v) in cases.items():
     sample = _rows(r)
-    want_scores = np.stack([b32.chunked_dot(q[0, 0, j][sample], k[0, 0, j].T, numerics.k_chunk)
+    want_scores = np.stack([b32.chunked_dot(q[0, 0][sample], k[0, 0, j].T, numerics.k_chunk)
                             for j in range(2)])
     want_pv = np.stack([b32.dot(p[0, 0, j][sample], v[0, 0, j]) for j in range(2)])
     scores, pv = (to_host(a)[0, 0][:, sample] for a in got[(h, r)])

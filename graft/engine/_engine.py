@@ -69,11 +69,16 @@ def _next_power_of_two(n: int) -> int:
   return 1 << max(0, n - 1).bit_length()
 
 
-@jax.jit
-def _transposed_table(table: jax.Array) -> jax.Array:
-  """The [D, V] float32 copy of a [V, D] table, in one pass over it (an eager transpose and
-  copy made two)."""
-  return table.astype(jnp.float32).T
+@functools.partial(jax.jit, static_argnums=1)
+def _output_table(table: jax.Array, packed: bool) -> jax.Array:
+  """The [D, V] float32 copy of a [V, D] table, in the native kernels' column panels where
+  `packed` (gemma_jax.kernels.native_dot.pack), in one pass over it (an eager transpose and copy
+  made two)."""
+  table = table.astype(jnp.float32).T
+  if packed:
+    from gemma_jax.kernels import native_dot
+    return native_dot.pack(table)
+  return table
 
 
 class Engine:
@@ -111,17 +116,20 @@ class Engine:
     # On a mesh: parameters placed by the layout, the KV state over KV heads and sequences,
     # and (layout 'gather') every row-parallel projection's input gathered whole.
     self.mesh = sharding.make_mesh(sharding.parse_mesh(config.mesh)) if config.mesh else None
-    self._params = (sharding.shard_params(loaded.params, self.mesh, config.mesh_layout)
-                    if self.mesh is not None else loaded.params)
     self.numerics = self.plan.numerics_on(kernel_platform).on_mesh(
         self.mesh if config.mesh_layout == 'gather' else None)
+    # Weights in the form the numerics read them (the native kernels' panels; else as loaded).
+    self._params = model.store_weights(
+        sharding.shard_params(loaded.params, self.mesh, config.mesh_layout)
+        if self.mesh is not None else loaded.params, self.config, self.numerics)
     # The numerics' output table: the tied embedding itself, or a [D, V] float32 copy made once.
     self._output_table = None
     table = self._params['embedder']['input_embedding']
     abstract = isinstance(table, jax.ShapeDtypeStruct)  # an engine that lowers, never runs
     if self.numerics.output_table == 'transposed':
-      self._output_table = (jax.ShapeDtypeStruct(table.shape[::-1], jnp.float32) if abstract
-                            else _transposed_table(table))
+      packed = self.numerics.packs(*table.shape[::-1])
+      self._output_table = (jax.eval_shape(_output_table, table, packed) if abstract
+                            else _output_table(table, packed))
 
     def head(params, output_table, hidden, rows):
       # hidden [B, T, D], rows [R] -> logits [1, R, V] of those rows of the B x T rows (row
@@ -215,9 +223,10 @@ class Engine:
     return getattr(self._attention_fn, 'tile', None)
 
   def projection_weights(self) -> dict[str, jax.Array]:
-    """One weight [K, N] per distinct projection shape the model contracts through a dot (the
-    first layer's of each; projections of at most `numerics.small` weights are elementwise
-    products and sums), and the output table: what a self-check probes. Read from the model's
+    """One weight per distinct projection shape the model contracts through a dot (the first
+    layer's of each; projections of at most `numerics.small` weights are elementwise products
+    and sums), and the output table: what a self-check probes, each in the form the engine
+    stores it (`numerics.stored`: [K, N], or the native kernels' panels). Read from the model's
     unplaced parameters: on a mesh across processes nothing here waits on another process."""
     out = {}
     small = getattr(self.numerics, 'small', 0)
@@ -229,7 +238,7 @@ class Engine:
       k = int(np.prod(leaf.shape[:in_dims]))
       name = f'{k}x{leaf.size // k}'
       if leaf.size > small and name not in out:
-        out[name] = leaf.reshape(k, -1)
+        out[name] = self.numerics.stored(leaf.reshape(k, -1))
     if self._output_table is not None and self._output_table.size > small:
       out['output_table'] = self._output_table
     return out

@@ -45,10 +45,13 @@ if TYPE_CHECKING:  # config.py reads the plans; the plans only name its class
 SLOT_LAYOUT_VERSION = 2
 
 # What computes a fixed-order plan's dots -> the XLA:CPU debug options passed to its every
-# compilation (so its numerics do not depend on the process's XLA_FLAGS defaults). 'pallas': the
-# spec's dot as a Pallas kernel (gemma_jax.kernels.spec_dot; mode spec only), which leaves no
-# library dot in the engine's functions.
-DOT_LIBRARIES = {'eigen': {'xla_cpu_experimental_ynn_fusion_type': ''}, 'ynn': {}, 'pallas': {}}
+# compilation (so its numerics do not depend on the process's XLA_FLAGS defaults). Mode spec
+# only: 'native', the spec's contractions as our own CPU kernels (gemma_jax.kernels.native_dot:
+# FMA chains by construction on every instruction set and thread count); 'pallas', the spec's
+# dot as a Pallas kernel (gemma_jax.kernels.spec_dot, for accelerators). Both leave no library
+# dot in the engine's functions.
+DOT_LIBRARIES = {'eigen': {'xla_cpu_experimental_ynn_fusion_type': ''}, 'ynn': {}, 'pallas': {},
+                 'native': {}}
 
 
 # The most rows of a spec engine's logits call (more wanted rows take several calls).
@@ -281,6 +284,9 @@ class Spec(Pinned):
                          *row_buckets(HEAD_ROWS, self.config.min_rows)}))
 
   def numerics_on(self, kernel_platform: str | None) -> Numerics:
+    if self.config.dot_library == 'native':
+      from gemma_jax.kernels import native_dot
+      return dataclasses.replace(self.numerics, dot=native_dot.make_native_dot())
     if self.config.dot_library != 'pallas':
       return self.numerics
     from gemma_jax.kernels import spec_dot
@@ -306,12 +312,12 @@ class Spec(Pinned):
                     attention_rows=tuple(sorted({max(r * g, 2) for r in rows for g in groups})),
                     head_dims=head_dims, tile=engine.attention_tile, kv_heads=1)
     except selfcheck.SpecError as e:
-      if self.config.dot_library == 'pallas' or not e.in_dots_only:
+      if self.config.dot_library in ('pallas', 'native') or not e.in_dots_only:
         raise
       # Where a library's dots are not FMA chains (XLA:CPU's Eigen on AVX2 machines without
       # AVX-512, docs/determinism.md), the spec dot kernel is, by construction.
-      raise selfcheck.SpecError(f'{e}; --dot_library=pallas computes every dot with the spec '
-                                'dot kernel (sequential FMA by construction)',
+      raise selfcheck.SpecError(f'{e}; --dot_library=native computes every dot with the spec '
+                                "engine's own kernels (sequential FMA by construction)",
                                 e.failures) from None
 
   def fingerprint(self, engine) -> dict:
