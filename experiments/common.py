@@ -105,9 +105,11 @@ def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096
                       '--mesh spans every process\'s devices.')
   flags.DEFINE_integer('num_processes', 1, 'Processes of a jax.distributed run (--coordinator).')
   flags.DEFINE_integer('process_id', 0, 'This process\'s index in a jax.distributed run.')
-  flags.DEFINE_enum('dot_library', EngineConfig.dot_library, list(DOT_LIBRARIES),
+  flags.DEFINE_enum('dot_library', None, list(DOT_LIBRARIES),
                     "What computes the fixed-order engines' dots: eigen, ynn (XLA's default) or, "
-                    'for the spec engine, pallas (the spec dot kernel; interpret mode on CPU).')
+                    "for the spec engine, native (its own CPU kernels) or pallas (the spec dot "
+                    "kernel, for accelerators; interpret mode on CPU). Default: the engine's "
+                    '(spec: native where a C++ compiler is found, else eigen; the others: eigen).')
 
 
 def define_store_flags() -> None:
@@ -146,7 +148,7 @@ def engine_flag_args() -> list[str]:
     args.append(f'--rows_per_call={FLAGS.rows_per_call}')
   if FLAGS.attention_tile is not None:
     args.append(f'--attention_tile={FLAGS.attention_tile}')
-  if FLAGS.dot_library != EngineConfig.dot_library:
+  if FLAGS.dot_library is not None:
     args.append(f'--dot_library={FLAGS.dot_library}')
   if FLAGS.mesh:
     args += [f'--mesh={FLAGS.mesh}', f'--mesh_layout={FLAGS.mesh_layout}']

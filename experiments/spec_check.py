@@ -12,6 +12,7 @@ corpus text for a trained model, seeded random ids for random weights.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from absl import app, flags, logging
@@ -61,7 +62,8 @@ def main(argv):
             else default_splits(len(tokens), loaded.config.sliding_window))
   result = spec_check.run(engine, tokens, splits, progress=logging.info)
   config = {**common.model_config_json(), 'tokens': FLAGS.tokens, 'splits': splits,
-            'seed': FLAGS.seed, 'engine_fingerprint': engine.fingerprint}
+            'seed': FLAGS.seed, 'engine_config': dataclasses.asdict(engine.engine_config),
+            'engine_fingerprint': engine.fingerprint}
   output = FLAGS.output or common.default_output('spec_check', FLAGS.model, FLAGS.dtype)
   common.write_result(output, 'spec_check', {'config': config, **result})
   summary = result['summary']

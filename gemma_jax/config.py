@@ -192,6 +192,12 @@ _CONFIGS: dict[str, TransformerConfig] = {c.name: c for c in [
             max_context=512, vocab_size=512),
     _gemma3('tiny_gemma3', layers=7, d=64, f=128, n=4, k=2, h=16, window=8, scalar=16,
             rope_scale=1.0, context=4096, vocab_size=512),
+    # Above the spec's pairwise-tree threshold (every projection and the output table has more
+    # than 65,536 weights; the MLP's and the table's contractions are chunked, 320 = 2 x 160 and
+    # 640 = 4 x 160 terms; a vocabulary that is not whole 64-column panels): the chained dots
+    # of the written arithmetic at a size the fast suite compares with its interpreter.
+    _gemma3('tiny_gemma3_wide', layers=3, d=320, f=640, n=4, k=2, h=64, window=8, scalar=64,
+            rope_scale=1.0, context=4096, vocab_size=520),
     _gemma4('tiny_gemma4', layers=6, d=64, f=128, n=4, k=2, kg=1, h=16, hg=32, window=8,
             pattern=(L,) * 2 + (G,), context=4096, vocab_size=512, per_layer_embed_dim=8,
             num_kv_shared_layers=3, double_wide_mlp_in_shared=True, global_k_eq_v=True),

@@ -206,9 +206,9 @@ def store_weights(params: Params, config: TransformerConfig, numerics: Numerics)
     if isinstance(node, Dense):
       k, n = math.prod(node.in_shape), math.prod(node.out_shape)
       if numerics.packs(k, n):  # else kept as the parameter it is
-        w = node.w.value
-        node.w.value = (jax.eval_shape(_packed, w, k, n) if isinstance(w, jax.ShapeDtypeStruct)
-                        else _packed(w, k, n))
+        w = node.w.get_value()
+        node.w.set_value(jax.eval_shape(_packed, w, k, n) if isinstance(w, jax.ShapeDtypeStruct)
+                         else _packed(w, k, n))
   return nnx.to_pure_dict(nnx.state(module))
 
 

@@ -78,7 +78,8 @@ def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Eng
   checking that this machine loads the same model. A spec manifest's engine runs under this
   process's XLA_FLAGS and, if given, another `dot_library` (neither decides a bit there: the
   self-check says whether this machine computes the spec under them). Where none is given and
-  the self-check refuses only the recorded library's dots, it runs on the spec dot kernel."""
+  the self-check refuses only the recorded library's dots, it runs on the spec engine's own
+  kernels (dot library 'native')."""
   config = manifest['config']
   loaded = weights.load(config['model'], config['weights'], config['dtype'])
   # Manifests made before the config was named EngineConfig hold it under 'pinned'.
@@ -93,10 +94,10 @@ def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Eng
   try:
     engine = Engine(loaded, engine_config)
   except SpecError as e:
-    if dot_library or engine_config.dot_library == 'pallas' or not e.in_dots_only:
+    if dot_library or engine_config.dot_library in ('native', 'pallas') or not e.in_dots_only:
       raise
-    logging.warning('%s: replaying with the spec dot kernel instead', e)
-    engine_config = dataclasses.replace(engine_config, dot_library='pallas')
+    logging.warning("%s: replaying with the spec engine's own kernels instead", e)
+    engine_config = dataclasses.replace(engine_config, dot_library='native')
     engine = Engine(loaded, engine_config)
   writer = Engine(loaded, engine_config)
   if engine.model_fingerprint['sha256'] != manifest['model_fingerprint']['sha256']:

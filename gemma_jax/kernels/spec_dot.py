@@ -26,7 +26,7 @@ The FMA itself is the one thing each backend supplies:
   interpret (any host, how the tests run it on CPU): an exact emulation from binary64, as
       gemma_jax.spec.binary32.fma: the product of two binary32 numbers is exact in binary64,
       the binary64 sum rounds once, and where that sum lies exactly on a binary32 midpoint its
-      TwoSum error breaks the tie.
+      TwoSum error breaks the tie; a result is flushed when tiny after rounding.
 TPU has no binary32 FMA instruction to name; the kernel refuses it.
 """
 
@@ -101,20 +101,31 @@ def _next_power_of_two(n: int) -> int:
 
 
 def fma_emulated(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
-  """RN_binary32(a * b + c), flushed, from binary64 operations (exact; see the module doc)."""
+  """RN_binary32(a * b + c), flushed when tiny, from binary64 operations (exact; see the module
+  doc and gemma_jax.spec.binary32, whose semantics these are)."""
   with jax.enable_x64(True):
     f64 = jnp.float64
     p = a.astype(f64) * b.astype(f64)
     c64 = c.astype(f64)
-    s = p + c64
-    r = s.astype(jnp.float32)
-    midpoint = (jax.lax.bitcast_convert_type(s, jnp.int64) & 0x1FFFFFFF) == 0x10000000
-    t = s - p
-    err = (p - (s - t)) + (c64 - t)  # TwoSum: s + err == p + c64 exactly
-    r64 = r.astype(f64)
-    away = midpoint & (err != 0) & (jnp.sign(err) == jnp.sign(s - r64))
-    r = jnp.where(away, (r64 + 2 * (s - r64)).astype(jnp.float32), r)
+    r = _round_sum(p, c64)
+    # Tininess after rounding: a result on +-2^-126 whose unbounded rounding is below it.
+    scale = f64(2.0 ** 64)
+    edge = (jax.lax.bitcast_convert_type(r, jnp.uint32) & 0x7FFFFFFF) == 0x00800000
+    tiny = edge & (jnp.abs(_round_sum(p * scale, c64 * scale)) < jnp.float32(2.0 ** -62))
+    r = jnp.where(tiny, jnp.copysign(jnp.zeros_like(r), r), r)
   return flush(r)
+
+
+def _round_sum(p: jax.Array, c: jax.Array) -> jax.Array:
+  """RN_binary32(p + c) on binary32's grid for binary64 p (an exact product) and c."""
+  s = p + c
+  r = s.astype(jnp.float32)
+  midpoint = (jax.lax.bitcast_convert_type(s, jnp.int64) & 0x1FFFFFFF) == 0x10000000
+  t = s - p
+  err = (p - (s - t)) + (c - t)  # TwoSum: s + err == p + c exactly
+  r64 = r.astype(jnp.float64)
+  away = midpoint & (err != 0) & (jnp.sign(err) == jnp.sign(s - r64))
+  return jnp.where(away, (r64 + 2 * (s - r64)).astype(jnp.float32), r)
 
 
 def flush(x: jax.Array) -> jax.Array:

@@ -1,8 +1,12 @@
 """IEEE-754 binary32 arithmetic in NumPy, independent of XLA: the interpreter's operations.
 
-Every operation returns the binary32 result rounded to nearest even and then flushes a subnormal
+Every operation returns the binary32 result rounded to nearest even and then flushes a tiny
 result to a zero of its sign (XLA:CPU runs with flush-to-zero and denormals-are-zero, and the
-written arithmetic says so). Inputs are binary32 arrays that are already flushed.
+written arithmetic says so). Inputs are binary32 arrays that are already flushed. A result is
+tiny when, rounded to 24 significant bits with an unbounded exponent, its magnitude is below
+2^-126 (IEEE 754's tininess after rounding, which is what x86's MXCSR.FTZ does, measured): an
+exact value in [2^-126 - 2^-150, 2^-126 - 2^-151) rounds to 2^-126 on the subnormal grid but is
+flushed, so results that land on +-2^-126 are decided again at a scaled exponent (`_tiny`).
 
 The fused multiply-add is emulated exactly: the product of two binary32 numbers is exact in
 binary64 (48 significant bits), the binary64 sum p + c rounds once, and rounding that to binary32
@@ -21,6 +25,22 @@ import numpy as np
 
 F32, F64 = np.float32, np.float64
 TINY = np.float32(2.0 ** -126)  # the smallest normal binary32 number
+
+
+MIN_NORMAL_BITS = 0x00800000  # 2^-126
+_SCALE = F64(2.0 ** 64)  # moves a result near 2^-126 into binary32's normal range, exactly
+
+
+def _tiny(r: np.ndarray, exact) -> np.ndarray:
+  """r with each +-2^-126 whose exact value `exact()` (binary64 operands of one correctly
+  rounded binary32 result, scaled by 2^64: see _round_sum) rounds, at 24 bits, below 2^-126
+  replaced by a zero of its sign."""
+  edge = (r.view(np.int32) & 0x7FFFFFFF) == MIN_NORMAL_BITS
+  if not edge.any():
+    return r
+  scaled = exact()
+  tiny = edge & (np.abs(scaled) < F32(2.0 ** -62))
+  return np.where(tiny, np.copysign(F32(0.0), r), r).astype(F32)
 
 
 def flush(x: np.ndarray) -> np.ndarray:
@@ -51,12 +71,17 @@ class Ops:
   @staticmethod
   def mul(a, b):
     with np.errstate(over='ignore'):
-      return flush(np.multiply(a, b, dtype=F32))
+      r = flush(np.multiply(a, b, dtype=F32))
+    # The binary64 product is exact; scaled, one rounding to binary32 is the unbounded one.
+    return _tiny(r, lambda: (np.multiply(a, b, dtype=F64) * _SCALE).astype(F32))
 
   @staticmethod
   def div(a, b):
     with np.errstate(divide='ignore', invalid='ignore', over='ignore'):
-      return flush(np.divide(a, b, dtype=F32))
+      r = flush(np.divide(a, b, dtype=F32))
+      # A binary64 quotient rounded again: the unbounded rounding but where it lands exactly on
+      # a binary32 midpoint (no such quotient has reached 2^-126 in any probe).
+      return _tiny(r, lambda: (np.divide(a, b, dtype=F64) * _SCALE).astype(F32))
 
   @staticmethod
   def sqrt(a):
@@ -110,7 +135,14 @@ def fma(a, b, c) -> np.ndarray:
 
 
 def _round_sum(p: np.ndarray, c: np.ndarray) -> np.ndarray:
-  """RN_binary32(p + c) for binary64 p (an exact product) and binary32-valued c."""
+  """RN_binary32(p + c) for binary64 p (an exact product) and binary32-valued c, flushed when
+  tiny (see the module doc)."""
+  r = _round_sum_gradual(p, c)
+  return _tiny(r, lambda: _round_sum_gradual(p * _SCALE, c * _SCALE, flushed=False))
+
+
+def _round_sum_gradual(p: np.ndarray, c: np.ndarray, flushed: bool = True) -> np.ndarray:
+  """RN_binary32(p + c) on binary32's grid (subnormals included), then flushed if `flushed`."""
   s = p + c
   r = s.astype(F32)
   midpoint = (s.view(np.int64) & 0x1FFFFFFF) == 0x10000000
@@ -122,7 +154,7 @@ def _round_sum(p: np.ndarray, c: np.ndarray) -> np.ndarray:
     away = midpoint & (err != 0) & (np.sign(err) == np.sign(s - r64))
     if away.any():
       r = np.where(away, (r64 + 2 * (s - r64)).astype(F32), r)
-  return flush(r)
+  return flush(r) if flushed else r
 
 
 def dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:

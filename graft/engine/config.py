@@ -30,10 +30,12 @@ class EngineConfig:
   # Fixed-order numerics: calls of 2 .. min_rows - 1 tokens are padded to min_rows rows (XLA:CPU
   # gives such small GEMMs kernels of their own); k_chunk: the contraction chunk of every
   # projection; dot_library: 'eigen' (YNNPACK dot fusion off), 'ynn' (XLA's default) or, for
-  # mode spec, 'pallas' (the spec's dot as a Pallas kernel: how an accelerator follows it).
+  # mode spec, 'native' (the spec's contractions as our own CPU kernels) or 'pallas' (the spec's
+  # dot as a Pallas kernel: how an accelerator follows it); None: the plan's default (spec:
+  # native where a C++ compiler is found, else eigen; the others: eigen).
   min_rows: int = 8
   k_chunk: int = 256
-  dot_library: str = 'eigen'
+  dot_library: str | None = None
   # Devices: '' (one) or a mesh ('model:4', 'model:2,data:2'; gemma_jax/sharding.py) and its
   # layout: 'gather' (no contraction ever split) or 'split' (Megatron).
   mesh: str = ''
@@ -46,6 +48,8 @@ class EngineConfig:
     plan = plans.plan_class(self.mode)
     if self.rows_per_call is None:
       object.__setattr__(self, 'rows_per_call', plan.default_rows)
+    if self.dot_library is None:
+      object.__setattr__(self, 'dot_library', plan.default_dot_library())
     if self.attention is not None and self.attention not in attention_lib.IMPLEMENTATIONS:
       raise ValueError(f'unknown attention {self.attention!r}; expected one of '
                        f'{tuple(attention_lib.IMPLEMENTATIONS)}')

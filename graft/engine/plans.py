@@ -30,7 +30,10 @@ docs/determinism.md has the measurements each plan rests on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, ClassVar
+
+from absl import logging
 
 from gemma_jax import kv_state as kvs
 from gemma_jax.config import TransformerConfig
@@ -105,6 +108,11 @@ class Plan:
   @classmethod
   def check(cls, config) -> None:
     """Raises ValueError, with the reason, for a config this plan cannot run."""
+
+  @classmethod
+  def default_dot_library(cls) -> str:
+    """The dot library of a config that names none."""
+    return 'eigen'
 
   @property
   def numerics(self) -> Numerics:
@@ -271,6 +279,18 @@ class Spec(Pinned):
     if config.mesh and config.mesh_layout != 'gather':
       raise ValueError('the spec engine never splits a contraction: mesh layout gather')
 
+  @classmethod
+  def default_dot_library(cls) -> str:
+    # Our own kernels, where this machine can build them: their bits do not follow the CPU or
+    # the thread count. Without a compiler, Eigen's dots with the self-check deciding.
+    from gemma_jax.kernels import native_build
+    try:
+      native_build.compiler()
+    except native_build.BuildError as e:
+      _warn_once(str(e))
+      return 'eigen'
+    return 'native'
+
   @property
   def numerics(self) -> Numerics:
     return SpecNumerics(k_chunk=self.config.k_chunk)
@@ -329,6 +349,11 @@ class Spec(Pinned):
              'source_sha256': fingerprint.source_digest()}
     return {'sha256': fingerprint.digest(parts), **parts,
             'made_on': fingerprint.environment()}
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+  logging.warning('%s', message)
 
 
 # name -> the plan of that engine mode.
