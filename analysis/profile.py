@@ -97,15 +97,24 @@ def _dims(shape: str) -> list[int]:
   return [int(d) for d in m.group(1).split(',') if d] if m else []
 
 
+# The spec engine's native contraction kernels (gemma_jax/kernels/csrc/ffi.cc): custom calls
+# whose first operand's last dimension is the contracted one.
+_NATIVE_DOT = re.compile(r'custom_call_target="gemma_spec_\w+"')
+
+
 def _dot_flops(shape: str, rest: str, shapes: dict[str, str]) -> int:
-  """2 * output elements * contracted terms of one dot instruction (`rest`: its operands and
-  attributes; `shapes`: the module's instruction shapes read so far)."""
+  """2 * output elements * contracted terms of one dot instruction or native contraction
+  kernel (`rest`: its operands and attributes; `shapes`: the module's instruction shapes read so
+  far)."""
   lhs = _dims(shapes.get(re.match(r'%?([\w.\-]+)', rest).group(1), ''))
-  contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', rest)
-  terms = 1
-  for d in (contracting.group(1).split(',') if contracting else []):
-    if d and int(d) < len(lhs):
-      terms *= lhs[int(d)]
+  if _NATIVE_DOT.search(rest):
+    terms = lhs[-1] if lhs else 0
+  else:
+    contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', rest)
+    terms = 1
+    for d in (contracting.group(1).split(',') if contracting else []):
+      if d and int(d) < len(lhs):
+        terms *= lhs[int(d)]
   out = 1
   for d in _dims(shape):
     out *= d
@@ -158,7 +167,8 @@ def read_module(text: str) -> dict[str, Op]:
       continue
     name, shape, opcode, rest = m.groups()
     shapes[name] = shape
-    flops = _dot_flops(shape, rest, shapes) if opcode == 'dot' else 0
+    flops = (_dot_flops(shape, rest, shapes)
+             if opcode == 'dot' or (opcode == 'custom-call' and _NATIVE_DOT.search(rest)) else 0)
     in_computation[computation] += flops
     fusion_kind = re.search(r'kind=(\w+)', rest)
     called = re.search(r'calls=%?([\w.\-]+)', rest)

@@ -329,6 +329,14 @@ class Spec(FixedOrder):
   def _ops(self):
     return _SpecOps(self)
 
+  def on_mesh(self, mesh) -> 'Spec':
+    # A dot kernel that XLA's partitioner can split is told when it runs on a mesh.
+    out = super().on_mesh(mesh)
+    if hasattr(self.dot, 'partitioned'):
+      out = dataclasses.replace(out, dot=dataclasses.replace(self.dot,
+                                                             partitioned=mesh is not None))
+    return out
+
   def chunk(self, k: int) -> int:
     """The contraction chunk of a dot over k terms (all of them up to k_chunk)."""
     return chunk_size(k, self.k_chunk) if k > self.k_chunk else k

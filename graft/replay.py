@@ -21,7 +21,7 @@ from absl import logging
 from gemma_jax import sharding, weights
 from gemma_jax.spec.selfcheck import SpecError
 from graft import exactness
-from graft.engine import Engine, EngineConfig, fingerprint
+from graft.engine import Engine, EngineConfig, fingerprint, plans
 from graft.knowledge.flywheel import Asker  # the decoding a flywheel run used
 from graft.store.artifact import differences
 
@@ -78,8 +78,8 @@ def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Eng
   checking that this machine loads the same model. A spec manifest's engine runs under this
   process's XLA_FLAGS and, if given, another `dot_library` (neither decides a bit there: the
   self-check says whether this machine computes the spec under them). Where none is given and
-  the self-check refuses only the recorded library's dots, it runs on the spec engine's own
-  kernels (dot library 'native')."""
+  the self-check refuses only the recorded library's dots, it runs on the kernels that compute
+  the spec's chains by construction (graft.engine.plans.kernel_library: 'native' on a CPU)."""
   config = manifest['config']
   loaded = weights.load(config['model'], config['weights'], config['dtype'])
   # Manifests made before the config was named EngineConfig hold it under 'pinned'.
@@ -94,10 +94,12 @@ def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Eng
   try:
     engine = Engine(loaded, engine_config)
   except SpecError as e:
-    if dot_library or engine_config.dot_library in ('native', 'pallas') or not e.in_dots_only:
+    kernels = plans.kernel_library()
+    if (dot_library or kernels is None or engine_config.dot_library in ('native', 'pallas')
+        or not e.in_dots_only):
       raise
-    logging.warning("%s: replaying with the spec engine's own kernels instead", e)
-    engine_config = dataclasses.replace(engine_config, dot_library='native')
+    logging.warning('%s: replaying with the %s kernels instead', e, kernels)
+    engine_config = dataclasses.replace(engine_config, dot_library=kernels)
     engine = Engine(loaded, engine_config)
   writer = Engine(loaded, engine_config)
   if engine.model_fingerprint['sha256'] != manifest['model_fingerprint']['sha256']:

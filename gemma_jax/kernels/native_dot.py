@@ -84,10 +84,17 @@ def default_isa() -> str:
 class NativeDot:
   """The spec's contractions on `isa` (a name in ISAS, resolved on this CPU) in up to `parts`
   work items at once (0: as many as XLA's intra-op thread pool has threads). Neither decides a
-  bit."""
+  bit.
+
+  partitioned: on a mesh, each call is split by XLA's partitioner over the factors a kernel
+  never contracts (rows and columns of a projection, batch and KV heads of attention), so each
+  device computes its own outputs; a contraction is never split (`_partitioned`). Off a mesh the
+  calls are plain custom calls (a partitioned call holds a Python callback, which keeps its
+  executable out of the persistent compilation cache)."""
 
   isa: str = 'auto'
   parts: int = 0
+  partitioned: bool = False
 
   def _call(self, target, out_shape, *args, **attrs):
     _library()
@@ -98,7 +105,11 @@ class NativeDot:
   def matmul(self, x: jax.Array, w: jax.Array, chunk: int) -> jax.Array:
     """x [M, K] @ w [K, N] (float32) over chunks of `chunk` terms added in chunk order."""
     _check_f32(x, w)
-    return self._call('gemma_spec_matmul', (x.shape[0], w.shape[1]), x, w, chunk=chunk)
+    call = lambda a, b: self._call('gemma_spec_matmul', (a.shape[0], b.shape[1]), a, b,  # noqa
+                                   chunk=chunk)
+    if self.partitioned:
+      return _partitioned(call, 'm k, k n -> m n', keep='mn')(x, w)
+    return call(x, w)
 
   def packs(self, k: int, n: int) -> bool:
     """Whether a [k, n] weight is kept packed (`pack`): whole panels only."""
@@ -114,21 +125,70 @@ class NativeDot:
     """q [B, K, R, H] . k [B, K, n, S, H] -> [B, K, n, R, S]: every tile's scores against the
     same rows, contracted over H in chunks of `chunk`."""
     _check_f32(q, k)
-    b, kv, r, h = q.shape
-    n, s = k.shape[2], k.shape[3]
-    out = self._call('gemma_spec_scores', (b * kv, n, r, s), q.reshape(b * kv, r, h),
-                     k.reshape(b * kv, n, s, h), chunk=chunk)
-    return out.reshape(b, kv, n, r, s)
+
+    def call(q, k):
+      b, kv, r, h = q.shape
+      n, s = k.shape[2], k.shape[3]
+      out = self._call('gemma_spec_scores', (b * kv, n, r, s), q.reshape(b * kv, r, h),
+                       k.reshape(b * kv, n, s, h), chunk=chunk)
+      return out.reshape(b, kv, n, r, s)
+
+    if self.partitioned:
+      return _partitioned(call, 'b k r h, b k n s h -> b k n r s', keep='bk')(q, k)
+    return call(q, k)
 
   def tile_values(self, p: jax.Array, v: jax.Array) -> jax.Array:
     """p [B, K, n, R, S] @ v [B, K, n, S, H] -> [B, K, n, R, H], one chain over a tile's S
     slots."""
     _check_f32(p, v)
-    b, kv, n, r, s = p.shape
-    h = v.shape[-1]
-    out = self._call('gemma_spec_values', (b * kv, n, r, h), p.reshape(b * kv, n, r, s),
-                     v.reshape(b * kv, n, s, h))
-    return out.reshape(b, kv, n, r, h)
+
+    def call(p, v):
+      b, kv, n, r, s = p.shape
+      h = v.shape[-1]
+      out = self._call('gemma_spec_values', (b * kv, n, r, h), p.reshape(b * kv, n, r, s),
+                       v.reshape(b * kv, n, s, h))
+      return out.reshape(b, kv, n, r, h)
+
+    if self.partitioned:
+      return _partitioned(call, 'b k n r s, b k n s h -> b k n r h', keep='bk')(p, v)
+    return call(p, v)
+
+
+def _partitioned(call, rule: str, keep: str):
+  """`call` (one device's kernel call) as a function XLA's partitioner splits over the factors
+  of `rule` (einsum-like, one letter per dimension) named in `keep`: each operand keeps its
+  sharding along those and is gathered whole along every other (the contracted ones among
+  them), and each device runs `call` on its shards. A factor sharded in several operands takes
+  the first operand's axes."""
+  from jax.experimental.custom_partitioning import custom_partitioning
+  from jax.sharding import NamedSharding, PartitionSpec
+  operands, result = (side.strip() for side in rule.split('->'))
+  names = [part.split() for part in operands.split(',')]
+  out_names = result.split()
+
+  def shardings(mesh, arg_shapes):
+    axes = {}
+    for factors, shape in zip(names, arg_shapes):
+      spec = tuple(shape.sharding.spec) + (None,) * (len(factors) - len(shape.sharding.spec))
+      for factor, axis in zip(factors, spec):
+        if factor in keep and axis is not None:
+          axes.setdefault(factor, axis)
+    args = tuple(NamedSharding(mesh, PartitionSpec(*(axes.get(f) for f in factors)))
+                 for factors in names)
+    return args, NamedSharding(mesh, PartitionSpec(*(axes.get(f) for f in out_names)))
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    return shardings(mesh, arg_shapes)[1]
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    args, out = shardings(mesh, arg_shapes)
+    return mesh, call, out, args
+
+  function = custom_partitioning(call)
+  function.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule)
+  return function
 
 
 def pack(w: jax.Array) -> jax.Array:

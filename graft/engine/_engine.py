@@ -99,6 +99,8 @@ class Engine:
       preferred = plan_class.default_attention
       config = dataclasses.replace(config, attention=preferred if preferred in supported
                                    else 'xla')
+    if config.dot_library is None:
+      config = dataclasses.replace(config, dot_library=plan_class.default_dot_library())
     rope.check_attention(loaded.config.rope_mode, config.attention)
     self.loaded = loaded
     self.config = loaded.config

@@ -31,8 +31,9 @@ class EngineConfig:
   # gives such small GEMMs kernels of their own); k_chunk: the contraction chunk of every
   # projection; dot_library: 'eigen' (YNNPACK dot fusion off), 'ynn' (XLA's default) or, for
   # mode spec, 'native' (the spec's contractions as our own CPU kernels) or 'pallas' (the spec's
-  # dot as a Pallas kernel: how an accelerator follows it); None: the plan's default (spec:
-  # native where a C++ compiler is found, else eigen; the others: eigen).
+  # dot as a Pallas kernel: how an accelerator follows it); None: the plan's default, which the
+  # Engine records (spec: native on a CPU where a C++ compiler is found, pallas on an
+  # accelerator, else eigen; the others: eigen).
   min_rows: int = 8
   k_chunk: int = 256
   dot_library: str | None = None
@@ -48,12 +49,10 @@ class EngineConfig:
     plan = plans.plan_class(self.mode)
     if self.rows_per_call is None:
       object.__setattr__(self, 'rows_per_call', plan.default_rows)
-    if self.dot_library is None:
-      object.__setattr__(self, 'dot_library', plan.default_dot_library())
     if self.attention is not None and self.attention not in attention_lib.IMPLEMENTATIONS:
       raise ValueError(f'unknown attention {self.attention!r}; expected one of '
                        f'{tuple(attention_lib.IMPLEMENTATIONS)}')
-    if self.dot_library not in plan.dot_libraries:
+    if self.dot_library is not None and self.dot_library not in plan.dot_libraries:
       raise ValueError(f'dot library {self.dot_library!r} is not one of mode {self.mode}\'s: '
                        f'{plan.dot_libraries}')
     if (self.rows_per_call < 1 or self.logits_rows < 1 or self.cache_len < self.rows_per_call

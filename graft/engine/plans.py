@@ -281,15 +281,7 @@ class Spec(Pinned):
 
   @classmethod
   def default_dot_library(cls) -> str:
-    # Our own kernels, where this machine can build them: their bits do not follow the CPU or
-    # the thread count. Without a compiler, Eigen's dots with the self-check deciding.
-    from gemma_jax.kernels import native_build
-    try:
-      native_build.compiler()
-    except native_build.BuildError as e:
-      _warn_once(str(e))
-      return 'eigen'
-    return 'native'
+    return kernel_library() or 'eigen'
 
   @property
   def numerics(self) -> Numerics:
@@ -349,6 +341,23 @@ class Spec(Pinned):
              'source_sha256': fingerprint.source_digest()}
     return {'sha256': fingerprint.digest(parts), **parts,
             'made_on': fingerprint.environment()}
+
+
+def kernel_library() -> str | None:
+  """The dot library whose contractions are the spec's chains by construction on this process's
+  backend: 'native' (our CPU kernels) on a CPU, 'pallas' on an accelerator; None on a CPU where
+  the native kernels cannot be built (said once, in one line: Eigen's dots then run, with the
+  self-check deciding)."""
+  import jax
+  if jax.default_backend() != 'cpu':
+    return 'pallas'
+  from gemma_jax.kernels import native_build
+  try:
+    native_build.compiler()
+  except native_build.BuildError as e:
+    _warn_once(str(e))
+    return None
+  return 'native'
 
 
 @functools.lru_cache(maxsize=None)
