@@ -13,9 +13,11 @@ untimed warm-up. The machine's ceilings are measured in the same run: a large fl
 GFLOP/s and a streaming read's GB/s (experiments/ceilings.py), so every figure is also a
 fraction of the limit.
 
-Systems (`--systems`, default all): ours_spec, ours_pinned, ours_default, hf_transformers (torch, the same
-dequantized GGUF in float32), llama_cpp_q4_k_m, llama_cpp_f32 and deepmind_gemma
-(experiments/peers/). A peer that is not installed is skipped with the reason printed and
+Systems (`--systems`, default all): ours_spec (on its default dot library: the native kernels
+on a CPU), ours_spec_eigen (the spec engine on XLA's Eigen dots), ours_pinned, ours_default,
+hf_transformers (torch, the same dequantized GGUF in float32), llama_cpp_q4_k_m, llama_cpp_f32
+and deepmind_gemma (experiments/peers/). Each of ours records its engine_config (dot_library
+included). A peer that is not installed is skipped with the reason printed and
 recorded in its row (`skipped`), never silently. Output: schema `bench` (analysis/results.py).
 """
 
@@ -40,8 +42,10 @@ from graft.engine import fingerprint
 
 FLAGS = flags.FLAGS
 
-OURS = ('ours_spec', 'ours_pinned', 'ours_default')
-SYSTEMS = OURS + peers.NAMES
+# Our systems -> (engine mode, dot library; None: the engine's default).
+OURS = {'ours_spec': ('spec', None), 'ours_spec_eigen': ('spec', 'eigen'),
+        'ours_pinned': ('pinned', None), 'ours_default': ('default', None)}
+SYSTEMS = tuple(OURS) + peers.NAMES
 
 
 def define_flags() -> None:
@@ -110,25 +114,27 @@ def _read_files(root: str, keep: bool = True) -> int:
   return total
 
 
-def _process_seconds(mode: str, compilation_cache: str) -> float:
+def _process_seconds(mode: str, dot_library: str | None, compilation_cache: str) -> float:
   """Wall seconds of a fresh process from its start to its exit after its first logits
   (`experiments.generate`, one new token) under a compilation cache directory."""
   command = [sys.executable, '-m', 'experiments.generate', '--max_new_tokens=1',
              f'--model={FLAGS.model}', f'--weights={FLAGS.weights}', f'--dtype={FLAGS.dtype}',
-             f'--engine={mode}']
+             f'--engine={mode}'] + ([f'--dot_library={dot_library}'] if dot_library else [])
   env = {**os.environ, compilation_cache_module.ENV: compilation_cache}
   start = time.perf_counter()
   subprocess.run(command, env=env, check=True, capture_output=True, cwd=common.REPO)
   return time.perf_counter() - start
 
 
-def measure_start(mode: str, repeats: int) -> dict:
+def measure_start(mode: str, dot_library: str | None, repeats: int) -> dict:
   """Time to the first logits of a fresh process: cold (each run on an empty compilation
   cache) and warm (on the cache the first cold run left); medians of `repeats`. Weights come
   from the parameter cache in both."""
   with tempfile.TemporaryDirectory() as scratch:
-    cold = [_process_seconds(mode, os.path.join(scratch, str(i))) for i in range(repeats)]
-    warm = [_process_seconds(mode, os.path.join(scratch, '0')) for _ in range(repeats)]
+    cold = [_process_seconds(mode, dot_library, os.path.join(scratch, str(i)))
+            for i in range(repeats)]
+    warm = [_process_seconds(mode, dot_library, os.path.join(scratch, '0'))
+            for _ in range(repeats)]
   return {'ttft_cold_start_s': statistics.median(cold), 'ttft_warm_start_s': statistics.median(warm)}
 
 
@@ -207,9 +213,9 @@ def main(argv):
   for name in FLAGS.systems:
     logging.info('measuring %s', name)
     if name in OURS:
-      mode = name.removeprefix('ours_')
-      row = {**measure_ours(common.make_engine(loaded, mode=mode), work),
-             **(measure_start(mode, work.repeats) if FLAGS.start else {})}
+      mode, library = OURS[name]
+      row = {**measure_ours(common.make_engine(loaded, mode=mode, dot_library=library), work),
+             **(measure_start(mode, library, work.repeats) if FLAGS.start else {})}
     else:
       row = peers.measure(name, loaded, work)
     row = {'name': name, 'skipped': None, **row}
@@ -223,7 +229,8 @@ def main(argv):
             for row in batches}
   if 'ours_spec' in by_name and 'batch_decode_speedup_8' in ratios:
     by_name['ours_spec']['batch_decode_speedup_8'] = ratios['batch_decode_speedup_8']
-  for ours, other in (('spec', 'pinned'), ('spec', 'default'), ('pinned', 'default')):
+  for ours, other in (('spec', 'spec_eigen'), ('spec', 'pinned'), ('spec', 'default'),
+                      ('spec_eigen', 'pinned'), ('pinned', 'default')):
     if f'ours_{ours}' in by_name and f'ours_{other}' in by_name:
       for what in ('prefill_tok_s', 'decode_tok_s'):
         ratios[f'{ours}_vs_{other}_{what}'] = (by_name[f'ours_{ours}'][what]

@@ -120,6 +120,12 @@ class Numerics:
     """Whether a [k, n] weight is stored in a dot kernel's panel layout (`stored`)."""
     return False
 
+  @property
+  def storage(self):
+    """A hashable value that decides `stored` for every weight (None: weights as they are), so
+    that engines whose numerics store weights alike can share them."""
+    return None
+
   def stored(self, w: jax.Array) -> jax.Array:
     """A [K, N] weight in the form `dense` reads it (an engine stores its weights so, once)."""
     if not self.packs(*w.shape):
@@ -350,6 +356,12 @@ class Spec(FixedOrder):
   def packs(self, k, n):
     return (self.dot is not None and self.mesh is None and k * n > self.small
             and self.dot.packs(k, n))
+
+  @property
+  def storage(self):
+    if self.dot is None or self.mesh is not None or not self.dot.packs(1, 64):
+      return None
+    return ('panels', self.small)
 
   def dense(self, x, w, k, n):
     if self.packs(k, n):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import weakref
 from typing import Callable, Sequence
 
 import jax
@@ -81,6 +82,22 @@ def _output_table(table: jax.Array, packed: bool) -> jax.Array:
   return table
 
 
+# id(loaded model) -> {key: value derived from its weights}: what engines of one model share.
+_SHARED: dict[int, dict] = {}
+
+
+def _shared(loaded: LoadedModel, key, make):
+  """make(), once per loaded model and key while the model lives: engines of one model share
+  its placed, stored weights and output table (a second engine costs no second copy)."""
+  entry = _SHARED.get(id(loaded))
+  if entry is None:
+    entry = _SHARED[id(loaded)] = {}
+    weakref.finalize(loaded, _SHARED.pop, id(loaded), None)
+  if key not in entry:
+    entry[key] = make()
+  return entry[key]
+
+
 class Engine:
   """Runs a loaded model under an EngineConfig, through its plan (graft.engine.plans)."""
 
@@ -120,18 +137,22 @@ class Engine:
     self.mesh = sharding.make_mesh(sharding.parse_mesh(config.mesh)) if config.mesh else None
     self.numerics = self.plan.numerics_on(kernel_platform).on_mesh(
         self.mesh if config.mesh_layout == 'gather' else None)
-    # Weights in the form the numerics read them (the native kernels' panels; else as loaded).
-    self._params = model.store_weights(
+    # Weights placed on the mesh and in the form the numerics read them (the native kernels'
+    # panels; else as loaded), shared with every other engine of this model that places and
+    # stores them alike.
+    placement = (config.mesh, config.mesh_layout, self.numerics.storage)
+    self._params = _shared(loaded, ('params', placement), lambda: model.store_weights(
         sharding.shard_params(loaded.params, self.mesh, config.mesh_layout)
-        if self.mesh is not None else loaded.params, self.config, self.numerics)
+        if self.mesh is not None else loaded.params, self.config, self.numerics))
     # The numerics' output table: the tied embedding itself, or a [D, V] float32 copy made once.
     self._output_table = None
     table = self._params['embedder']['input_embedding']
     abstract = isinstance(table, jax.ShapeDtypeStruct)  # an engine that lowers, never runs
     if self.numerics.output_table == 'transposed':
       packed = self.numerics.packs(*table.shape[::-1])
-      self._output_table = (jax.eval_shape(_output_table, table, packed) if abstract
-                            else _output_table(table, packed))
+      self._output_table = _shared(loaded, ('output_table', placement, packed), lambda: (
+          jax.eval_shape(_output_table, table, packed) if abstract
+          else _output_table(table, packed)))
 
     def head(params, output_table, hidden, rows):
       # hidden [B, T, D], rows [R] -> logits [1, R, V] of those rows of the B x T rows (row
