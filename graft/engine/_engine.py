@@ -131,7 +131,9 @@ class Engine:
     multiple = self._attention_fn.slot_multiple(head_dims, self.dtype)
     self._cache_slots = self.plan.cache_slots(multiple)
     self._local_slots = self.plan.local_slots(self.config, multiple)
-    self._steps = {}  # (tiles read or None, with logits) -> jitted call
+    # (tiles read or None, with logits) -> jitted call, shared by the engines of this model and
+    # config (an XLA:CPU executable of the 270M holds ~160 MB: docs/performance.md).
+    self._steps = _shared(loaded, ('steps', config, kernel_platform), dict)
     # On a mesh: parameters placed by the layout, the KV state over KV heads and sequences,
     # and (layout 'gather') every row-parallel projection's input gathered whole.
     self.mesh = sharding.make_mesh(sharding.parse_mesh(config.mesh)) if config.mesh else None
@@ -165,7 +167,8 @@ class Engine:
                                     numerics, output_table)
 
     self._head_fn = head
-    self._head = jax.jit(head, compiler_options=self.plan.compiler_options)
+    self._head = _shared(loaded, ('head', config, kernel_platform), lambda: jax.jit(
+        head, compiler_options=self.plan.compiler_options))
     if not abstract:
       self.plan.check_engine(self)
 
