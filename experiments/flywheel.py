@@ -21,13 +21,20 @@ graft/knowledge/verifiers.py the verifiers and their one answer-extraction rule)
       solutions, standing in for a stronger solver's, or `none`: only the model's own), which
       the library verifies itself; one that fails is rejected and counted, never deposited;
   (c) recurring: each deposited task asked again, greedily, with its entry grafted from the
-      store (tokens per recurring answer reported);
+      store, for its answer line directly ("Problem: ...\\nAnswer:", graft/knowledge/library.py
+      RECALL: the entry holds it), so a recurring answer takes a few decode tokens (tokens per
+      recurring answer reported);
   (d) held-out, per round: each held-out problem (--heldout, or generated sets disjoint from
       the tasks, one per --rounds) asked greedily three ways: without a library (the few-shot
       header), with its --k BM25-retrieved entries grafted as one library prefix, and with the
       same entries' text prefilled fresh (the text baseline: the graft must give the same
       answer token for token; it changes the cost: prefill tokens and time to first token).
       After each round but the last, the library grows by that round's verified answers.
+
+Every answer stops at the end of the line of any final-answer statement the extraction rule
+reads (or at a blank line, or EOS); one the token limit cut is read without a statement it cut
+short, and where that was its only one it is unreadable: not correct, and counted apart
+(summary `unreadable_answers`, per phase).
 
 Every held-out graft is compared with its text baseline (logits SHA-256 of every decode
 step), and --sample_exact recurring grafts with a fresh computation (graft_exact). Accuracy

@@ -162,7 +162,7 @@ def replay_answers(manifest: dict, limit: int = 0, dot_library: str | None = Non
     ctx, _ = engine.prefill(record['prompt'], logits='last')
     decoded = engine.decode(ctx, record.get('max_tokens', manifest['budget']),
                             temperature=record['temperature'],
-                            seed=record['seed'], stop=asker.stop)
+                            seed=record['seed'], stop=asker.stopper(record.get('cue', '')))
     differing = [name for name, ok in (('tokens', decoded.tokens == record['tokens']),
                                        ('logits_sha256',
                                         decoded.logits_sha256 == record['logits_sha256']))

@@ -52,6 +52,37 @@ def test_verifiers(verifier, answer, output, correct):
   assert verdict.correct is correct and verdict.reason
 
 
+# Answers the token limit cut (finished=False): a statement on the unfinished last line is no
+# statement; it never overrides a complete one before it, and alone it makes the answer
+# unreadable (neither correct nor a wrong reading).
+@pytest.mark.parametrize('output, correct, unreadable', [
+    # The user's case: the entry copied, then the prompt's answer line begun and cut.
+    (' 41 + 45 = 86. The answer is 86.\nAnswer: 8', True, False),
+    ('Adding gives \\boxed{8', False, True),  # cut before its closing brace
+    ('Adding gives \\boxed{86}', True, False),  # a closed box is whole
+    ('Answer: 85\nThe answer is 86.\nAnswer: 9', True, False),  # the later complete one wins
+    ('The answer is 86', False, True),  # its only statement, cut: it may have gone on
+    ('41 + 45 = 86', True, False),  # no statement at all: the last number, as before
+])
+def test_a_cut_off_statement_is_no_statement(output, correct, unreadable):
+  verdict = verifiers.verify('86', 'integer', output, finished=False)
+  assert (verdict.correct, verdict.unreadable) == (correct, unreadable), verdict
+  # The same texts ended by a stop rule or EOS read every statement as written.
+  assert not verifiers.verify('86', 'integer', output).unreadable
+
+
+@pytest.mark.parametrize('text, stops', [
+    (' 41 + 45 = 86. The answer is 86.\n', True),  # a stated answer's line ended
+    (' 41 + 45 = 86. The answer is 86.', False),  # not yet: it may go on
+    (' so \\boxed{86}\n', True),
+    (' 41 + 45 = 86\n#### 86\n', True),
+    (' 41 + 45 = 86.\nAnswer: 86\n', True),
+    (' 41 + 45 = 86.\n', False),  # no statement yet
+])
+def test_an_answer_stops_at_the_line_of_any_stated_answer(text, stops):
+  assert verifiers.ends_statement(text) is stops
+
+
 def test_verifier_is_chosen_from_the_answer_or_refused():
   assert verifiers.verifier_for('42') == 'integer'
   assert verifiers.verifier_for('-4.25') == 'decimal'

@@ -40,6 +40,7 @@ class Asked:
   cpu_seconds: float  # this process's CPU time over the same span (every thread)
   joules: float | None = None  # RAPL package energy over the same span, where readable
   graft_exact: bool | None = None
+  cue: str = ''  # text the prompt ends with that the answer continues ('Answer:' in a recall)
 
 
 class Meter:
@@ -78,28 +79,34 @@ def rapl_joules() -> float | None:
 
 
 class Asker:
-  """Decodes answers under one engine: a worked solution, then "Answer: ...", stopping at the
-  end of the answer's line (or of the entry, at a blank line, or at EOS)."""
+  """Decodes answers under one engine: a worked solution and a stated answer, stopping at the
+  end of the line of any final-answer statement the extraction rule reads (`Answer: X`, `The
+  answer is X`, `\\boxed{X}`, `#### X`: graft/knowledge/verifiers.py), at a blank line, or at
+  EOS. An answer the token limit ended instead is unfinished, and its verdict knows it."""
 
   def __init__(self, engine):
     self.engine = engine
     self.tokenizer = engine.loaded.tokenizer
 
-  def stop(self, tokens: list[int]) -> bool:
-    if tokens[-1] == EOS_ID:
-      return True
-    text = self.tokenizer.decode(tokens)
-    return '\n\n' in text or ('Answer:' in text and '\n' in text.rsplit('Answer:', 1)[1])
+  def stopper(self, cue: str = ''):
+    """The stop rule of an answer that continues `cue` (text its prompt ends with)."""
+    def stop(tokens: list[int]) -> bool:
+      if tokens[-1] == EOS_ID:
+        return True
+      text = cue + self.tokenizer.decode(tokens)
+      return '\n\n' in text or verifiers.ends_statement(text)
+    return stop
 
   def ask(self, ctx, prompt, grafted, task, meter: Meter, *, max_tokens, temperature,
-          seed) -> Asked:
+          seed, cue: str = '') -> Asked:
     """Answers from `ctx`, a context holding `prompt` with its last logits (it is not consumed);
-    `meter` was started before the prompt was grafted or computed."""
+    `meter` was started before the prompt was grafted or computed; `cue`: the text the prompt
+    ends with that the answer continues."""
     first = meter.seconds()
     decoded = self.engine.decode(ctx, max_tokens, temperature=temperature, seed=seed,
-                                 stop=self.stop)
+                                 stop=self.stopper(cue))
     return self._asked(prompt, grafted, task, decoded, temperature, seed, max_tokens, first,
-                       meter, 1.0)
+                       meter, 1.0, cue)
 
   def ask_batch(self, ctx, prompt, task, meter: Meter, *, max_tokens, temperature,
                 seeds) -> list[Asked]:
@@ -109,29 +116,31 @@ class Asker:
     first = meter.seconds()
     decoded = self.engine.decode_batch([ctx] * len(seeds), [max_tokens] * len(seeds),
                                        temperatures=[temperature] * len(seeds), seeds=seeds,
-                                       stop=self.stop)
+                                       stop=self.stopper())
     return [self._asked(prompt, 0, task, d, temperature, seed, max_tokens, first, meter,
                         1 / len(seeds)) for d, seed in zip(decoded, seeds)]
 
   def _asked(self, prompt, grafted, task, decoded, temperature, seed, max_tokens, first,
-             meter: Meter, share: float) -> Asked:
+             meter: Meter, share: float, cue: str = '') -> Asked:
     text = self.tokenizer.decode(decoded.tokens)
+    finished = bool(decoded.tokens) and self.stopper(cue)(decoded.tokens)  # not cut by the limit
     joules = meter.joules()
     return Asked(prompt=list(prompt), grafted=grafted, temperature=temperature, seed=seed,
                  max_tokens=max_tokens, tokens=decoded.tokens,
-                 logits_sha256=decoded.logits_sha256, text=text,
-                 verdict=verifiers.verify(task.answer, task.verifier, text),
+                 logits_sha256=decoded.logits_sha256, text=text, cue=cue,
+                 verdict=verifiers.verify(task.answer, task.verifier, cue + text, finished),
                  seconds=meter.seconds() * share, first_logits_seconds=first,
                  cpu_seconds=meter.cpu_seconds() * share,
                  joules=None if joules is None else joules * share)
 
-  def ask_fresh(self, prompt, task, *, max_tokens, temperature=0.0, seed=0) -> Asked:
+  def ask_fresh(self, prompt, task, *, max_tokens, temperature=0.0, seed=0,
+                cue: str = '') -> Asked:
     """The same question with its whole prompt prefilled fresh (no graft): the text baseline,
     and the fresh computation a grafted answer must equal byte for byte."""
     meter = Meter()
     ctx, _ = self.engine.prefill(prompt, logits='last')
     return self.ask(ctx, prompt, 0, task, meter, max_tokens=max_tokens,
-                    temperature=temperature, seed=seed)
+                    temperature=temperature, seed=seed, cue=cue)
 
 
 def attempt_seed(seed: int, task_id: str, attempt: int) -> int:
@@ -197,18 +206,21 @@ def ask_base(asker: Asker, header, task, settings: 'Settings', *, greedy: bool =
 
 
 def ask_library(asker: Asker, library: Library, entries: list[Entry], task, max_tokens: int,
-                check: bool):
+                check: bool, recall: bool = False):
   """One greedy answer with the entries grafted from the store as one prefix; `check`: also
-  decoded from a fresh prefill of the same prompt, and compared by SHA-256."""
+  decoded from a fresh prefill of the same prompt, and compared by SHA-256. `recall`: the
+  problem is the entry's own (a recurring one), so the prompt asks for its answer line
+  directly (library.RECALL) instead of a worked solution."""
   meter = Meter()
   ctx, match, prefix = library.context(entries)
-  question = library.question(task.problem)
+  question, cue = library.recall(task.problem) if recall else (library.question(task.problem),
+                                                                 '')
   ctx, _ = asker.engine.extend(ctx, prefix[match.tokens:] + question, logits='last',
                                consume=True)
   asked = asker.ask(ctx, prefix + question, match.tokens, task, meter, max_tokens=max_tokens,
-                    temperature=0.0, seed=0)
+                    temperature=0.0, seed=0, cue=cue)
   if check:
-    fresh = asker.ask_fresh(asked.prompt, task, max_tokens=max_tokens)
+    fresh = asker.ask_fresh(asked.prompt, task, max_tokens=max_tokens, cue=cue)
     asked.graft_exact = fresh.logits_sha256 == asked.logits_sha256
   return asked
 
@@ -344,7 +356,8 @@ def run(engine, library: Library, task_list, heldout_sets, solutions, examples,
   for row in rows:  # (c) recurring
     entry = library.find(row['task'].problem) if row['source'] else None
     row['library'] = (ask_library(asker, library, [entry], row['task'], settings.attempt_tokens,
-                                  check=checked < settings.sample_exact) if entry else None)
+                                  check=checked < settings.sample_exact, recall=True)
+                      if entry else None)
     checked += entry is not None
   rounds = []
   for r, heldout in enumerate(heldout_sets, 1):  # (d) held out, round by round
@@ -370,6 +383,7 @@ def task_row(row: dict) -> dict:
                    else bool(row.get('deposited_next_round')),
       'source': row.get('source'),
       'library_correct': None if lib is None else lib.verdict.correct,
+      'library_unreadable': None if lib is None else lib.verdict.unreadable,
       'library_decode_tokens': None if lib is None else len(lib.tokens),
       'grafted_tokens': None if lib is None else lib.grafted,
       'graft_exact': None if lib is None else lib.graft_exact,
@@ -427,6 +441,9 @@ def summarize(config, results: dict, *, seed: int = 0) -> dict:
                                                      [correct(r.get('library')) for r in rr],
                                                      seed=seed)})
   second = by_round.get(2, [])
+  phases = {'base': [a for r in rows for a in r['base']],
+            'library': [r['library'] for r in rows if r.get('library') is not None],
+            'text': [r['text'] for r in rows if r.get('text') is not None]}
   return {
       'budget_per_problem': results['settings']['budget'],
       'attempt_tokens': results['settings']['attempt_tokens'],
@@ -472,6 +489,10 @@ def summarize(config, results: dict, *, seed: int = 0) -> dict:
                         'CPU seconds of this process (every thread) on the same problems, base '
                         'attempts against graft + library answer, at the same power per busy '
                         'core in both: this machine exposes no RAPL counters'),
+      # Answers whose only final-answer statement the token limit cut: not correct, and not
+      # read as a wrong answer either (graft/knowledge/verifiers.py), per phase.
+      'unreadable_answers': {phase: sum(a.verdict.unreadable for a in asked)
+                             for phase, asked in phases.items()},
       'graft_exact': all(checks) if checks else None,
       'graft_exact_checked': len(checks),
       'graft_exact_equal': sum(checks),
@@ -493,7 +514,7 @@ def manifest(config: dict, engine, results: dict) -> dict:
                           np.frombuffer(task.answer.encode(), np.uint8)),
                       'prompt': a.prompt, 'grafted': a.grafted, 'temperature': a.temperature,
                       'seed': a.seed, 'max_tokens': a.max_tokens, 'tokens': a.tokens,
-                      'logits_sha256': a.logits_sha256})
+                      'logits_sha256': a.logits_sha256, 'cue': a.cue})
   return {'kind': 'flywheel', 'config': config, 'model_fingerprint': engine.model_fingerprint,
           'engine_fingerprint': engine.fingerprint, 'budget': config['budget'],
           'answers': answers}

@@ -9,7 +9,9 @@ has run the task's verifier (graft/knowledge/verifiers.py) on the entry's text. 
     <blank line>
 
 and a question is asked as `QUESTION` ("Problem: {problem}\\nSolution:"): the model writes a
-worked solution and an "Answer:" line, from which graft/knowledge/verifiers.py reads the answer. A library prefix is BOS followed by the canonical texts of some entries in a
+worked solution and a stated answer, from which graft/knowledge/verifiers.py reads it. A
+recurring problem, asked after its own entry, is asked as `RECALL` ("Problem:
+{problem}\\nAnswer:"): the model states the answer line the entry holds, in a few tokens. A library prefix is BOS followed by the canonical texts of some entries in a
 fixed order, tokenized as one text. Every entry is deposited alone, as its own prefix, in the
 store (graft/store/_store.py), computed once by the pinned engine; a prefix of several entries
 grafts its longest stored prefix and computes the rest.
@@ -30,6 +32,9 @@ from graft.store import Match, Store
 
 ENTRY = 'Problem: {problem}\nSolution: {solution}\nAnswer: {answer}\n\n'
 QUESTION = 'Problem: {problem}\nSolution:'
+# A recurring problem, asked after its own entry: the answer line directly, its cue in the prompt.
+RECALL_CUE = 'Answer:'
+RECALL = 'Problem: {problem}\n' + RECALL_CUE
 
 
 class LibraryError(ValueError):
@@ -124,3 +129,7 @@ class Library:
 
   def question(self, problem: str) -> list[int]:
     return self.tokenizer.encode(QUESTION.format(problem=problem), add_bos=False)
+
+  def recall(self, problem: str) -> tuple[list[int], str]:
+    """The tokens asking for a recurring problem's answer line, and the cue they end with."""
+    return self.tokenizer.encode(RECALL.format(problem=problem), add_bos=False), RECALL_CUE

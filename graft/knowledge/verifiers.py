@@ -7,8 +7,12 @@ own output.
 The extraction rule. The answer is the one the text states last in a final-answer form:
 `Answer: X`, `The answer is X` (any case), `\\boxed{X}` or `#### X`, X running to the end of
 its line (for `\\boxed`, to the closing brace); of several, the one that starts last. A text
-in none of these forms states its answer as its last number (numeric answers) or its last
-non-empty line (string answers). A number is an optional minus sign, digits with optional
+the token limit cut (`finished=False`: it ended at the limit, not at a stop rule or EOS) may end
+in a statement cut short: one on its unfinished last line (a `\\boxed{` there without its
+closing brace included) is no statement, and never overrides a complete one before it; where
+it is the only one, the answer is unreadable (`Verdict.unreadable`: not correct, and counted
+apart from wrong answers). A text in none of these forms states its answer as its last number
+(numeric answers) or its last non-empty line (string answers). A number is an optional minus sign, digits with optional
 thousands commas and an optional decimal part (`-?\\d[\\d,]*(\\.\\d+)?`, commas removed):
 the first number of a stated answer, or the text's last. An integer answer must equal the
 expected integer; an exact-decimal answer must equal the expected decimal as a number (3.50 ==
@@ -37,6 +41,11 @@ class Verdict:
   correct: bool
   reason: str
   extracted: str | None
+  unreadable: bool = False  # its only statement was cut by the token limit (never correct)
+
+
+UNREADABLE = Verdict(False, 'unreadable: the token limit cut its only final-answer statement',
+                     None, unreadable=True)
 
 
 # The final-answer forms, each capturing the stated answer.
@@ -44,26 +53,45 @@ _STATED = re.compile(r'Answer:[ \t]*([^\n]*)|[Tt][Hh][Ee] [Aa][Nn][Ss][Ww][Ee][R
                      r'([^\n]*)|\\boxed\{([^{}\n]*)\}|####[ \t]*([^\n]*)')
 
 
-def stated_answer(text: str) -> str | None:
-  """The answer a text states last in a final-answer form (None when it uses none)."""
-  found = None
+class Cut(Exception):
+  """The text's only final-answer statement was cut by the token limit."""
+
+
+def stated_answer(text: str, finished: bool = True) -> str | None:
+  """The answer a text states last in a complete final-answer form (None when it uses none);
+  raises Cut where its only one was cut short (see the module doc)."""
+  unfinished = len(text) if finished else text.rfind('\n') + 1  # the cut line starts here
+  found, cut = None, False
   for match in _STATED.finditer(text):
+    if match.start() >= unfinished and not match.group(3):  # a closed \boxed{} is complete
+      cut = True
+      continue
     found = next(g for g in match.groups() if g is not None)
+  if not finished and '\\boxed{' in text[unfinished:]:
+    cut |= '}' not in text[text.rfind('\\boxed{'):]
+  if found is None and cut:
+    raise Cut()
   return None if found is None else found.strip()
 
 
-def extract_number(text: str) -> str | None:
-  stated = stated_answer(text)
+def ends_statement(text: str) -> bool:
+  """Whether a text holds a complete final-answer statement whose line has ended: where an
+  answer stops (graft/knowledge/flywheel.Asker)."""
+  return any('\n' in text[match.start():] for match in _STATED.finditer(text))
+
+
+def extract_number(text: str, finished: bool = True) -> str | None:
+  stated = stated_answer(text, finished)
   numbers = NUMBER.findall(text if stated is None else stated)
   if not numbers:
     return None
   return (numbers[-1] if stated is None else numbers[0]).replace(',', '')
 
 
-def extract_text(text: str, expected: str = '') -> str:
+def extract_text(text: str, expected: str = '', finished: bool = True) -> str:
   """A string answer: the stated one, else the last non-empty line; a final period dropped
   unless the expected answer ends in one."""
-  got = stated_answer(text)
+  got = stated_answer(text, finished)
   if got is None:
     lines = [line.strip() for line in text.split('\n') if line.strip()]
     got = lines[-1] if lines else ''
@@ -72,8 +100,8 @@ def extract_text(text: str, expected: str = '') -> str:
   return got
 
 
-def integer(expected: str, output: str) -> Verdict:
-  got = extract_number(output)
+def integer(expected: str, output: str, finished: bool = True) -> Verdict:
+  got = extract_number(output, finished)
   if got is None:
     return Verdict(False, 'no number in the answer', None)
   if not _INTEGER.fullmatch(got):
@@ -82,22 +110,22 @@ def integer(expected: str, output: str) -> Verdict:
   return Verdict(ok, 'equal' if ok else f'{got} != {expected}', got)
 
 
-def exact_decimal(expected: str, output: str) -> Verdict:
-  got = extract_number(output)
+def exact_decimal(expected: str, output: str, finished: bool = True) -> Verdict:
+  got = extract_number(output, finished)
   if got is None:
     return Verdict(False, 'no number in the answer', None)
   ok = decimal.Decimal(got) == decimal.Decimal(expected)
   return Verdict(ok, 'equal' if ok else f'{got} != {expected}', got)
 
 
-def exact_string(expected: str, output: str) -> Verdict:
-  got = extract_text(output, expected)
+def exact_string(expected: str, output: str, finished: bool = True) -> Verdict:
+  got = extract_text(output, expected, finished)
   ok = got == expected.strip()
   return Verdict(ok, 'equal' if ok else f'{got[:40]!r} != {expected[:40]!r}', got)
 
 
-def regex(expected: str, output: str) -> Verdict:
-  got = extract_text(output)
+def regex(expected: str, output: str, finished: bool = True) -> Verdict:
+  got = extract_text(output, finished=finished)
   try:
     ok = re.fullmatch(expected, got) is not None
   except re.error as e:
@@ -105,7 +133,7 @@ def regex(expected: str, output: str) -> Verdict:
   return Verdict(ok, 'matches' if ok else f'{got[:40]!r} does not match', got)
 
 
-VERIFIERS: dict[str, Callable[[str, str], Verdict]] = {
+VERIFIERS: dict[str, Callable[..., Verdict]] = {
     'integer': integer, 'decimal': exact_decimal, 'string': exact_string, 'regex': regex}
 
 
@@ -133,5 +161,9 @@ def verifier_for(answer: str, name: str | None = None) -> str:
   return name
 
 
-def verify(answer: str, verifier: str, output: str) -> Verdict:
-  return VERIFIERS[verifier](answer.strip(), output)
+def verify(answer: str, verifier: str, output: str, finished: bool = True) -> Verdict:
+  """The verdict on `output`; finished=False: the token limit ended it (see the module doc)."""
+  try:
+    return VERIFIERS[verifier](answer.strip(), output, finished)
+  except Cut:
+    return UNREADABLE
