@@ -1,7 +1,9 @@
-"""The spec engine on an emulated CPU of another vendor, for when no such machine is at hand.
+"""The spec engine on an emulated CPU of another vendor, for when no such machine is at hand,
+and in every process configuration of this one.
 
   python -m experiments.emulated_check                  # an AMD EPYC-Rome (Zen 2: AVX2, FMA)
-  python -m experiments.emulated_check --cpu=Haswell --replay_limit=1
+  python -m experiments.emulated_check --cpu=Haswell --replay_limit=4
+  python -m experiments.emulated_check --cpu= --configurations=devices:8,threads:1,isa:SSE4_2
 
 Runs this repository's checks under QEMU's user-mode emulator (`qemu-x86_64 -cpu CPU`, the
 Debian package qemu-user; 7.2 or later emulates AVX2 and FMA):
@@ -9,11 +11,17 @@ Debian package qemu-user; 7.2 or later emulates AVX2 and FMA):
 1. a probe, here and emulated: the CPU XLA compiles for (the LLVM target in the IR of a small
    jitted function) and the bits of XLA's reciprocal square root against the spec's 1 / sqrt.
    A different target and different rsqrt bits show the emulated machine is not this one;
-2. experiments.spec_check on tiny Gemma 2, 3 and 4 past their sliding windows, with XLA's own
-   dots (Eigen) and with the spec dot kernel (`--dot_library=pallas`);
+2. experiments.spec_check on tiny Gemma 2, 3, 4 and 3-wide (chained projections) past their
+   sliding windows, with each of --dot_libraries: XLA's own dots (eigen), the spec engine's
+   native kernels (native), the spec dot kernel in Pallas's interpret mode (pallas);
 3. with --replay_limit, experiments.replay of the first records of the committed spec CI
    manifest (made on a real CPU; the embedded 270M, self-check included), with each;
-4. everything to results/emulated_<cpu>.json, with what each step printed and its time.
+4. with --configurations, the same spec_checks (and --config_models, the 270M among them) run
+   natively in processes of other configurations: `devices:N` host devices, `threads:1` (one
+   core of the affinity mask), `isa:X` (XLA_FLAGS=--xla_cpu_max_isa=X); --cpu= (empty) skips
+   the emulated steps;
+5. everything to results/emulated_<cpu>.json (or --output), with what each step printed and
+   its time.
 
 Each spec_check or replay ends `equal` (the spec's bits, the manifest's hashes) or `refused`
 (the engine's self-check named the probes this machine does not compute as the spec says);
@@ -48,14 +56,22 @@ from experiments import common
 FLAGS = flags.FLAGS
 
 CI_MANIFEST = 'manifests/ci_gemma3_270m_float32.json'
-# XLA's own dots (Eigen), and the spec dot kernel: sequential FMA by construction, in Pallas's
-# interpret mode on a CPU (gemma_jax/kernels/spec_dot.py).
-DOT_LIBRARIES = ('eigen', 'pallas')
-TINY_MODELS = ('tiny_gemma2', 'tiny_gemma3', 'tiny_gemma4')
+# XLA's own dots (Eigen); the spec engine's native kernels and the spec dot kernel in Pallas's
+# interpret mode, both sequential FMA chains by construction (gemma_jax/kernels).
+DOT_LIBRARIES = ('eigen', 'native', 'pallas')
+BY_CONSTRUCTION = ('native', 'pallas')
+TINY_MODELS = ('tiny_gemma2', 'tiny_gemma3', 'tiny_gemma4', 'tiny_gemma3_wide')
 
 
 def define_flags() -> None:
-  flags.DEFINE_string('cpu', 'EPYC-Rome', 'The CPU model QEMU emulates (qemu-x86_64 -cpu help).')
+  flags.DEFINE_string('cpu', 'EPYC-Rome', 'The CPU model QEMU emulates (qemu-x86_64 -cpu help); '
+                      'empty: no emulated steps.')
+  flags.DEFINE_list('dot_libraries', ['eigen', 'native'], f'Dot libraries of the spec_checks and '
+                    f'replays: any of {", ".join(DOT_LIBRARIES)}.')
+  flags.DEFINE_list('configurations', [], 'Process configurations of this machine to run the '
+                    'spec_checks in natively: devices:N, threads:1, isa:AVX2, isa:SSE4_2, ...')
+  flags.DEFINE_list('config_models', list(TINY_MODELS), 'Models of those spec_checks (the '
+                    'embedded gemma3_270m computes 64 tokens).')
   flags.DEFINE_string('qemu', 'qemu-x86_64', 'The QEMU user-mode emulator.')
   flags.DEFINE_integer('tokens', 60, 'Tokens of each tiny model\'s spec_check (windows are 8).')
   flags.DEFINE_integer('replay_limit', 0, 'Records of the CI manifest to replay with each dot '
@@ -124,50 +140,88 @@ def _qemu_version() -> str:
   return out.splitlines()[0] if out else ''
 
 
+def configuration(spec: str) -> tuple[list[str], dict[str, str]]:
+  """A --configurations entry -> (command prefix, environment) of a process in it."""
+  kind, _, value = spec.partition(':')
+  if kind == 'devices' and value.isdigit():
+    return [], {'XLA_FLAGS': f'--xla_force_host_platform_device_count={value}'}
+  if kind == 'threads' and value == '1':
+    return ['taskset', '-c', str(min(os.sched_getaffinity(0)))], {}
+  if kind == 'isa' and value:
+    return [], {'XLA_FLAGS': f'--xla_cpu_max_isa={value}'}
+  raise ValueError(f'--configurations: {spec!r} is not devices:N, threads:1 or isa:NAME')
+
+
+def spec_check_step(prefix: list[str], model: str, library: str, env: dict, outputs: str) -> dict:
+  """experiments.spec_check of `model` (seeded random weights; the embedded 270M's own) with a
+  dot library, run as prefix + python: run_step's record, its summary and outcome."""
+  output = os.path.join(outputs, f'{model}_{library}.json')
+  weights = (['--weights=embedded', '--tokens=64'] if model == 'gemma3_270m' else
+             ['--weights=random:0', f'--tokens={FLAGS.tokens}', '--rows_per_call=16',
+              '--cache_len=256'])
+  step = common.run_step(prefix + ['-m', 'experiments.spec_check', f'--model={model}', *weights,
+                                   f'--dot_library={library}', f'--output={output}'],
+                         timeout=FLAGS.step_timeout, env=env)
+  if os.path.exists(output):
+    with open(output) as f:
+      step['summary'] = json.load(f)['summary']
+    os.unlink(output)
+  step['outcome'] = outcome(step)
+  return step
+
+
 def main(argv):
   del argv
   if FLAGS.probe_only:
     with open(os.path.join(FLAGS.probe_only, 'probe.json'), 'w') as f:
       json.dump(probe(FLAGS.probe_only), f)
     return 0
-  if not shutil.which(FLAGS.qemu):
+  unknown = sorted(set(FLAGS.dot_libraries) - set(DOT_LIBRARIES))
+  if unknown:
+    raise ValueError(f'--dot_libraries: unknown {unknown}; expected some of {DOT_LIBRARIES}')
+  configurations = {c: configuration(c) for c in FLAGS.configurations}
+  if FLAGS.cpu and not shutil.which(FLAGS.qemu):
     raise FileNotFoundError(f'--qemu={FLAGS.qemu}: not found (apt-get install qemu-user)')
-  emulate = [FLAGS.qemu, '-cpu', FLAGS.cpu, sys.executable]
   # Executables compiled for another CPU are kept apart by JAX's cache key (the topology
   # fingerprint holds the target machine); a folder of the run's own keeps the check clean.
   cache = tempfile.mkdtemp(prefix='emulated_check_cache_')
   env = {'GEMMA_JAX_COMPILATION_CACHE': cache}
-  steps = {'probe_here': probe_step([sys.executable], FLAGS.step_timeout),
-           'probe_emulated': probe_step(emulate, FLAGS.step_timeout)}
   outputs = tempfile.mkdtemp(prefix='emulated_check_')
-  for model in TINY_MODELS:
-    for library in DOT_LIBRARIES:
-      output = os.path.join(outputs, f'{model}_{library}.json')
+  steps = {}
+  if FLAGS.cpu:
+    emulate = [FLAGS.qemu, '-cpu', FLAGS.cpu, sys.executable]
+    steps['probe_here'] = probe_step([sys.executable], FLAGS.step_timeout)
+    steps['probe_emulated'] = probe_step(emulate, FLAGS.step_timeout)
+    for model in TINY_MODELS:
+      for library in FLAGS.dot_libraries:
+        step = steps[f'spec_check_{model}_{library}'] = spec_check_step(emulate, model, library,
+                                                                        env, outputs)
+        print(f'spec_check {model} {library}: {step["outcome"]}, {step["seconds"]:.0f} s',
+              flush=True)
+    for library in FLAGS.dot_libraries if FLAGS.replay_limit else ():
       step = common.run_step(
-          emulate + ['-m', 'experiments.spec_check', f'--model={model}', '--weights=random:0',
-                     f'--tokens={FLAGS.tokens}', '--rows_per_call=16', '--cache_len=256',
-                     f'--dot_library={library}', f'--output={output}'],
+          emulate + ['-m', 'experiments.replay', f'--manifest={CI_MANIFEST}',
+                     f'--limit={FLAGS.replay_limit}', f'--dot_library={library}'],
           timeout=FLAGS.step_timeout, env=env)
-      if os.path.exists(output):
-        with open(output) as f:
-          step['summary'] = json.load(f)['summary']
       step['outcome'] = outcome(step)
-      steps[f'spec_check_{model}_{library}'] = step
-      print(f'spec_check {model} {library}: {step["outcome"]}, {step["seconds"]:.0f} s',
-            flush=True)
-  for library in DOT_LIBRARIES if FLAGS.replay_limit else ():
-    step = common.run_step(
-        emulate + ['-m', 'experiments.replay', f'--manifest={CI_MANIFEST}',
-                   f'--limit={FLAGS.replay_limit}', f'--dot_library={library}'],
-        timeout=FLAGS.step_timeout, env=env)
-    step['outcome'] = outcome(step)
-    steps[f'replay_ci_manifest_{library}'] = step
+      steps[f'replay_ci_manifest_{library}'] = step
+      print(f'replay {library}: {step["outcome"]}, {step["seconds"]:.0f} s', flush=True)
+  for name, (prefix, config_env) in configurations.items():
+    for model in FLAGS.config_models:
+      for library in FLAGS.dot_libraries:
+        step = spec_check_step(prefix + [sys.executable], model, library,
+                               {**env, **config_env}, outputs)
+        steps[f'config_{name}_{model}_{library}'] = step
+        print(f'{name}: spec_check {model} {library}: {step["outcome"]}, '
+              f'{step["seconds"]:.0f} s', flush=True)
   shutil.rmtree(cache, ignore_errors=True)
   shutil.rmtree(outputs, ignore_errors=True)
-  here, there = steps['probe_here']['probe'], steps['probe_emulated']['probe']
+  here = steps.get('probe_here', {}).get('probe')
+  there = steps.get('probe_emulated', {}).get('probe')
   checks = [s['outcome'] for s in steps.values() if 'outcome' in s]
   report = {
-      'emulator': _qemu_version(), 'cpu': FLAGS.cpu, 'steps': steps,
+      'emulator': _qemu_version() if FLAGS.cpu else None, 'cpu': FLAGS.cpu or None,
+      'steps': steps,
       'another_machine': bool(here and there and (
           here['llvm_target_cpu'] != there['llvm_target_cpu'] or
           here['xla_rsqrt_sha256'] != there['xla_rsqrt_sha256'])),
@@ -175,22 +229,24 @@ def main(argv):
                                here['spec_rsqrt_sha256'] == there['spec_rsqrt_sha256']),
       'outcomes': {o: checks.count(o) for o in sorted(set(checks))},
   }
-  # Exact or refused, never different; and the spec dot kernel, which is the FMA chain by
-  # construction, exact.
-  report['ok'] = (report['another_machine'] and report['spec_rsqrt_equal']
+  # Exact or refused, never different; and the kernels that are FMA chains by construction
+  # exact everywhere.
+  report['ok'] = ((not FLAGS.cpu or (report['another_machine'] and report['spec_rsqrt_equal']))
                   and all(o in ('equal', 'refused') for o in checks)
                   and all(s['outcome'] == 'equal' for n, s in steps.items()
-                          if n.endswith('_pallas')))
-  output = FLAGS.output or os.path.join(
-      'results', f'emulated_{re.sub(r"[^a-z0-9]+", "_", FLAGS.cpu.lower())}.json')
+                          if n.endswith(BY_CONSTRUCTION)))
+  name = re.sub(r'[^a-z0-9]+', '_', FLAGS.cpu.lower()) if FLAGS.cpu else 'configurations'
+  output = FLAGS.output or os.path.join('results', f'emulated_{name}.json')
   common.write_result(output, 'emulated_check', {
-      'config': {'cpu': FLAGS.cpu, 'qemu': FLAGS.qemu, 'tokens': FLAGS.tokens,
+      'config': {'cpu': FLAGS.cpu or None, 'qemu': FLAGS.qemu, 'tokens': FLAGS.tokens,
+                 'dot_libraries': FLAGS.dot_libraries, 'configurations': FLAGS.configurations,
+                 'config_models': FLAGS.config_models,
                  'replay_limit': FLAGS.replay_limit, 'manifest': CI_MANIFEST},
       'report': report})
   for name, step in steps.items():
     print(f'{name}: {step.get("outcome", step["status"])}, {step["seconds"]:.0f} s')
   print(f'another machine: {report["another_machine"]}; every check exact or refused, the '
-        f'spec dot kernel exact: {report["ok"]}')
+        f'kernels of the spec\'s order exact: {report["ok"]}')
   return 0 if report['ok'] else 1
 
 

@@ -5,12 +5,14 @@
 The engine computes the tokens twice: one-shot, and cut at `splits` (each piece a call of its
 own, logits at each piece's last token); the interpreter (gemma_jax.spec.interpreter) computes
 them once. Compared, by their raw bits: every K and V row each cache layer of the engine still
-holds (a local ring holds its last S), and the logits at the last token of every piece. A run
+holds (a global layer all n, a local ring its last S), and the logits at the last token of every
+piece. A run
 that passes on two machines has shown that their bits are equal (each equals the interpreter's).
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import numpy as np
@@ -29,19 +31,43 @@ def _bits(x) -> np.ndarray:
   return np.ascontiguousarray(np.asarray(x, np.float32)).view(np.int32)
 
 
+def compared_rows(engine: Engine, num_tokens: int) -> dict[int, tuple[int, int]]:
+  """Cache layer -> the sequence indices [lo, n) its K and V are compared over: every token on a
+  global layer, the last ring-length on a local one (the rest were overwritten)."""
+  local = max(0, num_tokens - engine.local_slots)
+  return {layer: (0 if engine.config.layer_spec(layer).window is None else local, num_tokens)
+          for layer in engine.config.cache_layers}
+
+
 def _first_kv_difference(engine: Engine, ctx, reference, run: str) -> dict | None:
   """The first (layer, then position) K or V row the engine's context and the reference
-  disagree on, among the rows every layer still holds."""
+  disagree on, among the rows each layer still holds (`compared_rows`)."""
   n = len(ctx.tokens)
-  lo = max(0, n - engine.local_slots)
-  rows = kvs.take_rows(ctx.kv, lo, n)
+  spans = compared_rows(engine, n)
+  recent = kvs.take_rows(ctx.kv, max(lo for lo, _ in spans.values()), n)
   for j, layer in enumerate(engine.config.cache_layers):
-    for op, got, want in (('k', rows.k[j], reference.k[j][lo:]),
-                          ('v', rows.v[j], reference.v[j][lo:])):
+    lo, _ = spans[layer]
+    if lo == recent.start:
+      k, v = recent.k[j], recent.v[j]
+    else:  # a global layer: token i sits in slot i
+      k, v = (np.asarray(a[0, lo:n]) for a in (ctx.kv.layers[j].k, ctx.kv.layers[j].v))
+    for op, got, want in (('k', k, reference.k[j][lo:n]), ('v', v, reference.v[j][lo:n])):
       differs = np.any(_bits(got) != _bits(want), axis=tuple(range(1, np.ndim(got))))
       if differs.any():
         return {'run': run, 'layer': int(layer), 'op': op, 'position': int(lo + differs.argmax())}
   return None
+
+
+def _digest(ctx, logits: dict, rows: list[int]) -> str:
+  """SHA-256 of a context's whole KV state (every layer's K, V and positions) and the logits of
+  `rows`."""
+  h = hashlib.sha256()
+  for layer in ctx.kv.layers:
+    for a in (layer.k, layer.v, layer.positions):
+      h.update(np.ascontiguousarray(np.asarray(a)).tobytes())
+  for r in rows:
+    h.update(_bits(logits[r]).tobytes())
+  return h.hexdigest()
 
 
 def run(engine: Engine, tokens, splits=(), *, progress=None) -> dict:
@@ -89,7 +115,10 @@ def run(engine: Engine, tokens, splits=(), *, progress=None) -> dict:
         first = first or {'run': run_name, 'layer': None, 'op': 'logits', 'position': r}
   return {
       'summary': {'tokens': n, 'kv_equal': kv_equal, 'logits_equal': logits_equal,
-                  'first_difference': first},
+                  'first_difference': first,
+                  # What this machine computed (the one-shot run's compared K, V rows and logits):
+                  # equal digests are equal bits, across machines and emulators.
+                  'sha256': _digest(one_shot, engine_logits['one-shot'], rows)},
       'splits': splits, 'logit_rows': rows,
       'reference_seconds': round(reference_seconds, 1),
       'engine_seconds': round(engine_seconds, 1),
