@@ -119,7 +119,10 @@ def main(argv):
   steps.update(meshes)
   exact = all(steps[f'graft_exactness_{a}'].get('summary', {}).get('equal') == FLAGS.samples
               for a in ('xla', 'pallas')) and (not meshes or mesh_exact(meshes))
-  report['ok'] = steps['kernel_tests']['status'] == 0 and exact
+  # A replay that differs (or fails) is a failed check, not a note.
+  replayed = all(steps[name]['status'] == 0
+                 for name in ('replay_ci_manifest', 'replay_ci_manifest_spec_dot'))
+  report['ok'] = steps['kernel_tests']['status'] == 0 and exact and replayed
   output = FLAGS.output or os.path.join('results', f'device_{kind}.json')
   common.write_result(output, 'device_check', {
       'config': {'samples': FLAGS.samples, 'mesh': mesh, 'mesh_samples': FLAGS.mesh_samples},

@@ -3,6 +3,7 @@
   python -m experiments.mesh_exactness --model=gemma3_1b --weights=random:0 \\
       --meshes=,model:2,model:4,model:8 --layouts=gather,split --samples=4
   python -m experiments.mesh_exactness --engine=spec --meshes=,model:2 --samples=4
+  python -m experiments.mesh_exactness --engine=spec --meshes=,model:2,model:4,model:8,model:2+data:2
 
 On a CPU host the process asks XLA for as many host devices as the largest mesh needs. For each
 (mesh, layout) the engine (--engine: pinned, or spec in the gather layout) computes the same
@@ -34,7 +35,8 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  flags.DEFINE_list('meshes', ['', 'model:2', 'model:4'], "Meshes ('' is one device).")
+  flags.DEFINE_list('meshes', ['', 'model:2', 'model:4'], "Meshes ('' is one device; axes of "
+                    "one mesh joined by '+': model:2+data:2).")
   flags.DEFINE_list('layouts', list(sharding.LAYOUTS), 'Layouts to run on every mesh.')
   flags.DEFINE_integer('samples', 4, 'Samples drawn from real text.')
   flags.DEFINE_integer('seed', 0, 'Seed of the samples.')

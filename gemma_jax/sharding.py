@@ -43,9 +43,10 @@ AXES = ('data', 'model')
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
-  """'model:4' or 'model:2,data:2' -> {'data': d, 'model': m} (absent axes have size 1)."""
+  """'model:4' or 'model:2,data:2' -> {'data': d, 'model': m} (absent axes have size 1). Axes
+  may also be joined by '+' ('model:2+data:2'), which a list of meshes in one flag needs."""
   axes = {'data': 1, 'model': 1}
-  for part in (p.strip() for p in spec.split(',') if p.strip()):
+  for part in (p.strip() for p in spec.replace('+', ',').split(',') if p.strip()):
     name, sep, size = part.partition(':')
     if not sep or name not in axes or not size.isdigit() or int(size) < 1:
       raise ValueError(f'mesh {spec!r}: expected axis:size pairs over {AXES}, e.g. model:2,data:2')

@@ -46,8 +46,9 @@ def _check(kinds):
     assert kind['silent_wrong'] == 0 and kind['crashed'] == 0 and kind['lost'] == 0, (
         name, kind['examples'])
     assert kind['exact'] + kind['untouched'] + kind['refused'] == kind['trials']
+  assert set(ALWAYS_REFUSED) <= set(faults.KINDS), set(ALWAYS_REFUSED) - set(faults.KINDS)
   for name in ALWAYS_REFUSED:
-    if name in kinds:
+    if name in kinds:  # a campaign of some kinds only
       assert kinds[name]['refused'] > 0 and kinds[name]['reasons'], name
 
 

@@ -116,8 +116,9 @@ def test_the_spec_engine_computes_what_the_interpreter_computes(name):
   assert engine.engine_config.dot_library == 'native'  # the default where g++ is found
   tokens = [int(t) for t in np.random.default_rng(2).integers(3, 512, 100)]
   result = spec_check.run(engine, tokens, splits=[1, 17, 50])
-  assert result['summary'] == {'tokens': 100, 'kv_equal': True, 'logits_equal': True,
-                               'first_difference': None}, result
+  summary = result['summary']
+  assert (summary['tokens'], summary['kv_equal'], summary['logits_equal'],
+          summary['first_difference']) == (100, True, True, None), result
 
 
 def test_a_difference_is_found_and_named(monkeypatch):
@@ -173,22 +174,39 @@ def test_a_refused_engine_names_the_spec_dot_kernel(monkeypatch):
   selfcheck._RESULTS.clear()
 
 
-def test_a_replay_refused_for_its_dots_runs_on_the_native_kernels(monkeypatch):
-  # XLA's attention dots made to differ from the spec; the kernels' path is left as it is.
-  from graft import replay
+def test_a_replay_refused_for_its_dots_runs_on_the_native_kernels(monkeypatch, tmp_path):
+  # A manifest made on XLA's dots (Eigen); then XLA's attention dots made to differ from the
+  # spec (the native kernels' path left as it is): replay() falls back and reproduces it.
+  from graft import exactness, replay
+  from gemma_jax import numerics
   loaded = weights.load('tiny_gemma3', 'random:0', 'float32')
-  made = Engine(loaded, SMALL)
-  manifest = {'config': {'model': 'tiny_gemma3', 'weights': 'random:0', 'dtype': 'float32',
-                         'engine_config': dataclasses.asdict(SMALL_EIGEN)},
-              'engine_fingerprint': made.fingerprint, 'model_fingerprint': made.model_fingerprint}
+  made = Engine(loaded, SMALL_EIGEN)
+  rng = np.random.default_rng(9)
+  library, query = ([int(t) for t in rng.integers(3, 512, n)] for n in (40, 5))
+  row = exactness.check_sample(made, exactness.artifact_graft(made, made, str(tmp_path / 'a')),
+                               library, query, continuation_tokens=4)
+  manifest = {'kind': 'graft_exactness',
+              'config': {'model': 'tiny_gemma3', 'weights': 'random:0', 'dtype': 'float32',
+                         'engine_config': dataclasses.asdict(made.engine_config),
+                         'continuation_tokens': 4},
+              'engine_fingerprint': made.fingerprint, 'model_fingerprint': made.model_fingerprint,
+              'samples': [{'library': library, 'query': query,
+                           **{h: row[h] for h in replay.HASHES}}]}
   tile_scores = Spec.tile_scores
   monkeypatch.setattr(Spec, 'tile_scores', lambda self, q, k: tile_scores(
       self, q[..., ::-1], k[..., ::-1]) if self.dot is None else tile_scores(self, q, k))
   selfcheck._RESULTS.clear()
   engine, writer = replay._engine(manifest)
   assert engine.engine_config.dot_library == writer.engine_config.dot_library == 'native'
+  assert replay.replay(manifest) == []  # every hash reproduced, through the fallback
   with pytest.raises(selfcheck.SpecError, match='attention scores'):
     replay._engine(manifest, dot_library='eigen')  # a library asked for is not replaced
+  # A refusal that is not only about dots (another rounding of floor, which exp's range
+  # reduction uses) is raised, not replayed around.
+  monkeypatch.setattr(numerics._SpecOps, 'floor', staticmethod(jnp.round))
+  selfcheck._RESULTS.clear()
+  with pytest.raises(selfcheck.SpecError, match='elementwise exp'):
+    replay.replay(manifest)
   selfcheck._RESULTS.clear()
 
 

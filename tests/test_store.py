@@ -18,7 +18,7 @@ from graft.store import blocks
 from graft.engine import Engine, EngineConfig
 from graft.store.kvstore import StoreUrlError
 from graft.store import Store, StoreError
-from graft.store._store import PAUSE_ENV, PAUSED
+from graft.store._store import PAUSE_ENV, PAUSED, RESUME_ENV
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 B = 8
@@ -391,21 +391,37 @@ def test_hostile_entries_are_refused_not_followed():
 # Several processes
 
 
-def _put_process(url, path, pause=None):
-  """`experiments.store put` in another process; pause: its PAUSE_ENV ('STEP:N')."""
+def _put_process(url, path, pause=None, resume=None):
+  """`experiments.store put` in another process; pause: its PAUSE_ENV ('STEP:N'); resume: its
+  RESUME_ENV (a file whose creation lets it go on)."""
   return subprocess.Popen([sys.executable, '-m', 'experiments.store', 'put', f'--store={url}',
                            f'--input={path}', *TINY_FLAGS], cwd=REPO,
                           env={**os.environ, 'PYTHONPATH': str(REPO),
-                               **({PAUSE_ENV: pause} if pause else {})},
+                               **({PAUSE_ENV: pause} if pause else {}),
+                               **({RESUME_ENV: str(resume)} if resume else {})},
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _wait_for_pause(proc) -> list[str]:
+  """The object names a writer paused with, after reading its stderr up to PAUSED."""
+  for line in proc.stderr:
+    if line.startswith(PAUSED):
+      return json.loads(line.split(' ', 6)[-1])
+  raise AssertionError(f'the writer ended (status {proc.wait()}) before it paused')
+
+
 def put_from_two_processes(url, tmp_path) -> list[list[int]]:
-  """Two writer processes put the same three texts at once; returns the texts."""
+  """Two writer processes put the same three texts, made to overlap: each pauses once its first
+  objects are written (before it publishes any), and both go on only when both have (each
+  wrote, so the second to publish meets the first's copies). Returns the texts."""
   contexts = [tokens(6 * B + i, 30 + i) for i in range(3)]
   path = tmp_path / 'in.jsonl'
   path.write_text(''.join(json.dumps({'tokens': c}) + '\n' for c in contexts))
-  procs = [_put_process(url, path) for _ in range(2)]
+  resume = tmp_path / 'resume'
+  procs = [_put_process(url, path, 'written:1', resume) for _ in range(2)]
+  written = [_wait_for_pause(proc) for proc in procs]
+  assert all(written), written  # both wrote objects before either published
+  resume.touch()
   for proc in procs:
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-2000:]

@@ -153,11 +153,17 @@ def test_readers_graft_only_what_a_trusted_key_signed(eng, tmp_path):
   trusting_bob = Store(backing, eng, trusted_keys=(bob.public,))
   assert answer(trusting_bob, library, query) == (want, 0)  # a miss, recomputed
   assert trusting_bob.problems and 'not signed by a trusted key' in trusting_bob.problems[0].reason
-  # Bob computes the same blocks and vouches for them too: one object, two signatures.
-  Store(backing, eng, signing_key=bob).put(library + tokens(9, 11)[1:])
-  assert answer(Store(backing, eng, trusted_keys=(bob.public,)), library, query)[0] == want
-  # A signature over another header does not count.
+  # Bob, trusting only himself, cannot graft Alice's blocks: he recomputes them, finds the same
+  # objects and vouches for them too (one object, two signatures): a reader trusting Bob alone
+  # now grafts the whole library.
+  Store(backing, eng, signing_key=bob, trusted_keys=(bob.public,)).put(
+      library + tokens(9, 11)[1:])
+  assert answer(Store(backing, eng, trusted_keys=(bob.public,)), library, query) == (
+      want, len(library))
+  # A signature over another header does not count: with Bob's first signature replaced by one
+  # over another header, the reader grafts nothing.
   entry = trusting_alice.lookup(library).entries[0]
+  assert Store(backing, eng, trusted_keys=(bob.public,)).lookup(library).tokens == len(library)
   backing.write(f'signatures/{entry["key"]}/{bob.public.id}', bob.sign('00' * 32))
   reader = Store(backing, eng, trusted_keys=(bob.public,))
   assert reader.lookup(library).tokens == 0
@@ -369,17 +375,19 @@ def test_manifest_fields_of_the_wrong_json_type_are_refused_in_one_line(eng, tmp
     changed = {**manifest, field: value}
     changed['manifest_sha256'] = artifact.manifest_digest(changed)  # resealed
     (tmp_path / 'a' / 'manifest.json').write_text(json.dumps(changed))
-    with pytest.raises(ArtifactError):
+    with pytest.raises(ArtifactError, match=field) as refused:
       artifact.load(str(tmp_path / 'a'), eng)
+    assert '\n' not in str(refused.value)
   store = Store(f'file://{tmp_path}/s/', eng)
   description = json.loads(store.backing.read('store.json'))
   for field, value in (('model', ['x']), ('engine', 7), ('namespace', {})):
     store.backing.write('store.json', json.dumps({**description, field: value}).encode())
-    with pytest.raises(StoreError):
+    with pytest.raises(StoreError, match=field) as refused:
       Store(store.backing, eng)
+    assert '\n' not in str(refused.value)
 
 
-def test_a_resealed_manifest_claiming_another_machine_is_refused(eng, tmp_path):
+def test_a_resealed_manifest_claiming_another_model_is_refused(eng, tmp_path):
   from graft.store import ArtifactError, artifact
   library, _ = eng.prefill(tokens(12, 21), logits='none')
   artifact.save(str(tmp_path / 'a'), eng, library)

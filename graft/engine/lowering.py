@@ -73,7 +73,10 @@ _MISSING = (
      'jaxlib.triton / jaxlib.mosaic)'),
     (r'Cannot lower pallas_call on platform: tpu',
      'the Pallas TPU lowering (jax._src.pallas.mosaic and the jaxlib.mosaic TPU dialect)'),
-    (r'No module named [\'"]?([\w.]+)', None),  # the module itself is the component
+    # A module of jax's, jaxlib's or a device plugin's: the module itself is the component (a
+    # missing module of this project's is a bug, never a component: it is raised).
+    (r'No module named [\'"]?((?:jax|jaxlib|jax_cuda\w*|jax_rocm\w*|triton|libtpu)(?:\.[\w.]+)?)\b',
+     None),
 )
 
 

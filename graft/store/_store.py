@@ -75,8 +75,10 @@ _WRITE_BATCH = 64  # blocks computed before they are written together (bounds ho
 # A test hook for killing a writer process at a known point of a put: with PAUSE_ENV='STEP:N' in
 # its environment ('written', 'verified' or 'published'; N-th time, default 1), the process
 # prints PAUSED, the step and the batch's object names (JSON) on stderr and then waits to be
-# killed (tests/test_store.py, graft/faults.py's kill_put).
+# killed (tests/test_store.py, graft/faults.py's kill_put), or, with RESUME_ENV naming a file,
+# until that file exists (a barrier that makes two writers overlap: tests/test_store.py).
 PAUSE_ENV = 'GEMMA_JAX_STORE_PAUSE'
+RESUME_ENV = 'GEMMA_JAX_STORE_RESUME'
 PAUSED = 'store put paused after step'
 _steps_reached = collections.Counter()
 # Bytes read for a header: enough for any block object's preamble and header (about 150 bytes
@@ -680,8 +682,9 @@ class Store:
     if at == step and _steps_reached[step] == int(count or 1):
       sys.stderr.write(f'{PAUSED} {step} {json.dumps(names)}\n')
       sys.stderr.flush()
-      while True:  # until killed
-        time.sleep(3600)
+      resume = os.environ.get(RESUME_ENV)
+      while not (resume and os.path.exists(resume)):  # until resumed, or killed
+        time.sleep(0.05 if resume else 3600)
 
   def _publish_over(self, parent, start, key, name, header, entry_name, entry_bytes,
                     parent_standing: str | None) -> tuple[bool, bool, str | None]:
