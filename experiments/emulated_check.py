@@ -52,6 +52,7 @@ import tempfile
 from absl import flags
 
 from experiments import common
+from graft.engine import fingerprint
 
 FLAGS = flags.FLAGS
 
@@ -239,6 +240,7 @@ def main(argv):
   output = FLAGS.output or os.path.join('results', f'emulated_{name}.json')
   common.write_result(output, 'emulated_check', {
       'config': {'cpu': FLAGS.cpu or None, 'qemu': FLAGS.qemu, 'tokens': FLAGS.tokens,
+                 'host': fingerprint.environment(),
                  'dot_libraries': FLAGS.dot_libraries, 'configurations': FLAGS.configurations,
                  'config_models': FLAGS.config_models,
                  'replay_limit': FLAGS.replay_limit, 'manifest': CI_MANIFEST},

@@ -183,7 +183,7 @@ def test_batched_attempts_keep_the_one_at_a_time_record(engine, monkeypatch):
   limit (so the manifest replays unbatched)."""
   from graft.knowledge import flywheel
   winners = set()
-  monkeypatch.setattr(flywheel.verifiers, 'verify', lambda answer, verifier, text:
+  monkeypatch.setattr(flywheel.verifiers, 'verify', lambda answer, verifier, text, finished:
                       verifiers.Verdict(text in winners, 'planted', None))
   header_tokens = [2, 17, 33, 9]
   header = (engine.prefill(header_tokens, logits='none')[0], header_tokens)

@@ -46,10 +46,10 @@ def test_a_traced_run_is_joined_to_its_module_and_counts_every_dot(tmp_path):
   texts = {name: fn.lower(x, w).compile().as_text() for name, (fn, x, w) in fns.items()}
   for fn, x, w in fns.values():
     fn(x, w).block_until_ready()
-  calls = 3
+  calls = {'jit_layer': 3, 'jit_other_layer': 1}  # unequal, so a swapped join shows
   with jax.profiler.trace(str(tmp_path)):
-    for _ in range(calls):
-      for fn, x, w in fns.values():
+    for name, (fn, x, w) in fns.items():
+      for _ in range(calls[name]):
         fn(x, w).block_until_ready()
   thunks = [t for t in profile.read_trace(str(tmp_path)) if t.module in fns]
   programs = {t.program: t.module for t in thunks}
@@ -57,7 +57,7 @@ def test_a_traced_run_is_joined_to_its_module_and_counts_every_dot(tmp_path):
   modules = {program: profile.read_module(texts[name]) for program, name in programs.items()}
   summary = profile.summarize(thunks, modules, wall_seconds=1.0, matmul_gflops=1.0)
   assert summary['unattributed_s'] == 0.0
-  assert summary['dot_flops'] == calls * 2 * M * K * (N + 2 * N)
+  assert summary['dot_flops'] == 2 * M * K * (3 * N + 1 * 2 * N)
   swapped = dict(zip(modules, reversed(list(modules.values()))))  # the join done wrong
   assert profile.summarize(thunks, swapped, wall_seconds=1.0,
                            matmul_gflops=1.0)['dot_flops'] != summary['dot_flops']

@@ -75,8 +75,7 @@ _MISSING = (
      'the Pallas TPU lowering (jax._src.pallas.mosaic and the jaxlib.mosaic TPU dialect)'),
     # A module of jax's, jaxlib's or a device plugin's: the module itself is the component (a
     # missing module of this project's is a bug, never a component: it is raised).
-    (r'No module named [\'"]?((?:jax|jaxlib|jax_cuda\w*|jax_rocm\w*|triton|libtpu)(?:\.[\w.]+)?)\b',
-     None),
+    (r'No module named [\'"]?((?:jax\w*|triton|libtpu)(?:\.[\w.]+)?)', None),
 )
 
 

@@ -221,7 +221,17 @@ def _read_manifest(path: str) -> dict:
                         f'code reads {", ".join(CONTENT_HASH)})')
   if manifest.get('manifest_sha256') != manifest_digest(manifest):
     raise ArtifactError(f'{path}: the manifest was altered (its SHA-256 does not match)')
+  for field, kind in _FIELD_TYPES.items():
+    value = manifest.get(field)
+    if field in manifest and not (isinstance(value, kind) and not isinstance(value, bool)):
+      raise ArtifactError(f'{path}: manifest field {field!r} is a {type(value).__name__}, '
+                          f'expected {kind.__name__}')
   return manifest
+
+
+# The manifest's fields whose JSON type a reader relies on (a resealed manifest may lie in any).
+_FIELD_TYPES = {'leaves': dict, 'files': dict, 'num_tokens': int, 'start_position': int,
+                'next_position': int, 'model': dict, 'engine': dict}
 
 
 def _check_fingerprints(path: str, manifest: dict, engine: Engine) -> None:
