@@ -107,10 +107,15 @@ def flywheel_demo(engine) -> list[str]:
     results = flywheel.run(engine, library, task_list, [heldout], solutions, examples,
                            flywheel.Settings(budget=80, attempt_tokens=40, sample_exact=4))
   summary = flywheel.summarize(engine.config, results)
+  low, high = summary['heldout_delta_ci95']
   print(f"base accuracy {summary['base_accuracy']:.2f}, with the library (recurring) "
-        f"{summary['recurring_accuracy']:.2f}; held out {summary['heldout_base_accuracy']:.2f} "
-        f"-> {summary['heldout_library_accuracy']:.2f}; token factor on the never-solved: "
-        f"{summary['token_factor']}; sampled grafts SHA-256 equal to fresh: "
+        f"{summary['recurring_accuracy']:.2f} in "
+        f"{summary['recurring_library_decode_tokens_per_answer']:.1f} decode tokens an answer; "
+        f"held out {summary['heldout_base_accuracy']:.2f} -> "
+        f"{summary['heldout_library_accuracy']:.2f} (change {summary['heldout_delta']:+.2f}, "
+        f"95% interval [{low:+.2f}, {high:+.2f}] over {len(heldout)} problems: a demonstration "
+        "too small to judge the change; experiments.flywheel measures it at size); token factor "
+        f"on the never-solved: {summary['token_factor']}; sampled grafts SHA-256 equal to fresh: "
         f"{summary['graft_exact_equal']}/{summary['graft_exact_checked']}; held-out answers "
         f"equal to the library as text: {summary['text_equal_answers']}/"
         f"{summary['text_compared']}")

@@ -354,12 +354,11 @@ class Spec(FixedOrder):
     return self.dot.matmul(x, w, self.chunk(k))
 
   def packs(self, k, n):
-    return (self.dot is not None and self.mesh is None and k * n > self.small
-            and self.dot.packs(k, n))
+    return self.dot is not None and k * n > self.small and self.dot.packs(k, n)
 
   @property
   def storage(self):
-    if self.dot is None or self.mesh is not None or not self.dot.packs(1, 64):
+    if self.dot is None or not self.dot.packs(1, 64):
       return None
     return ('panels', self.small)
 

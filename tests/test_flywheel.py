@@ -336,3 +336,18 @@ def test_energy_is_read_from_rapl_counters_where_the_kernel_has_them(tmp_path, m
   meter = flywheel.Meter()
   (tmp_path / 'intel-rapl:0' / 'energy_uj').write_text('4500000\n')
   assert meter.joules() == 2.0 and meter.cpu_seconds() >= 0
+
+
+def test_a_recall_stops_at_the_end_of_its_answer_line():
+  # A recurring problem is asked as library.RECALL, whose prompt ends with the cue "Answer:":
+  # the answer's stop rule and verdict read the cue and the decoded text together.
+  from graft.knowledge import flywheel
+  from graft.knowledge.library import RECALL, RECALL_CUE
+  assert RECALL.endswith(RECALL_CUE)
+  asker = flywheel.Asker.__new__(flywheel.Asker)
+  asker.tokenizer = weights.embedded_tokenizer()
+  encode = lambda text: asker.tokenizer.encode(text, add_bos=False)  # noqa: E731
+  assert asker.stopper(RECALL_CUE)(encode(' 86\n'))
+  assert not asker.stopper(RECALL_CUE)(encode(' 86'))  # the line may go on
+  assert not asker.stopper()(encode(' 86\n'))  # no statement without the cue
+  assert verifiers.verify('86', 'integer', RECALL_CUE + ' 86\n').correct

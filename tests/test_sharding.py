@@ -131,3 +131,34 @@ def test_two_jax_distributed_processes_graft_exactly_on_one_mesh(tmp_path):
     assert summary['equal_to_single_process'] is None and summary['reference_devices'] == 1
   else:
     assert summary['equal_to_single_process'] == 2 and summary['reference_devices'] == 4
+
+
+MESH_SPEC_CHECK = '''
+import numpy as np
+from gemma_jax import weights
+from graft import spec_check
+from graft.engine import Engine, EngineConfig
+loaded = weights.load('tiny_gemma3_wide', 'random:0', 'float32')
+tokens = [int(t) for t in np.random.default_rng(0).integers(3, 500, 40)]
+for mesh in ('', 'model:2', 'model:4', 'model:2+data:2'):
+  engine = Engine(loaded, EngineConfig(mode='spec', rows_per_call=16, attention_tile=16,
+                                       cache_len=128, mesh=mesh))
+  assert engine.engine_config.dot_library == 'native'
+  summary = spec_check.run(engine, tokens, [17])['summary']
+  print('MESH', mesh or 'one', summary['kv_equal'], summary['logits_equal'], summary['sha256'])
+'''
+
+
+def test_the_native_kernels_on_every_mesh_give_the_interpreters_bits():
+  """The spec engine's native kernels partitioned over 2 and 4 devices and a 2 x 2 mesh (each
+  device its own rows, columns, batch or KV heads; never a contraction): the interpreter's bits
+  on tiny_gemma3_wide (chained projections), and every mesh's digest the one device's."""
+  env = {**os.environ, 'PYTHONPATH': str(REPO),
+         'XLA_FLAGS': '--xla_force_host_platform_device_count=4'}
+  out = subprocess.run([sys.executable, '-c', MESH_SPEC_CHECK], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-2000:]
+  rows = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith('MESH')]
+  assert [r[0] for r in rows] == ['one', 'model:2', 'model:4', 'model:2+data:2']
+  assert all(r[1:3] == ['True', 'True'] for r in rows), rows
+  assert len({r[3] for r in rows}) == 1, rows

@@ -112,8 +112,9 @@ class NativeDot:
     return call(x, w)
 
   def packs(self, k: int, n: int) -> bool:
-    """Whether a [k, n] weight is kept packed (`pack`): whole panels only."""
-    return n % PANEL == 0
+    """Whether a [k, n] weight is kept packed (`pack`): whole panels only, and not on a mesh
+    (the weights keep the layout the mesh places them in; calls are partitioned instead)."""
+    return not self.partitioned and n % PANEL == 0
 
   def matmul_packed(self, x: jax.Array, panels: jax.Array, chunk: int) -> jax.Array:
     """x [M, K] @ the weight `pack` made `panels` from -> [M, N], bit for bit `matmul`'s."""
