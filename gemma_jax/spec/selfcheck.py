@@ -149,7 +149,9 @@ def matmul_failures(numerics, compiler_options, weights: dict[str, np.ndarray],
 def attention_failures(numerics, compiler_options, *, head_dims, rows, tile: int,
                        kv_heads: int) -> list[str]:
   """Attention's per-tile dots (scores over H, p . v over a tile's slots) for every row count
-  against sequential FMA chains (on a sample of rows)."""
+  against sequential FMA chains (on a sample of rows), in the engine's layout [B, K, n, R, H]
+  with the model's KV heads K and two tiles (batch slots are one more leading axis of the same
+  layout: 1 here), every head and tile compared."""
   cases = {}
   for h in head_dims:
     for r in rows:
@@ -167,10 +169,11 @@ def attention_failures(numerics, compiler_options, *, head_dims, rows, tile: int
   failures = []
   for (h, r), (q, k, p, v) in cases.items():
     sample = _rows(r)
-    want_scores = np.stack([b32.chunked_dot(q[0, 0][sample], k[0, 0, j].T, numerics.k_chunk)
-                            for j in range(2)])
-    want_pv = np.stack([b32.dot(p[0, 0, j][sample], v[0, 0, j]) for j in range(2)])
-    scores, pv = (to_host(a)[0, 0][:, sample] for a in got[(h, r)])
+    want_scores = np.stack([[b32.chunked_dot(q[0, i][sample], k[0, i, j].T, numerics.k_chunk)
+                             for j in range(2)] for i in range(kv_heads)])
+    want_pv = np.stack([[b32.dot(p[0, i, j][sample], v[0, i, j]) for j in range(2)]
+                        for i in range(kv_heads)])
+    scores, pv = (to_host(a)[0][:, :, sample] for a in got[(h, r)])
     for name, g, want in (('scores', scores, want_scores), ('p . v', pv, want_pv)):
       failure = _differ(f'attention {name}, {r} rows, head dim {h}, tile {tile}', g, want)
       if failure:

@@ -322,7 +322,8 @@ class Spec(Pinned):
       selfcheck.run(numerics, self.compiler_options, weights=weights, rows=rows,
                     head_rows=self.head_rows,
                     attention_rows=tuple(sorted({max(r * g, 2) for r in rows for g in groups})),
-                    head_dims=head_dims, tile=engine.attention_tile, kv_heads=1)
+                    head_dims=head_dims, tile=engine.attention_tile,
+                    kv_heads=max(cfg.layer_spec(i).num_kv_heads for i in range(cfg.num_layers)))
     except selfcheck.SpecError as e:
       if self.config.dot_library in ('pallas', 'native') or not e.in_dots_only:
         raise

@@ -315,44 +315,26 @@ ffi::Error Values(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> pr, ffi::Buffer<ff
 
 }  // namespace
 
+// Every handler: XLA's intra-op thread pool, two float32 operands, one float32 result.
+static auto Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaSpecMatmul, Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("chunk")
-                                  .Attr<int64_t>("isa")
-                                  .Attr<int64_t>("parts"));
-
+                              Binding().Attr<int64_t>("chunk").Attr<int64_t>("isa").Attr<int64_t>(
+                                  "parts"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaSpecMatmulPacked, MatmulPacked,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("chunk")
-                                  .Attr<int64_t>("isa")
-                                  .Attr<int64_t>("parts"));
-
+                              Binding().Attr<int64_t>("chunk").Attr<int64_t>("isa").Attr<int64_t>(
+                                  "parts"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaSpecScores, Scores,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("chunk")
-                                  .Attr<int64_t>("isa")
-                                  .Attr<int64_t>("parts"));
-
+                              Binding().Attr<int64_t>("chunk").Attr<int64_t>("isa").Attr<int64_t>(
+                                  "parts"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaSpecValues, Values,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("isa")
-                                  .Attr<int64_t>("parts"));
+                              Binding().Attr<int64_t>("isa").Attr<int64_t>("parts"));
 
 // The path `isa` resolves to on this CPU (0: the best), or -1 where it cannot run here.
 extern "C" int64_t gemma_spec_resolve(int64_t isa) {
