@@ -82,20 +82,33 @@ def _output_table(table: jax.Array, packed: bool) -> jax.Array:
   return table
 
 
-# id(loaded model) -> {key: value derived from its weights}: what engines of one model share.
+# id(loaded model) -> {key: a weak reference to what engines of that model share under key}.
 _SHARED: dict[int, dict] = {}
 
 
-def _shared(loaded: LoadedModel, key, make):
-  """make(), once per loaded model and key while the model lives: engines of one model share
-  its placed, stored weights and output table (a second engine costs no second copy)."""
+class _Held:
+  """One shared value; the engines that use it hold it, the table only refers to it."""
+
+  __slots__ = ('value', '__weakref__')
+
+  def __init__(self, value):
+    self.value = value
+
+
+def _shared(engine: 'Engine', loaded: LoadedModel, key, make):
+  """make(), shared by the live engines of one loaded model that ask for the same key (their
+  placed and stored weights, output table and compiled steps: a second engine of a replay costs
+  no second copy); freed with the last engine that holds it."""
   entry = _SHARED.get(id(loaded))
   if entry is None:
     entry = _SHARED[id(loaded)] = {}
     weakref.finalize(loaded, _SHARED.pop, id(loaded), None)
-  if key not in entry:
-    entry[key] = make()
-  return entry[key]
+  held = entry[key]() if key in entry else None
+  if held is None:
+    held = _Held(make())
+    entry[key] = weakref.ref(held)
+  engine._held.append(held)
+  return held.value
 
 
 class Engine:
@@ -133,7 +146,8 @@ class Engine:
     self._local_slots = self.plan.local_slots(self.config, multiple)
     # (tiles read or None, with logits) -> jitted call, shared by the engines of this model and
     # config (an XLA:CPU executable of the 270M holds ~160 MB: docs/performance.md).
-    self._steps = _shared(loaded, ('steps', config, kernel_platform), dict)
+    self._held = []  # what this engine shares with others of its model (`_shared`)
+    self._steps = _shared(self, loaded, ('steps', config, kernel_platform), dict)
     # On a mesh: parameters placed by the layout, the KV state over KV heads and sequences,
     # and (layout 'gather') every row-parallel projection's input gathered whole.
     self.mesh = sharding.make_mesh(sharding.parse_mesh(config.mesh)) if config.mesh else None
@@ -143,7 +157,7 @@ class Engine:
     # panels; else as loaded), shared with every other engine of this model that places and
     # stores them alike.
     placement = (config.mesh, config.mesh_layout, self.numerics.storage)
-    self._params = _shared(loaded, ('params', placement), lambda: model.store_weights(
+    self._params = _shared(self, loaded, ('params', placement), lambda: model.store_weights(
         sharding.shard_params(loaded.params, self.mesh, config.mesh_layout)
         if self.mesh is not None else loaded.params, self.config, self.numerics))
     # The numerics' output table: the tied embedding itself, or a [D, V] float32 copy made once.
@@ -152,7 +166,7 @@ class Engine:
     abstract = isinstance(table, jax.ShapeDtypeStruct)  # an engine that lowers, never runs
     if self.numerics.output_table == 'transposed':
       packed = self.numerics.packs(*table.shape[::-1])
-      self._output_table = _shared(loaded, ('output_table', placement, packed), lambda: (
+      self._output_table = _shared(self, loaded, ('output_table', placement, packed), lambda: (
           jax.eval_shape(_output_table, table, packed) if abstract
           else _output_table(table, packed)))
 
@@ -167,7 +181,7 @@ class Engine:
                                     numerics, output_table)
 
     self._head_fn = head
-    self._head = _shared(loaded, ('head', config, kernel_platform), lambda: jax.jit(
+    self._head = _shared(self, loaded, ('head', config, kernel_platform), lambda: jax.jit(
         head, compiler_options=self.plan.compiler_options))
     if not abstract:
       self.plan.check_engine(self)
