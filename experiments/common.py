@@ -28,7 +28,7 @@ from absl import flags, logging
 from analysis import results as results_schema
 from gemma_jax import compilation_cache, files, sharding, weights
 from gemma_jax.attention import IMPLEMENTATIONS
-from graft.engine import PLANS, Engine, EngineConfig
+from graft.engine import PLANS, Engine, EngineConfig, fingerprint, plans
 from graft.engine.plans import DOT_LIBRARIES
 
 FLAGS = flags.FLAGS
@@ -169,12 +169,15 @@ def load_model() -> weights.LoadedModel:
 
 
 def engine_config(**overrides) -> EngineConfig:
-  """The EngineConfig the engine flags describe (with `overrides`)."""
+  """The EngineConfig the engine flags describe (with `overrides`), its dot library resolved
+  (the mode's default where the flag names none), so a result records the library it ran."""
   values = dict(mode=FLAGS.engine, attention=FLAGS.attention, rows_per_call=FLAGS.rows_per_call,
                 attention_tile=FLAGS.attention_tile,
                 cache_len=FLAGS.cache_len, mesh=FLAGS.mesh, mesh_layout=FLAGS.mesh_layout,
                 dot_library=FLAGS.dot_library, xla_flags=sharding.xla_flags())
   values.update(overrides)
+  if values['dot_library'] is None:
+    values['dot_library'] = plans.plan_class(values['mode']).default_dot_library()
   return EngineConfig(**values)
 
 
@@ -204,7 +207,7 @@ def provenance() -> dict:
   modified = sorted(line[3:] for line in status.splitlines()
                     if line and not line[3:].startswith(_OUTPUT_PATHS))
   return {'git_commit': None if modified else head, 'git_base_commit': head,
-          'git_modified_files': modified,
+          'git_modified_files': modified, 'made_on': fingerprint.host(),
           'command': ' '.join(['python -m', _entry_point()] + sys.argv[1:])}
 
 

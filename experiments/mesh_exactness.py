@@ -29,7 +29,7 @@ from experiments import common, samples
 from gemma_jax import compare, sharding
 from graft.store import artifact
 from graft import exactness
-from graft.engine import Engine, EngineConfig
+from graft.engine import Engine, EngineConfig, plans
 
 FLAGS = flags.FLAGS
 
@@ -126,7 +126,9 @@ def main(argv):
   pairs = [p for p in pairs if len(p.library) + len(p.query) <= FLAGS.cache_len]
   with tempfile.TemporaryDirectory(prefix='mesh_exactness_') as scratch:
     runs = measure(loaded, pairs, layouts, scratch)
-  config = {**common.model_config_json(), 'engine': FLAGS.engine, 'meshes': FLAGS.meshes,
+  config = {**common.model_config_json(), 'engine': FLAGS.engine,
+            'dot_library': plans.plan_class(FLAGS.engine).default_dot_library(),
+            'meshes': FLAGS.meshes,
             'layouts': layouts,
             'samples': len(pairs), 'seed': FLAGS.seed, 'cache_len': FLAGS.cache_len}
   output = FLAGS.output or common.default_output('mesh_exactness', FLAGS.model, FLAGS.dtype)

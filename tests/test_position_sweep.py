@@ -190,7 +190,7 @@ def test_entry_point_writes_the_documented_schema(tmp_path):
   for key in ('model', 'weights', 'dtype', 'rope', 'methods', 'offsets', 'skipped',
               'library_tokens', 'query_tokens', 'seed', 'block_size', 'cache_len',
               'engine_config', 'transformer_config', 'model_fingerprint', 'engine_fingerprint',
-              'command', 'git_commit', 'git_base_commit', 'git_modified_files'):
+              'command', 'git_commit', 'git_base_commit', 'git_modified_files', 'made_on'):
     assert key in config, key
   assert data['schema'] == 'position_sweep/1'
   assert config['command'].startswith('python -m experiments.position_sweep --model=tiny_gemma3')

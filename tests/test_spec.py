@@ -140,6 +140,29 @@ def test_a_difference_is_found_and_named(monkeypatch):
   assert 0 <= first['position'] < 40
 
 
+def test_a_global_layer_is_compared_from_its_first_token(monkeypatch):
+  """A global layer's K is compared over every token, not only the local ring's last rows: a
+  one-bit difference planted in the interpreter's first row of one is found there."""
+  from gemma_jax.spec.interpreter import Interpreter
+  engine = Engine(weights.load('tiny_gemma3', 'random:0', 'float32'), SMALL)
+  tokens = [int(t) for t in np.random.default_rng(4).integers(3, 512, 3 * engine.local_slots)]
+  j, layer = next((j, layer) for j, layer in enumerate(engine.config.cache_layers)
+                  if engine.config.layer_spec(layer).window is None)
+  original = Interpreter.run
+
+  def planted(self, *args, **kwargs):
+    out = original(self, *args, **kwargs)
+    k = np.array(out.k[j], np.float32)
+    k.view(np.int32).reshape(len(k), -1)[0, 0] ^= 1
+    out.k[j] = k
+    return out
+
+  monkeypatch.setattr(Interpreter, 'run', planted)
+  summary = spec_check.run(engine, tokens, splits=[20])['summary']
+  assert summary['first_difference'] == {'run': 'one-shot', 'layer': layer, 'op': 'k',
+                                         'position': 0}
+
+
 def test_the_self_check_refuses_a_machine_whose_function_differs(monkeypatch):
   from gemma_jax import numerics
   monkeypatch.setattr(numerics._SpecOps, 'floor', staticmethod(jnp.round))  # another rounding
@@ -205,8 +228,12 @@ def test_a_replay_refused_for_its_dots_runs_on_the_native_kernels(monkeypatch, t
   # reduction uses) is raised, not replayed around.
   monkeypatch.setattr(numerics._SpecOps, 'floor', staticmethod(jnp.round))
   selfcheck._RESULTS.clear()
+  built = []  # the dot library of every engine replay() builds
+  monkeypatch.setattr(replay, 'Engine', lambda loaded, config: built.append(
+      config.dot_library) or Engine(loaded, config))
   with pytest.raises(selfcheck.SpecError, match='elementwise exp'):
     replay.replay(manifest)
+  assert built == ['eigen']  # refused as made, never retried on the native kernels
   selfcheck._RESULTS.clear()
 
 

@@ -147,6 +147,14 @@ def cpu_model() -> str:
   return '/'.join(info.get(k, '?') for k in ('vendor_id', 'cpu family', 'model'))
 
 
+def host() -> dict:
+  """The machine a result was made on, as its results record it (docs: results differ by CPU
+  only where the arithmetic is a library's choice; this says which CPU made each one)."""
+  info = _cpuinfo()
+  return {'cpu_model': cpu_model(), 'cpu_name': info.get('model name', platform.processor()),
+          'machine': platform.machine(), 'cores': os.cpu_count()}
+
+
 def environment() -> dict:
   """What besides the pinned config decides the bits of a computation on this machine."""
   device = jax.devices()[0]
