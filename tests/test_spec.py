@@ -173,6 +173,20 @@ def test_the_self_check_refuses_a_machine_whose_function_differs(monkeypatch):
   selfcheck._RESULTS.clear()
 
 
+def test_the_self_check_refuses_a_flush_before_rounding(monkeypatch):
+  """Arm's flush-to-zero decides tininess before rounding (docs/determinism.md): a product
+  that rounds up to 2^-126 from below is flushed there. Here both the engine's multiply and its
+  contraction chains keep it, as the spec does; a multiply planted to flush it is refused."""
+  from gemma_jax import numerics
+  spec = Spec(k_chunk=256)
+  assert selfcheck.underflow_failures(spec, EIGEN) == []
+  mul = numerics._SpecOps.mul
+  monkeypatch.setattr(numerics._SpecOps, 'mul', lambda self, a, b: (lambda r: jnp.where(
+      jnp.abs(r) <= np.float32(2 ** -126), r * 0, r))(mul(self, a, b)))
+  assert selfcheck.underflow_failures(spec, EIGEN) == [
+      'underflow edge: product: 100.0% of the checked outputs differ from the spec']
+
+
 def test_the_self_check_catches_a_dot_of_another_order(monkeypatch):
   w = jnp.asarray(np.random.default_rng(4).standard_normal((256, 512)).astype(np.float32))
   reversed_chain = lambda self, x, w: x[:, ::-1] @ w[::-1] if x.shape[0] > 1 else x @ w  # noqa

@@ -93,6 +93,34 @@ def elementwise_failures(numerics, compiler_options) -> list[str]:
   return [f for name in want if (f := _differ(f'elementwise {name}', got[name], want[name]))]
 
 
+# (1 - 2^-23) x (1 + 2^-23) 2^-126 = (1 - 2^-46) 2^-126 rounds up to 2^-126 at 24 bits: tiny
+# before rounding, not after. The spec keeps it (tininess after rounding: x86's FTZ); Arm's FZ
+# flushes it to 0 (docs/determinism.md, "Operations").
+UNDERFLOW_EDGE = (np.float32(1 - 2 ** -23), np.float32((1 + 2 ** -23) * 2 ** -126))
+
+
+def underflow_failures(numerics, compiler_options) -> list[str]:
+  """The product at UNDERFLOW_EDGE through the engine's multiply and as the first term of a
+  contraction chain (a weight above the pairwise threshold, as the engine stores it), against
+  binary32: a machine that flushes by tininess before rounding is refused here, by name."""
+  a, b = UNDERFLOW_EDGE
+  n = (numerics.small // 2 // 64 + 1) * 64  # 2 n weights: over the threshold, whole panels
+  x = np.asarray([[a, 0]], np.float32)
+  w = np.zeros((2, n), np.float32)
+  w[0] = b
+
+  def probe(zero, x, w):
+    ops = numerics.with_zero(zero)
+    return ops._ops().mul(x[0, :1], w[0, :1]), ops.dense(x, ops.stored(w), 2, n)
+
+  product, chain = jax.jit(probe, compiler_options=compiler_options)(jnp.uint32(0), x, w)
+  want = b32.OPS.mul(x[0, :1], w[0, :1])
+  return [f for f in (
+      _differ('underflow edge: product', product, want),
+      _differ('underflow edge: contraction chain', chain,
+              b32.matmul(x, w, k_chunk=numerics.k_chunk, small=numerics.small))) if f]
+
+
 def _logical(w) -> tuple[int, int]:
   """(K, N) of a weight stored [K, N] or in the native kernels' panels [N / P, K, P]."""
   return (w.shape[1], w.shape[0] * w.shape[2]) if w.ndim == 3 else tuple(w.shape)
@@ -264,6 +292,7 @@ def run(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...],
          head_dims, tile, kv_heads, jax.device_count(), _xla_flags(), intra_op_threads())
   failures = _cached(key, lambda: (
       elementwise_failures(numerics, compiler_options)
+      + underflow_failures(numerics, compiler_options)
       + matmul_failures(numerics, compiler_options, weights, rows, head_rows)
       + attention_failures(numerics, compiler_options, head_dims=head_dims,
                            rows=attention_rows, tile=tile, kv_heads=kv_heads)))
