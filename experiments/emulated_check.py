@@ -4,6 +4,8 @@ and in every process configuration of this one.
   python -m experiments.emulated_check                  # an AMD EPYC-Rome (Zen 2: AVX2, FMA)
   python -m experiments.emulated_check --cpu=Haswell --replay_limit=4
   python -m experiments.emulated_check --cpu= --configurations=devices:8,threads:1,isa:SSE4_2
+  QEMU_LD_PREFIX=ROOT CXX=aarch64-linux-gnu-g++ python -m experiments.emulated_check \
+      --qemu=qemu-aarch64 --cpu=max --python=ROOT/usr/bin/python3.11 --dot_libraries=native
 
 Runs this repository's checks under QEMU's user-mode emulator (`qemu-x86_64 -cpu CPU`, the
 Debian package qemu-user; 7.2 or later emulates AVX2 and FMA):
@@ -74,6 +76,10 @@ def define_flags() -> None:
   flags.DEFINE_list('config_models', list(TINY_MODELS), 'Models of those spec_checks (the '
                     'embedded gemma3_270m computes 64 tokens).')
   flags.DEFINE_string('qemu', 'qemu-x86_64', 'The QEMU user-mode emulator.')
+  flags.DEFINE_string('python', None, 'The Python the emulator runs (default: this one). For '
+                      'another architecture (--qemu=qemu-aarch64 --cpu=max), a Python of that '
+                      'architecture with this project\'s dependencies, its libraries under '
+                      '$QEMU_LD_PREFIX (docs/determinism.md, "aarch64").')
   flags.DEFINE_integer('tokens', 60, 'Tokens of each tiny model\'s spec_check (windows are 8).')
   flags.DEFINE_integer('replay_limit', 0, 'Records of the CI manifest to replay with each dot '
                        'library (0: none; one record of the 270M takes about two hours).')
@@ -190,7 +196,7 @@ def main(argv):
   outputs = tempfile.mkdtemp(prefix='emulated_check_')
   steps = {}
   if FLAGS.cpu:
-    emulate = [FLAGS.qemu, '-cpu', FLAGS.cpu, sys.executable]
+    emulate = [FLAGS.qemu, '-cpu', FLAGS.cpu, FLAGS.python or sys.executable]
     steps['probe_here'] = probe_step([sys.executable], FLAGS.step_timeout)
     steps['probe_emulated'] = probe_step(emulate, FLAGS.step_timeout)
     for model in TINY_MODELS:
@@ -239,7 +245,8 @@ def main(argv):
   name = re.sub(r'[^a-z0-9]+', '_', FLAGS.cpu.lower()) if FLAGS.cpu else 'configurations'
   output = FLAGS.output or os.path.join('results', f'emulated_{name}.json')
   common.write_result(output, 'emulated_check', {
-      'config': {'cpu': FLAGS.cpu or None, 'qemu': FLAGS.qemu, 'tokens': FLAGS.tokens,
+      'config': {'cpu': FLAGS.cpu or None, 'qemu': FLAGS.qemu, 'python': FLAGS.python,
+                 'tokens': FLAGS.tokens,
                  'host': fingerprint.environment(),
                  'dot_libraries': FLAGS.dot_libraries, 'configurations': FLAGS.configurations,
                  'config_models': FLAGS.config_models,
