@@ -97,12 +97,19 @@ def elementwise_failures(numerics, compiler_options) -> list[str]:
 # before rounding, not after. The spec keeps it (tininess after rounding: x86's FTZ); Arm's FZ
 # flushes it to 0 (docs/determinism.md, "Operations").
 UNDERFLOW_EDGE = (np.float32(1 - 2 ** -23), np.float32((1 + 2 ** -23) * 2 ** -126))
+# Set to 1 by experiments.emulated_check for the processes it runs under QEMU, and nowhere else:
+# QEMU's software floating point flushes before rounding on every target, x86 included (real
+# x86 does not: measured), so an emulated machine fails this one probe for the emulator's sake.
+# Skipping it there lets emulation test everything else; the run records that it did.
+SKIP_UNDERFLOW_ENV = 'GEMMA_JAX_SELFCHECK_EMULATED'
 
 
 def underflow_failures(numerics, compiler_options) -> list[str]:
   """The product at UNDERFLOW_EDGE through the engine's multiply and as the first term of a
   contraction chain (a weight above the pairwise threshold, as the engine stores it), against
   binary32: a machine that flushes by tininess before rounding is refused here, by name."""
+  if os.environ.get(SKIP_UNDERFLOW_ENV) == '1':
+    return []
   a, b = UNDERFLOW_EDGE
   n = (numerics.small // 2 // 64 + 1) * 64  # 2 n weights: over the threshold, whole panels
   x = np.asarray([[a, 0]], np.float32)
@@ -289,7 +296,8 @@ def run(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...],
   key = (numerics, getattr(numerics, 'dot', None), tuple(sorted((compiler_options or {}).items())),
          tuple((n, tuple(w.shape)) for n, w in sorted(weights.items())), rows, head_rows,
          attention_rows,
-         head_dims, tile, kv_heads, jax.device_count(), _xla_flags(), intra_op_threads())
+         head_dims, tile, kv_heads, jax.device_count(), _xla_flags(), intra_op_threads(),
+         os.environ.get(SKIP_UNDERFLOW_ENV))
   failures = _cached(key, lambda: (
       elementwise_failures(numerics, compiler_options)
       + underflow_failures(numerics, compiler_options)
