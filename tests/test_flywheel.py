@@ -39,6 +39,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
     ('integer', '86', '41 + 45 = 86. The answer is 85.', False),  # the stated answer counts
     ('integer', '86', 'Answer: 86\nThe answer is 87', False),  # the last stated one
     ('integer', '86', '\\boxed{85} 86', False),
+    # What a recurring problem asked for its answer line writes after `Answer:`:
+    ('integer', '60', 'Answer: 79 - 19 = 60. The answer is 60.', True),  # one inside another
+    ('integer', '-25', 'Answer: 56 - 81 = -25, which gives \\boxed{-25}.', True),
+    ('integer', '66', 'Answer: 46 + 20 = 66.', True),  # a stated equation states its result
+    ('integer', '46', 'Answer: 46 + 20 = 66.', False),
+    ('integer', '6', 'Answer: 2 * 3 = 6 km', True),
     ('string', '2024-03-22', 'The answer is 2024-03-22.', True),
     ('string', '2024-03-22', 'so we get\n2024-03-22', True),
     ('decimal', '0.1', ' 0.10000001', False),

@@ -6,7 +6,8 @@ own output.
 
 The extraction rule. The answer is the one the text states last in a final-answer form:
 `Answer: X`, `The answer is X` (any case), `\\boxed{X}` or `#### X`, X running to the end of
-its line (for `\\boxed`, to the closing brace); of several, the one that starts last. A text
+its line (for `\\boxed`, to the closing brace); of several, the one that starts last, a form
+inside another's X included (`Answer: 79 - 19 = 60. The answer is 60.` states 60). A text
 the token limit cut (`finished=False`: it ended at the limit, not at a stop rule or EOS) may end
 in a statement cut short: one on its unfinished last line (a `\\boxed{` there without its
 closing brace included) is no statement, and never overrides a complete one before it; where
@@ -14,7 +15,8 @@ it is the only one, the answer is unreadable (`Verdict.unreadable`: not correct,
 apart from wrong answers). A text in none of these forms states its answer as its last number
 (numeric answers) or its last non-empty line (string answers). A number is an optional minus sign, digits with optional
 thousands commas and an optional decimal part (`-?\\d[\\d,]*(\\.\\d+)?`, commas removed):
-the first number of a stated answer, or the text's last. An integer answer must equal the
+the first number of a stated answer (of its part after its last `=` when that part has one: a
+stated equation, `Answer: 46 + 20 = 66.`, states its result), or the text's last. An integer answer must equal the
 expected integer; an exact-decimal answer must equal the expected decimal as a number (3.50 ==
 3.5, compared with `decimal.Decimal`, never floats); a string answer must equal the expected
 string exactly after stripping surrounding whitespace (and a sentence's final period, when the
@@ -51,6 +53,8 @@ UNREADABLE = Verdict(False, 'unreadable: the token limit cut its only final-answ
 # The final-answer forms, each capturing the stated answer.
 _STATED = re.compile(r'Answer:[ \t]*([^\n]*)|[Tt][Hh][Ee] [Aa][Nn][Ss][Ww][Ee][Rr] [Ii][Ss]:?[ \t]*'
                      r'([^\n]*)|\\boxed\{([^{}\n]*)\}|####[ \t]*([^\n]*)')
+# Every statement, overlapping ones included (a lookahead matches at each place a form starts).
+_EVERY_STATED = re.compile(f'(?=(?:{_STATED.pattern}))')
 
 
 class Cut(Exception):
@@ -62,7 +66,7 @@ def stated_answer(text: str, finished: bool = True) -> str | None:
   raises Cut where its only one was cut short (see the module doc)."""
   unfinished = len(text) if finished else text.rfind('\n') + 1  # the cut line starts here
   found, cut = None, False
-  for match in _STATED.finditer(text):
+  for match in _EVERY_STATED.finditer(text):
     if match.start() >= unfinished and not match.group(3):  # a closed \boxed{} is complete
       cut = True
       continue
@@ -82,6 +86,8 @@ def ends_statement(text: str) -> bool:
 
 def extract_number(text: str, finished: bool = True) -> str | None:
   stated = stated_answer(text, finished)
+  if stated is not None and NUMBER.search(stated.rpartition('=')[2]):
+    stated = stated.rpartition('=')[2]  # a stated equation states its result
   numbers = NUMBER.findall(text if stated is None else stated)
   if not numbers:
     return None
