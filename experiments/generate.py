@@ -5,9 +5,12 @@
 
 from __future__ import annotations
 
+import time
+
 from absl import flags
 
 from experiments import common
+from gemma_jax import files
 from experiments.texts import continue_text
 
 FLAGS = flags.FLAGS
@@ -20,15 +23,26 @@ def define_flags() -> None:
   flags.DEFINE_float('temperature', 0.0,
                      '0: greedy; otherwise softmax sampling at this temperature.')
   flags.DEFINE_integer('seed', 0, 'Seed of the sampler (used when --temperature > 0).')
+  flags.DEFINE_string('phases', None, 'Also write the wall-clock time (time.time()) at which each '
+                      'phase ended, as JSON: imported, loaded, engine, first_logits, done '
+                      '(experiments.bench times a fresh process with it).')
   common.define_model_flags()
   common.define_engine_flags()
 
 
 def main(argv):
   del argv
-  engine = common.make_engine(common.load_model())
-  text = continue_text(engine, FLAGS.prompt, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.seed)
+  stamps = {'imported': time.time()}
+  loaded = common.load_model()
+  stamps['loaded'] = time.time()
+  engine = common.make_engine(loaded)
+  stamps['engine'] = time.time()
+  text = continue_text(engine, FLAGS.prompt, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.seed,
+                       on_first_logits=lambda: stamps.setdefault('first_logits', time.time()))
+  stamps['done'] = time.time()
   print(FLAGS.prompt + text)
+  if FLAGS.phases:
+    files.write_json(FLAGS.phases, stamps)
 
 
 if __name__ == '__main__':

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 from absl import logging
+import jax
 import numpy as np
 
 
 def continue_text(engine, prompt: str, max_new_tokens: int, temperature: float = 0.0,
-                  seed: int = 0) -> str:
+                  seed: int = 0, on_first_logits=None) -> str:
+  """The continuation of `prompt`; on_first_logits() is called when the prompt's logits are
+  computed (before the first new token is chosen)."""
   if not prompt:
     raise ValueError('--prompt is empty: there is nothing to continue')
   tokenizer = engine.loaded.tokenizer
-  seq, _ = engine.prefill(tokenizer.encode(prompt), logits='last')
+  seq, logits = engine.prefill(tokenizer.encode(prompt), logits='last')
+  if on_first_logits:
+    jax.block_until_ready(logits)
+    on_first_logits()
   _, new_tokens = engine.generate(seq, max_new_tokens, temperature=temperature, seed=seed)
   return tokenizer.decode(new_tokens)
 

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from gemma_jax.spec import SPEC_VERSION
+
 # A finite "minus infinity" for masked attention scores: exp(MASKED - max) is exactly 0 in
 # float32, and a row with every slot masked (a padding row) stays finite instead of NaN.
 MASKED = -2.3819763e38
@@ -329,7 +331,7 @@ class Spec(FixedOrder):
 
   name: ClassVar[str] = 'spec'
   output_table: ClassVar[str] = 'transposed'
-  version: int = 1  # gemma_jax.spec.SPEC_VERSION when the value was made
+  version: int = SPEC_VERSION  # the written arithmetic's version when the value was made
   dot: Any = dataclasses.field(default=None, compare=False, repr=False)
 
   def _ops(self):

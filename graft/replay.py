@@ -23,7 +23,7 @@ from gemma_jax.spec.selfcheck import SpecError
 from graft import exactness
 from graft.engine import Engine, EngineConfig, fingerprint, plans
 from graft.knowledge.flywheel import Asker  # the decoding a flywheel run used
-from graft.store.artifact import differences
+from graft.engine.fingerprint import differences
 
 
 HASHES = ('fresh_sha256', 'graft_sha256', 'continuation_sha256')

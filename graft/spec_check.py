@@ -39,22 +39,54 @@ def compared_rows(engine: Engine, num_tokens: int) -> dict[int, tuple[int, int]]
           for layer in engine.config.cache_layers}
 
 
+def engine_rows(engine: Engine, ctx) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Per cache layer, the K and V rows [n - lo, K, H] of `compared_rows` the context holds, in
+  sequence order."""
+  n = len(ctx.tokens)
+  spans = compared_rows(engine, n)
+  recent = kvs.take_rows(ctx.kv, max(lo for lo, _ in spans.values()), n)
+  out = []
+  for j, layer in enumerate(engine.config.cache_layers):
+    lo, _ = spans[layer]
+    if lo == recent.start:
+      out.append((np.asarray(recent.k[j]), np.asarray(recent.v[j])))
+    else:  # a global layer: token i sits in slot i
+      out.append(tuple(np.asarray(a[0, lo:n]) for a in (ctx.kv.layers[j].k, ctx.kv.layers[j].v)))
+  return out
+
+
+def reference_rows(engine: Engine, reference, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+  """The interpreter's K and V rows of `compared_rows`, as `engine_rows` gives the engine's."""
+  spans = compared_rows(engine, n)
+  return [(reference.k[j][spans[layer][0]:n], reference.v[j][spans[layer][0]:n])
+          for j, layer in enumerate(engine.config.cache_layers)]
+
+
+def rows_digest(kv_rows, logits: dict, rows) -> str:
+  """SHA-256 of K and V rows (as `engine_rows` or `reference_rows` give them) and the logits of
+  `rows`: equal for the engine and the interpreter exactly when their bits are."""
+  h = hashlib.sha256()
+  for k, v in kv_rows:
+    h.update(_bits(k).tobytes())
+    h.update(_bits(v).tobytes())
+  for r in rows:
+    h.update(_bits(logits[r]).tobytes())
+  return h.hexdigest()
+
+
 def _first_kv_difference(engine: Engine, ctx, reference, run: str) -> dict | None:
   """The first (layer, then position) K or V row the engine's context and the reference
   disagree on, among the rows each layer still holds (`compared_rows`)."""
   n = len(ctx.tokens)
   spans = compared_rows(engine, n)
-  recent = kvs.take_rows(ctx.kv, max(lo for lo, _ in spans.values()), n)
-  for j, layer in enumerate(engine.config.cache_layers):
-    lo, _ = spans[layer]
-    if lo == recent.start:
-      k, v = recent.k[j], recent.v[j]
-    else:  # a global layer: token i sits in slot i
-      k, v = (np.asarray(a[0, lo:n]) for a in (ctx.kv.layers[j].k, ctx.kv.layers[j].v))
-    for op, got, want in (('k', k, reference.k[j][lo:n]), ('v', v, reference.v[j][lo:n])):
+  for j, ((k, v), (want_k, want_v)) in enumerate(zip(engine_rows(engine, ctx),
+                                                     reference_rows(engine, reference, n))):
+    lo = spans[engine.config.cache_layers[j]][0]
+    for op, got, want in (('k', k, want_k), ('v', v, want_v)):
       differs = np.any(_bits(got) != _bits(want), axis=tuple(range(1, np.ndim(got))))
       if differs.any():
-        return {'run': run, 'layer': int(layer), 'op': op, 'position': int(lo + differs.argmax())}
+        return {'run': run, 'layer': int(engine.config.cache_layers[j]), 'op': op,
+                'position': int(lo + differs.argmax())}
   return None
 
 
@@ -68,6 +100,13 @@ def _digest(ctx, logits: dict, rows: list[int]) -> str:
   for r in rows:
     h.update(_bits(logits[r]).tobytes())
   return h.hexdigest()
+
+
+def interpreter(engine: Engine, progress=None) -> Interpreter:
+  """The NumPy interpreter of the spec engine's model and geometry."""
+  return Interpreter(engine.config, engine.loaded.params, k_chunk=engine.engine_config.k_chunk,
+                     small=engine.numerics.small, tile=engine.attention_tile,
+                     rows_per_call=engine.max_rows, progress=progress)
 
 
 def run(engine: Engine, tokens, splits=(), *, progress=None) -> dict:
@@ -84,11 +123,8 @@ def run(engine: Engine, tokens, splits=(), *, progress=None) -> dict:
   log = progress or (lambda message: None)
 
   start = time.perf_counter()
-  interpreter = Interpreter(engine.config, engine.loaded.params,
-                            k_chunk=engine.engine_config.k_chunk, small=engine.numerics.small,
-                            tile=engine.attention_tile, rows_per_call=engine.max_rows,
-                            progress=lambda m: log(f'reference: {m}'))
-  reference = interpreter.run(tokens, logit_rows=rows)
+  reference = interpreter(engine, progress=lambda m: log(f'reference: {m}')).run(
+      tokens, logit_rows=rows)
   reference_seconds = time.perf_counter() - start
 
   start = time.perf_counter()

@@ -115,10 +115,12 @@ class Engine:
   """Runs a loaded model under an EngineConfig, through its plan (graft.engine.plans)."""
 
   def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, *,
-               kernel_platform: str | None = None):
+               kernel_platform: str | None = None, canary: bool = True):
     """kernel_platform: the platform the attention kernel is built for ('cpu', 'gpu', 'tpu';
     None: the default backend's). Naming one this host does not have gives an engine whose
-    functions lower for that platform (graft/engine/lowering.py) but do not run."""
+    functions lower for that platform (graft/engine/lowering.py) but do not run. canary: whether
+    a spec engine's build runs the canary (graft/engine/canary.py; False only for the canary's
+    own engine)."""
     config = config or EngineConfig()
     if sharding.xla_flags() != config.xla_flags:
       raise ValueError(f'the engine config needs XLA_FLAGS={config.xla_flags!r} but the process '
@@ -135,6 +137,7 @@ class Engine:
     self.loaded = loaded
     self.config = loaded.config
     self.engine_config = config
+    self.runs_canary = canary
     self.plan = plan_class(config)
     self._attention_fn = attention_lib.build(config.attention, config.attention_tile,
                                              kernel_platform)

@@ -24,7 +24,7 @@ import jax
 import jaxlib
 import numpy as np
 
-from gemma_jax import sharding
+from gemma_jax import host, sharding
 from gemma_jax.spec import selfcheck
 from gemma_jax.checkpoints import tree
 
@@ -85,12 +85,57 @@ def hashes_to_its_fields(record) -> bool:
     return False
 
 
+# The fields of a spec engine's fingerprint that decide its bits -> what a record made before the
+# field existed stands for (None: every record has it).
+_SPEC_BITS = {'mode': None, 'numerics': None, 'attention': None, 'attention_tile': None,
+              'rows_per_call': None, 'dtype': None, 'slot_layout_version': None, 'rope': 'float'}
+
+
+def engine_differences(mine: dict, theirs: dict, labels=('the record has', 'expected')) -> list[str]:
+  """How KV computed under the recorded engine fingerprint `theirs` may differ from what the
+  engine of fingerprint `mine` computes: [] when it is the same. Spec fingerprints compare what
+  decides a spec engine's bits (a record made before a field existed is read with the value it
+  stood for; one without a canary predates it, and its spec version vouches for it), so a
+  release that moves no bit keeps every artifact and store; other fingerprints, which bind the
+  source and the machine, compare whole."""
+  if not isinstance(theirs, dict):
+    return ['the record has no engine fingerprint']
+  if mine.get('mode') == 'spec' and theirs.get('mode') == 'spec':
+    version = lambda fp: (fp.get('numerics') or {}).get('version')
+    if version(theirs) != version(mine):
+      return [f'spec version: made under spec version {version(theirs)}, this engine computes '
+              f'spec version {version(mine)} (each version names its own bits)']
+    read = lambda fp: {k: fp.get(k, default) for k, default in _SPEC_BITS.items()}
+    out = differences(read(mine), read(theirs), labels=labels)
+    if theirs.get('canary') is not None and theirs['canary'] != mine.get('canary'):
+      out.append(f'canary: {labels[0]} {theirs["canary"]!r}, {labels[1]} {mine.get("canary")!r}')
+    return out
+  if theirs.get('sha256') == mine.get('sha256'):
+    return []
+  return [d for d in differences(mine, theirs, labels=labels) if not d.startswith(('sha256', 'made_on'))
+          ] or ['the fingerprints differ']
+
+
+def differences(expected, actual, prefix='', labels=('the artifact has', 'expected')) -> list[str]:
+  """Readable differences between two JSON-like values, e.g.
+  ['engine_config.rows_per_call: the artifact has 8, expected 16']; `labels` name the actual
+  and the expected side."""
+  if isinstance(expected, dict) and isinstance(actual, dict):
+    return [d for key in sorted(set(expected) | set(actual))
+            for d in differences(expected.get(key), actual.get(key), f'{prefix}{key}.', labels)]
+  if expected == actual:
+    return []
+  return [f'{prefix.rstrip(".")}: {labels[0]} {actual!r}, {labels[1]} {expected!r}']
+
+
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str:
   """SHA-256 of the code of the source files that decide an engine's bits (the model, its
   numerics and the written arithmetic, the engine and its plans, the slot layout): bound into
-  every engine fingerprint, so that changed code never reuses KV computed by the old (edited
-  comments and docstrings do not count)."""
+  the fingerprints of the engines whose bits are the compiler's (pinned, blocked), so that
+  changed code never reuses KV computed by the old (edited comments and docstrings do not
+  count). The spec engine's fingerprint binds its spec version and canary instead
+  (graft/engine/canary.py)."""
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   h = hashlib.sha256()
   for relative in _SOURCES:
@@ -117,19 +162,7 @@ _SOURCES = tuple(f'gemma_jax/{m}.py' for m in (
     'graft/engine/_engine.py', 'graft/engine/plans.py')
 
 
-def _cpuinfo() -> dict[str, str]:
-  """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
-  fields = {}
-  try:
-    with open('/proc/cpuinfo') as f:
-      for line in f:
-        if not line.strip():
-          break
-        name, _, value = line.partition(':')
-        fields[name.strip()] = value.strip()
-  except OSError:
-    pass
-  return fields
+_cpuinfo = host.cpuinfo
 
 
 def cpu_features() -> list[str]:

@@ -332,14 +332,22 @@ class Spec(Pinned):
       raise selfcheck.SpecError(f'{e}; --dot_library=native computes every dot with the spec '
                                 "engine's own kernels (sequential FMA by construction)",
                                 e.failures) from None
+    if engine.runs_canary:
+      from graft.engine import canary
+      canary.check(self.numerics.version, canary.model_for(cfg), self.config.dot_library)
 
   def fingerprint(self, engine) -> dict:
-    from graft.engine import fingerprint
+    """What decides the bits of the written arithmetic, and not the source code: a release that
+    moves no bit keeps every artifact and store; one that moves a bit must bump the spec
+    version, which the self-check and the canary enforce (graft/engine/canary.py;
+    docs/security.md). The cache length is left out: it decides no bit (tests/test_spec.py)."""
+    from graft.engine import canary, fingerprint
+    version = self.numerics.version
     parts = {'mode': self.name, 'numerics': self.numerics.describe(),
              'attention': 'tiled', 'attention_tile': engine.attention_tile,
              'rows_per_call': self.config.rows_per_call, 'dtype': engine.loaded.dtype,
-             'slot_layout_version': SLOT_LAYOUT_VERSION,
-             'source_sha256': fingerprint.source_digest()}
+             'slot_layout_version': SLOT_LAYOUT_VERSION, 'rope': engine.config.rope_mode,
+             'canary': canary.EXPECTED.get(version, {}).get(canary.model_for(engine.config))}
     return {'sha256': fingerprint.digest(parts), **parts,
             'made_on': fingerprint.environment()}
 

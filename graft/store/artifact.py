@@ -41,6 +41,7 @@ from gemma_jax.checkpoints import orbax_util
 from gemma_jax.compare import sha256_bytes
 from gemma_jax.files import atomic_directory
 from graft.engine import fingerprint
+from graft.engine.fingerprint import differences
 from graft.engine import Context, Engine
 from graft.store import blocks
 
@@ -189,20 +190,6 @@ def _check_files(path: str, expected: dict[str, dict], hash_name: str) -> None:
     _check_digest(path, name, hash_name, got[hash_name], expected[name][hash_name])
 
 
-def differences(expected, actual, prefix='', labels=('the artifact has', 'expected')) -> list[str]:
-  """Readable differences between two JSON-like values, e.g.
-  ['engine_config.rows_per_call: the artifact has 8, expected 16']; `labels` name the actual
-  and the expected side."""
-  if isinstance(expected, dict) and isinstance(actual, dict):
-    out = []
-    for key in sorted(set(expected) | set(actual)):
-      out += differences(expected.get(key), actual.get(key), f'{prefix}{key}.', labels)
-    return out
-  if expected == actual:
-    return []
-  return [f'{prefix.rstrip(".")}: {labels[0]} {actual!r}, {labels[1]} {expected!r}']
-
-
 def _read_manifest(path: str) -> dict:
   if not os.path.isdir(path):
     raise ArtifactError(f'no artifact at {path}')
@@ -242,9 +229,9 @@ def _check_fingerprints(path: str, manifest: dict, engine: Engine) -> None:
   if manifest['model']['sha256'] != engine.model_fingerprint['sha256']:
     diffs = differences(engine.model_fingerprint, manifest['model'])
     raise ArtifactError(f'{path} was made by another model: ' + '; '.join(diffs))
-  if manifest['engine']['sha256'] != engine.fingerprint['sha256']:
-    diffs = [d for d in differences(engine.fingerprint, manifest['engine'])
-             if not d.startswith('sha256')]
+  diffs = fingerprint.engine_differences(engine.fingerprint, manifest['engine'],
+                                         labels=('the artifact has', 'expected'))
+  if diffs:
     raise ArtifactError(f'{path} was made under another engine configuration: '
                         + '; '.join(diffs))
 

@@ -1,0 +1,119 @@
+"""The canary: a fixed short computation whose bits the written arithmetic defines, run by every
+spec engine's build and recorded in its fingerprint.
+
+The spec engine's fingerprint binds what decides a bit (the spec version, the configuration
+fields that order sums, the model), not the source code, so that a release that moves no bit
+keeps every artifact and store (docs/security.md). What refuses a release that moves a bit
+without bumping `SPEC_VERSION` (gemma_jax/spec/__init__.py):
+
+  - the self-check (gemma_jax.spec.selfcheck): the engine's functions and contractions against
+    binary32 on this machine. It cannot see a change made to both sides at once: the
+    elementwise functions are written once for both (gemma_jax.spec.functions).
+  - the canary: the tiny model of the engine's family (random weights, seed 0) computes a fixed
+    token sequence in a spec engine of the same dot library, whole and in pieces, and the
+    SHA-256 of its K and V rows and logits (graft.spec_check.rows_digest) must equal the digest
+    committed here for the spec version. The digests are the NumPy interpreter's
+    (tests/test_canary.py recomputes them), so a changed coefficient, a reordered sum in the
+    model or the engine's calls, or another slot layout is refused at build, naming the version
+    to bump.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from gemma_jax import verdicts
+from gemma_jax.config import Family
+
+# The family's tiny model (gemma_jax.config), random weights of seed 0.
+MODELS = {Family.GEMMA2: 'tiny_gemma2', Family.GEMMA3: 'tiny_gemma3', Family.GEMMA4: 'tiny_gemma4'}
+WEIGHTS = 'random:0'
+# 8-row calls, 8-slot tiles and a 32-term chunk: the tiny model's contractions are chained over
+# chunks, attention crosses tiles and wraps the local ring.
+ENGINE = {'mode': 'spec', 'rows_per_call': 8, 'cache_len': 64, 'attention_tile': 8,
+          'k_chunk': 32}
+TOKENS = (2, 17, 300, 41, 5, 98, 77, 256, 3, 140, 61, 9, 444, 31, 200, 18, 7, 350, 90, 12, 65)
+SPLITS = (5, 13)  # the pieces of the second run: a prefill, then continued calls
+
+# Spec version -> tiny model -> the canary's digest, as the interpreter computes it.
+EXPECTED = {
+    1: {
+        'tiny_gemma2': '2698ec5f2cd7cf7660993a7959f2b4c041d1facac22249f669feccfc01ba12f2',
+        'tiny_gemma3': '577361d48bea416b9ae549fa8a3b9b399718bf094d6945d83d7d541c9857a61e',
+        'tiny_gemma4': 'df076c7394a400061b0562305e507441b38bcc89117382994fa5125e969486b8',
+    },
+}
+
+
+class CanaryError(ValueError):
+  """This build computes other bits than its spec version defines."""
+
+
+def model_for(config) -> str:
+  """The canary model of a model config's family."""
+  return MODELS[config.family]
+
+
+def expected(version: int, model: str) -> str:
+  """The committed digest of `model`'s canary under spec version `version`."""
+  digest = EXPECTED.get(version, {}).get(model)
+  if digest is None:
+    raise CanaryError(f'spec version {version} has no canary digest for {model} '
+                      '(graft/engine/canary.py EXPECTED: a new version commits the '
+                      "interpreter's digests, which tests/test_canary.py prints)")
+  return digest
+
+
+@functools.lru_cache(maxsize=None)
+def check(version: int, model: str, dot_library: str) -> str:
+  """Runs `model`'s canary in a spec engine of `dot_library` and returns its digest; CanaryError
+  when it is not the digest spec version `version` defines (once per process and arguments, and
+  not at all where this process configuration's pass is recorded: gemma_jax.verdicts)."""
+  want = expected(version, model)
+  key = f'spec version {version}, {model}, {dot_library}'
+  if verdicts.passed('canary', key):
+    return want
+  got = computed(model, dot_library)
+  if got != want:
+    raise CanaryError(
+        f'the canary ({model}, {len(TOKENS)} tokens) computes {got[:16]}.. where spec version '
+        f'{version} defines {want[:16]}..: this build moves bits without a new SPEC_VERSION '
+        '(gemma_jax/spec/__init__.py); bump it (stores and artifacts of the old version are then '
+        'refused, with the versions named) or undo the change')
+  verdicts.record('canary', key)
+  return got
+
+
+def _engine(model: str, dot_library: str | None):
+  from gemma_jax import weights
+  from graft.engine import Engine, EngineConfig
+  return Engine(weights.load(model, WEIGHTS, 'float32'),
+                EngineConfig(**ENGINE, dot_library=dot_library), canary=False)
+
+
+def computed(model: str, dot_library: str | None = None) -> str:
+  """The canary's digest as a spec engine of `dot_library` computes it here (whole and in
+  pieces; pieces that differ from the whole give a digest no version defines)."""
+  from graft import spec_check
+  engine = _engine(model, dot_library)
+  rows = spec_check.logit_rows(len(TOKENS), SPLITS)
+  whole, logits = engine.extend(engine.empty(), list(TOKENS), logits=len(TOKENS))
+  digest = spec_check.rows_digest(spec_check.engine_rows(engine, whole),
+                                  {r: logits[r] for r in rows}, rows)
+  ctx, pieces = engine.empty(), {}
+  for lo, hi in zip((0,) + SPLITS, SPLITS + (len(TOKENS),)):
+    ctx, piece = engine.extend(ctx, list(TOKENS[lo:hi]), logits='last')
+    pieces[hi - 1] = piece[0]
+  if spec_check.rows_digest(spec_check.engine_rows(engine, ctx), pieces, rows) != digest:
+    return 'pieces differ from the whole: ' + digest
+  return digest
+
+
+def interpreted(model: str) -> str:
+  """The canary's digest as the NumPy interpreter computes it (what EXPECTED commits)."""
+  from graft import spec_check
+  engine = _engine(model, None)  # for its geometry only
+  rows = spec_check.logit_rows(len(TOKENS), SPLITS)
+  reference = spec_check.interpreter(engine).run(list(TOKENS), logit_rows=rows)
+  return spec_check.rows_digest(spec_check.reference_rows(engine, reference, len(TOKENS)),
+                                reference.logits, rows)

@@ -1,0 +1,200 @@
+"""The publication protocol of a put: each new block object written under its writer's unique
+name, read back and checked, then published by writing its index entry only if none exists
+(the first writer wins; a later one verifies the published copy and removes its own), under a
+lease in staging/ that keeps gc away from objects written and not yet published.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import time
+import uuid
+
+from gemma_jax import kv_state as kvs
+from gemma_jax import digest
+from graft.store import blocks
+from graft.store.blocks import BlockError
+from graft.store.shared import POOL, Match, StoreError
+
+_WRITE_BATCH = 64  # blocks computed before they are written together (bounds host memory)
+# A test hook for killing a writer process at a known point of a put: with PAUSE_ENV='STEP:N' in
+# its environment ('written', 'verified' or 'published'; N-th time, default 1), the process
+# prints PAUSED, the step and the batch's object names (JSON) on stderr and then waits to be
+# killed (tests/test_store.py, graft/faults.py's kill_put), or, with RESUME_ENV naming a file,
+# until that file exists (a barrier that makes two writers overlap: tests/test_store.py).
+PAUSE_ENV = 'GEMMA_JAX_STORE_PAUSE'
+RESUME_ENV = 'GEMMA_JAX_STORE_RESUME'
+PAUSED = 'store put paused after step'
+_steps_reached = collections.Counter()
+
+class Publication:
+  """The publication room of graft.store.Store (a mixin: the Store holds the state)."""
+
+  def put(self, tokens, *, recompute: bool = False) -> dict:
+    """Deposits `tokens` (a context from position 0): grafts the longest stored prefix of whole
+    blocks (the trusted one, with a trust list), computes the rest block by block with the
+    engine and writes every block not stored yet; `recompute` computes every block and compares
+    it with what is stored (a stored block that differs is a conflict: replaced, quarantined,
+    reported). Returns what it did: tokens, blocks reused and written, conflicts, bytes,
+    seconds computing and storing."""
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+      raise ValueError('nothing to put: the token list is empty')
+    t0 = time.perf_counter()
+    ctx, match = ((self.engine.empty(), Match(0, (), 0)) if recompute
+                  else self.graft(tokens, whole_blocks=True))
+    keys = blocks.chain_keys(self.namespace, tokens, self.block_tokens)
+    # The block holding token `match.tokens` is the first one to write. (When every token is
+    # matched, even a partial last block is addressable already: it is a prefix of a stored one.)
+    first_new = (len(keys) if match.tokens == len(tokens)
+                 else match.tokens // self.block_tokens)
+    report = {'tokens': len(tokens), 'reused_tokens': match.tokens, 'blocks_written': 0,
+              'blocks_existing': 0, 'bytes_written': 0, 'conflicts': 0, 'compute_seconds': 0.0,
+              'storage_seconds': 0.0}
+    # The header hash of the parent of the first block written: the stored block it was
+    # grafted from (what this put computes on), else the root.
+    parent_header = (match.entries[first_new - 1]['header_sha256'] if first_new else blocks.ROOT)
+    batch = []  # (parent, start, tokens, leaves) computed and not yet stored
+    for k in range(first_new, len(keys)):
+      start, stop = k * self.block_tokens, min((k + 1) * self.block_tokens, len(tokens))
+      t1 = time.perf_counter()
+      if stop > len(ctx.tokens):
+        ctx, _ = self.engine.extend(ctx, tokens[len(ctx.tokens):stop], logits='none',
+                                    consume=True)
+      rows = kvs.take_rows(ctx.kv, start, stop)
+      leaves = {}
+      for index, k_rows, v_rows in zip(self.engine.config.cache_layers, rows.k, rows.v):
+        leaves[f'layer_{index}/k'], leaves[f'layer_{index}/v'] = k_rows, v_rows
+      batch.append((keys[k - 1] if k else blocks.ROOT, start, tokens[start:stop], leaves))
+      report['compute_seconds'] += time.perf_counter() - t1
+      if len(batch) == _WRITE_BATCH or k == len(keys) - 1:
+        t2 = time.perf_counter()
+        written_bytes, parent_header, conflicts = self._write_blocks(batch, parent_header)
+        report['conflicts'] += conflicts
+        for written in written_bytes:
+          report['blocks_written' if written else 'blocks_existing'] += 1
+          report['bytes_written'] += written
+        report['storage_seconds'] += time.perf_counter() - t2
+        batch = []
+    report['seconds'] = time.perf_counter() - t0
+    return report
+
+  def _write_blocks(self, batch, parent_header: str) -> tuple[list[int], str, int]:
+    """Writes, verifies and publishes blocks [(parent, start, tokens, leaves)] of one chain,
+    each step for the whole batch at once; `parent_header` is the header hash of the first
+    one's parent. Returns the bytes written per block (0 where another writer's identical copy
+    was published first), the header hash of the last block's copy that stands published and
+    the conflicts found."""
+    hashed = list(POOL.map(lambda b: blocks.hash_leaves(b[3], len(b[2]), self.block_layout),
+                            batch))
+    first_parent_header = parent_header
+    encoded = []
+    for (parent, start, tokens, _), leaves in zip(batch, hashed):
+      encoded.append(blocks.encode_block(self.namespace, parent, parent_header, start, tokens,
+                                         leaves, self.block_layout))
+      parent_header = blocks.header_sha256(encoded[-1][1])
+    names = [f'objects/{key}.{uuid.uuid4().hex}' for key, _, _ in encoded]
+    # The lease goes first and stays until the batch is published: gc reads leases before it
+    # checks for publication, so it sees an object of this put either leased or published.
+    lease = f'staging/{uuid.uuid4().hex}.json'
+    self.backing.write(lease, blocks.canonical({'objects': names, 'time': time.time()}))
+    try:
+      out, standing, conflicts = self._publish_batch(batch, encoded, names, first_parent_header)
+    finally:
+      self.backing.delete(lease)
+    return out, standing, conflicts
+
+  def _publish_batch(self, batch, encoded, names,
+                     first_parent_header: str) -> tuple[list[int], str, int]:
+    """Writes, verifies and publishes the encoded blocks of `_write_blocks` under `names`.
+    Returns the bytes written per block, the header hash of the last block's copy that stands
+    published (another writer's equal copy may stand instead of ours, under another header
+    when it is of an older format) and the conflicts found."""
+    self.backing.write_many([(name, data) for name, (_, data, _) in zip(names, encoded)])
+    self._step('written', names)
+    for name, (_, data, _), kept in zip(names, encoded,
+                                        self.backing.read_many([(n, None) for n in names])):
+      if kept != data:  # what the storage layer kept
+        self.backing.delete(name)
+        raise StoreError(f'{self.url}: object {name} did not read back as written')
+    self._step('verified', names)
+    entries = []
+    for (parent, _, _, _), name, (key, data, header) in zip(batch, names, encoded):
+      offset, length = blocks.header_span(data)
+      entries.append((f'index/{parent}/{key}', blocks.encode_entry(
+          header, name.split('/', 1)[1], len(data), data[offset:offset + length])))
+    published = self.backing.write_if_absent_many(entries)
+    self._step('published', names)
+    out, conflicts = [], 0
+    standing = {batch[0][0]: first_parent_header}  # key -> header hash of its published copy
+    for (parent, start, _, _), name, (key, data, header), (entry_name, entry_bytes), won in zip(
+        batch, names, encoded, entries, published):
+      standing[key] = blocks.header_sha256(data)
+      if not won:
+        won, conflict, theirs = self._publish_over(parent, start, key, name, header, entry_name,
+                                                   entry_bytes, standing.get(parent))
+        conflicts += conflict
+        standing[key] = standing[key] if won else theirs
+      self._sign(key, standing[key])
+      self.counters['blocks_written'] += won
+      out.append(len(data) if won else 0)
+    return out, standing[encoded[-1][0]], conflicts
+
+  def _step(self, step: str, names: list[str]) -> None:
+    """Called after each step of a put ('written', 'verified', 'published') with the objects'
+    names: tests pause or interleave other processes' operations at a step (in process by
+    replacing this method; in another process through PAUSE_ENV)."""
+    pause = os.environ.get(PAUSE_ENV)
+    if not pause:
+      return
+    at, _, count = pause.partition(':')
+    _steps_reached[step] += 1
+    if at == step and _steps_reached[step] == int(count or 1):
+      sys.stderr.write(f'{PAUSED} {step} {json.dumps(names)}\n')
+      sys.stderr.flush()
+      resume = os.environ.get(RESUME_ENV)
+      while not (resume and os.path.exists(resume)):  # until resumed, or killed
+        time.sleep(0.05 if resume else 3600)
+
+  def _publish_over(self, parent, start, key, name, header, entry_name, entry_bytes,
+                    parent_standing: str | None) -> tuple[bool, bool, str | None]:
+    """Another writer published this block first. Its copy is kept only if it verifies and is
+    the same block: the same bytes, computed on the same parent, ours or the parent's copy that
+    stands published (`parent_standing`, which this put wrote or found equal to its own)
+    (under a byte-exact engine two honest writers write identical blocks, so a difference
+    means one of them is wrong, and this writer's engine has just computed the block).
+    Otherwise it is quarantined with the reason and ours is published. Returns (ours
+    published, a conflict was found, the header hash of their copy when it was kept)."""
+    conflict = False
+    for _ in range(3):
+      existing = self._entry(parent, key, start)
+      if existing is not None and f'objects/{existing["object"]}' == name:
+        return True, conflict, None  # ours, published by a rebuild_index beside this put
+      if existing is not None:
+        try:
+          stored = self._read_object(existing, global_only=False)
+          theirs = self._header_of(existing)
+          # Their verified leaves hashed as ours are (an object of an older format carries
+          # another hash).
+          hash_name = blocks.content_hash(header)
+          same = (all(digest.hexdigest(hash_name, stored[leaf['name']]) == leaf[hash_name]
+                      for leaf in header['leaves'])
+                  and theirs['parent_header_sha256'] in (header['parent_header_sha256'],
+                                                         parent_standing))
+          if same:
+            self.backing.delete(name)  # first writer wins; ours was a copy
+            return False, conflict, existing['header_sha256']
+          conflict = True
+          self.counters['conflicts'] += 1
+          self.quarantine(existing['key'], f'objects/{existing["object"]}',
+                          'conflict: its bytes differ from this writer\'s computation of the '
+                          'same block (or it was computed on another version of its parent)',
+                          entry_name=entry_name, judged=existing)
+        except BlockError as e:
+          self.quarantine_object(existing, str(e))
+      if self.backing.write_if_absent(entry_name, entry_bytes):
+        return True, conflict, None
+    raise StoreError(f'{self.url}: could not publish block {key[:16]}..')
