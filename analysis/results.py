@@ -6,7 +6,7 @@ by its file name: a sweep written with `--output=float.json` is still a position
 
 `KINDS` lists each kind with its version and the top-level fields its readers rely on (the
 field lists below say what is inside). A new experiment adds its kind here; a new figure reads
-`load(results_dir)[kind]` (analysis/figures.py).
+`load(results_dir)[kind]` (analysis/figures/).
 """
 
 from __future__ import annotations

@@ -420,7 +420,7 @@ def find_composition_witness(layer: LayerRope, delta: int, positions: Iterable[i
 
 def summarize_layer_propagation(sweep: dict | str | os.PathLike) -> list[dict[str, Any]]:
   """From a position-sweep result (dict or path; rows with per-layer K/V divergence, see
-  analysis/figures.py for the schema), per row: the first layer whose K or V bits differ, the
+  analysis/figures/ for the schema), per row: the first layer whose K or V bits differ, the
   per-layer divergence (max of K and V), and how it grows from layer to layer (ratios of
   consecutive nonzero divergences and their geometric mean)."""
   if not isinstance(sweep, dict):

@@ -268,13 +268,13 @@ def test_results_are_recognised_by_their_schema_not_their_file_name(tmp_path):
 def _draw_bench_only(results: pathlib.Path, output: pathlib.Path, monkeypatch):
   """draw_figures over `results`; returns (drawn, the bench figure's matplotlib Figure or None)."""
   saved = {}
-  save = figures._save
+  save = figures.base.save
 
   def keep(fig, path):
     saved[path.name] = fig
     return save(fig, path)
 
-  monkeypatch.setattr(figures, '_save', keep)
+  monkeypatch.setattr(figures.base, 'save', keep)
   drawn = figures.draw_figures(results, output)
   return drawn, saved.get('bench.png')
 
@@ -406,3 +406,24 @@ def test_flywheel_figure_draws_accuracy_tokens_per_solved_and_factors(tmp_path):
   tasks = _flywheel_fixture()['tasks']
   assert figures.decode_tokens_per_solved(tasks, 'base') == (12.0, 1)  # t0 only
   assert figures.decode_tokens_per_solved(tasks, 'library') == (12.5, 4)  # 3 x 10 and 20
+
+
+def _png_size(path: pathlib.Path) -> tuple[int, int]:
+  data = path.read_bytes()
+  assert data[:8] == b'\x89PNG\r\n\x1a\n' and data[12:16] == b'IHDR', path
+  return int.from_bytes(data[16:20], 'big'), int.from_bytes(data[20:24], 'big')
+
+
+def test_every_figure_fits_a_two_column_page(tmp_path):
+  # The committed figures, and the same drawn again from the committed results: at most
+  # 7 x 9 inches at the figures' DPI (a figure drawn larger is refused by analysis.figures).
+  limit = tuple(round(inches * figures.DPI) for inches in figures.MAX_INCHES)
+  committed = sorted((REPO / 'figures').glob('*.png'))
+  drawn = [p for p in figures.draw_figures(REPO / 'results', tmp_path).values() if p]
+  assert {p.name for p in committed} == {p.name for p in drawn}
+  for png in committed + drawn:
+    width, height = _png_size(png)
+    assert width <= limit[0] and height <= limit[1], (png, width, height, limit)
+  with pytest.raises(ValueError, match='larger than a two-column page'):
+    fig = figures.base.plt.figure(figsize=(8, 3))
+    figures.base.save(fig, tmp_path / 'too_wide.png')
