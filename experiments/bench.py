@@ -24,6 +24,7 @@ recorded in its row (`skipped`), never silently. Output: schema `bench` (analysi
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import statistics
 import subprocess
@@ -35,7 +36,7 @@ from absl import app, flags, logging
 
 from experiments import ceilings, common, peers, samples
 from gemma_jax import compilation_cache as compilation_cache_module
-from gemma_jax import cost
+from gemma_jax import cost, verdicts
 from gemma_jax.checkpoints import orbax_util
 from graft.store import artifact
 from graft.engine import fingerprint
@@ -58,7 +59,10 @@ def define_flags() -> None:
   flags.DEFINE_list('batch_slots', [], 'Also measure the spec engine\'s decode with N contexts '
                     'per call (Engine.generate_batch) for each N listed, e.g. 1,2,4,8.')
   flags.DEFINE_bool('start', True, 'Also time a fresh process to its first logits, on an empty '
-                    'compilation cache and on a warm one (ttft_cold_start_s, ttft_warm_start_s).')
+                    'compilation cache and on a warm one, by phase (import, load, engine, first '
+                    'logits: start_phases_s), ours and llama.cpp\'s on the same GGUF.')
+  flags.DEFINE_bool('start_only', False, 'Time only the fresh processes (--start), not '
+                    'throughput: a quick run of the start phases.')
   flags.DEFINE_integer('repeats', 3, 'Timed repetitions (after one warm-up); medians reported.')
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
   common.define_model_flags()
@@ -114,28 +118,66 @@ def _read_files(root: str, keep: bool = True) -> int:
   return total
 
 
-def _process_seconds(mode: str, dot_library: str | None, compilation_cache: str) -> float:
-  """Wall seconds of a fresh process from its start to its exit after its first logits
-  (`experiments.generate`, one new token) under a compilation cache directory."""
-  command = [sys.executable, '-m', 'experiments.generate', '--max_new_tokens=1',
-             f'--model={FLAGS.model}', f'--weights={FLAGS.weights}', f'--dtype={FLAGS.dtype}',
-             f'--engine={mode}'] + ([f'--dot_library={dot_library}'] if dot_library else [])
-  env = {**os.environ, compilation_cache_module.ENV: compilation_cache}
-  start = time.perf_counter()
-  subprocess.run(command, env=env, check=True, capture_output=True, cwd=common.REPO)
-  return time.perf_counter() - start
+# A fresh process's phases, in order, and the stamp (experiments.generate --phases) that ends each.
+START_PHASES = (('import_s', 'imported'), ('load_s', 'loaded'), ('engine_s', 'engine'),
+                ('first_logits_s', 'first_logits'))
+
+
+def process_phases(command: list[str], env: dict | None = None) -> dict:
+  """Runs `command` (which takes --phases=PATH and writes there the wall-clock stamps of
+  START_PHASES) as a fresh process; returns each phase's seconds and `total_s`, from the
+  process's start to its first logits."""
+  with tempfile.TemporaryDirectory() as scratch:
+    path = os.path.join(scratch, 'phases.json')
+    start = time.time()
+    subprocess.run(command + [f'--phases={path}'], env=env, check=True, capture_output=True,
+                   cwd=common.REPO)
+    with open(path) as f:
+      stamps = json.load(f)
+  phases, last = {}, start
+  for name, stamp in START_PHASES:
+    phases[name] = stamps[stamp] - last
+    last = stamps[stamp]
+  phases['total_s'] = stamps['first_logits'] - start
+  return phases
+
+
+def _medians(runs: list[dict]) -> dict:
+  return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
 def measure_start(mode: str, dot_library: str | None, repeats: int) -> dict:
-  """Time to the first logits of a fresh process: cold (each run on an empty compilation
-  cache) and warm (on the cache the first cold run left); medians of `repeats`. Weights come
-  from the parameter cache in both."""
+  """A fresh process (`experiments.generate`, one new token) to its first logits: cold (each run
+  on an empty compilation cache, every check run again: GEMMA_JAX_RECHECK) and warm (on the
+  cache the first cold run left, with its kept verdicts); medians of `repeats`, per phase
+  (START_PHASES). Weights come from the parameter cache in both."""
+  command = [sys.executable, '-m', 'experiments.generate', '--max_new_tokens=1',
+             f'--model={FLAGS.model}', f'--weights={FLAGS.weights}', f'--dtype={FLAGS.dtype}',
+             f'--engine={mode}'] + ([f'--dot_library={dot_library}'] if dot_library else [])
   with tempfile.TemporaryDirectory() as scratch:
-    cold = [_process_seconds(mode, dot_library, os.path.join(scratch, str(i)))
+    env = lambda i, **more: {**os.environ, compilation_cache_module.ENV: os.path.join(
+        scratch, str(i)), **more}
+    cold = [process_phases(command, env(i, **{verdicts.RECHECK_ENV: '1'}))
             for i in range(repeats)]
-    warm = [_process_seconds(mode, dot_library, os.path.join(scratch, '0'))
-            for _ in range(repeats)]
-  return {'ttft_cold_start_s': statistics.median(cold), 'ttft_warm_start_s': statistics.median(warm)}
+    warm = [process_phases(command, env(0)) for _ in range(repeats)]
+  cold, warm = _medians(cold), _medians(warm)
+  return {'ttft_cold_start_s': cold['total_s'], 'ttft_warm_start_s': warm['total_s'],
+          'start_phases_s': {'cold': cold, 'warm': warm}}
+
+
+def measure_peer_start(name: str, repeats: int) -> dict:
+  """llama.cpp's fresh process to its first logits on the same GGUF (after one untimed run,
+  so the file is in the page cache as ours is warm); {} for a peer without a start measure."""
+  if not name.startswith('llama_cpp'):
+    return {}
+  from experiments.peers import llama_cpp
+  path = llama_cpp.gguf_for(name.removeprefix('llama_cpp_'))
+  if path is None:
+    return {}
+  command = [sys.executable, '-m', 'experiments.peers.llama_cpp', path]
+  process_phases(command)
+  warm = _medians([process_phases(command) for _ in range(repeats)])
+  return {'ttft_warm_start_s': warm['total_s'], 'start_phases_s': {'warm': warm}}
 
 
 def measure_ours(engine, work: Workload) -> dict:
@@ -205,6 +247,8 @@ def main(argv):
   unknown = sorted(set(FLAGS.systems) - set(SYSTEMS))
   if unknown:
     raise app.UsageError(f'--systems: unknown {unknown}; expected some of {SYSTEMS}')
+  if FLAGS.start_only:
+    return start_only()
   loaded = common.load_model()
   work = workload(loaded.tokenizer)
   logging.info('measuring the ceilings')
@@ -218,6 +262,8 @@ def main(argv):
              **(measure_start(mode, library, work.repeats) if FLAGS.start else {})}
     else:
       row = peers.measure(name, loaded, work)
+      if FLAGS.start and not row.get('skipped'):
+        row.update(measure_peer_start(name, work.repeats))
     row = {'name': name, 'skipped': None, **row}
     if row['skipped']:
       print(f'{name}: skipped ({row["skipped"]})')
@@ -270,6 +316,30 @@ def main(argv):
     print(f"ours_spec, {row['batch_slots']} batch slots: decode {row['decode_tok_s']:.1f} tok/s "
           f"({row['speedup_vs_one_stream']:.2f}x one stream)")
   print('ratios:', {k: round(v, 3) for k, v in ratios.items()})
+
+
+def start_only() -> None:
+  """--start_only: the start phases of every system in --systems that has them."""
+  rows = []
+  for name in FLAGS.systems:
+    logging.info('timing the start of %s', name)
+    if name in OURS:
+      row = measure_start(*OURS[name], FLAGS.repeats)
+    else:
+      row = measure_peer_start(name, FLAGS.repeats) or {
+          'skipped': 'no start measure for this peer, or it is not installed'}
+    rows.append({'name': name, 'skipped': None, **row})
+  config = {**common.model_config_json(), 'systems': list(FLAGS.systems), 'start_only': True,
+            'repeats': FLAGS.repeats, 'environment': fingerprint.environment()}
+  output = FLAGS.output or common.default_output('bench', FLAGS.model, FLAGS.dtype, 'start')
+  common.write_result(output, 'bench', {'config': config, 'ceilings': {}, 'systems': rows})
+  for row in rows:
+    if row['skipped']:
+      print(f"{row['name']:18s} skipped ({row['skipped']})")
+      continue
+    for when, phases in row['start_phases_s'].items():
+      print(f"{row['name']:18s} {when}: " + ', '.join(
+          f"{k.removesuffix('_s')} {v:.2f}s" for k, v in phases.items()))
 
 
 if __name__ == '__main__':

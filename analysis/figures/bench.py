@@ -250,6 +250,8 @@ def bench(found_results: Sequence[tuple[pathlib.Path, dict]],
   no bar and its reason under its name."""
   drawable = []
   for source, data in found_results:
+    if isinstance(data.get('config'), dict) and data['config'].get('start_only'):
+      continue  # start phases only (experiments.bench --start_only): no throughput to draw
     rows = bench_systems(source, data)
     if rows:
       drawable.append((source, data))

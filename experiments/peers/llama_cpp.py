@@ -184,15 +184,13 @@ def time_ops(closures: dict, repeats: int) -> dict:
   return runs
 
 
-def measure_peer(variant: str, work) -> dict:
-  """The benchmark's row for the embedded GGUF as shipped ('q4_k_m') or written unquantized
-  ('f32', 'f16') into the parameter cache directory (once)."""
-  from experiments.peers import skipped
+def gguf_for(variant: str) -> str | None:
+  """The embedded GGUF as shipped ('q4_k_m') or written unquantized ('f32', 'f16') into the
+  parameter cache directory (once); None where llama-cpp-python is not installed."""
   try:
     import llama_cpp  # noqa: F401
   except ImportError:
-    return skipped('llama-cpp-python is not installed: pip install -e ".[bench]" (it compiles '
-                   'llama.cpp, about 20 minutes on two cores)')
+    return None
   from gemma_jax.checkpoints.param_cache import cache_root
   from gemma_jax.weights import embedded_gguf_path, sha256_file
   path = embedded_gguf_path()
@@ -203,6 +201,17 @@ def measure_peer(variant: str, work) -> dict:
       os.makedirs(os.path.dirname(target), exist_ok=True)
       write_gguf(path, target, dtype)
     path = target
+  return path
+
+
+def measure_peer(variant: str, work) -> dict:
+  """The benchmark's row for the embedded GGUF as shipped ('q4_k_m') or written unquantized
+  ('f32', 'f16')."""
+  from experiments.peers import skipped
+  path = gguf_for(variant)
+  if path is None:
+    return skipped('llama-cpp-python is not installed: pip install -e ".[bench]" (it compiles '
+                   'llama.cpp, about 20 minutes on two cores)')
   row = measure(path, work.prompt, work.decode_tokens, work.library, work.query, work.repeats)
   return {'prefill_tok_s': row['prefill_tokens_per_s'], 'decode_tok_s': row['decode_tokens_per_s'],
           'ttft_recompute_s': row['ttft_recompute_s'], 'ttft_graft_s': row['ttft_restored_s'],
@@ -217,3 +226,26 @@ def measure(gguf_path: str, prompt_ids: list[int], decode_tokens: int, library_i
   closures, info = ops(gguf_path, prompt_ids, decode_tokens, library_ids, query_ids, **kw)
   info['repeats'] = repeats
   return summarize(time_ops(closures, repeats), info, len(prompt_ids), decode_tokens)
+
+
+def start(gguf_path: str, phases_path: str, prompt: str = 'The capital of France is') -> None:
+  """A fresh process's start as experiments.bench times ours: the wall-clock stamps after the
+  import, after loading the model (`engine`: the same, llama.cpp has no separate step) and at
+  the prompt's first logits, written as JSON to `phases_path`."""
+  import json
+  stamps = {}
+  import llama_cpp  # noqa: F401
+  stamps['imported'] = time.time()
+  llm = _llama(gguf_path)
+  stamps['loaded'] = stamps['engine'] = time.time()
+  llm.eval(llm.tokenize(prompt.encode(), add_bos=True))
+  last_logits(llm)
+  stamps['first_logits'] = time.time()
+  with open(phases_path, 'w') as f:
+    json.dump(stamps, f)
+
+
+if __name__ == '__main__':
+  import sys
+  # python -m experiments.peers.llama_cpp GGUF --phases=PATH (experiments.bench's start timing)
+  start(sys.argv[1], sys.argv[2].removeprefix('--phases='))
