@@ -19,8 +19,13 @@ from flax import nnx
 from gemma_jax.numerics import Numerics
 
 
-def init_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, *, std: float, mean: float = 0.0):
-  """A parameter drawn from N(mean, std^2); the single place random weights come from."""
+def init_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, *, std: float,
+               mean: float = 0.0):
+  """A parameter drawn from N(mean, std^2); the single place random weights come from. rngs
+  None: its shape and dtype only (jax.ShapeDtypeStruct), for the abstract model every process
+  builds to bind parameters (gemma_jax.model), at no tracing cost."""
+  if rngs is None:
+    return nnx.Param(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)))
   value = mean + std * jax.random.normal(rngs.params(), shape, jnp.float32)
   return nnx.Param(value.astype(dtype))
 

@@ -174,8 +174,9 @@ class Transformer(nnx.Module):
 
 @functools.lru_cache(maxsize=None)
 def _abstract_model(config: TransformerConfig, dtype_name: str):
-  model = nnx.eval_shape(lambda: Transformer(config, dtype=jnp.dtype(dtype_name), rngs=nnx.Rngs(0)))
-  return nnx.split(model)
+  # rngs None: every parameter as its jax.ShapeDtypeStruct (gemma_jax.layers.init_param), the
+  # tree nnx.eval_shape of a seeded construction gives, without tracing 200 random draws.
+  return nnx.split(Transformer(config, dtype=jnp.dtype(dtype_name), rngs=None))
 
 
 def abstract_params(config: TransformerConfig, dtype=jnp.float32) -> Params:
