@@ -16,12 +16,15 @@ entry point whose --output is not given writes results/<kind>_<config parts>.jso
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from typing import Callable
 
 from absl import flags, logging
 
@@ -247,6 +250,25 @@ def run_step(command: list[str], timeout: int = 600, env: dict | None = None) ->
     out = e.stdout.decode(errors='replace') if isinstance(e.stdout, bytes) else str(e.stdout or '')
   return {'command': ' '.join(command), 'status': status, 'seconds': time.perf_counter() - start,
           'tail': out[-4000:]}
+
+
+@contextlib.contextmanager
+def heartbeat(doing: Callable[[], str], every: float = 10.0):
+  """While the block runs, prints what it is doing (`doing()`) and the seconds since it began
+  every `every` seconds: long work shows progress even where it prints nothing for minutes."""
+  stop, start = threading.Event(), time.monotonic()
+
+  def beat():
+    while not stop.wait(every):
+      print(f'  [{time.monotonic() - start:4.0f} s] {doing()}', flush=True)
+
+  thread = threading.Thread(target=beat, daemon=True)
+  thread.start()
+  try:
+    yield
+  finally:
+    stop.set()
+    thread.join()
 
 
 def median_seconds(fn, repeats: int) -> float:

@@ -60,7 +60,13 @@ DEMO_TEXTS = [
 ]
 
 
+# What the job is doing, for the heartbeat (a line every 10 s at most, however long a step's
+# silent parts take: compiling, dequantizing, the replay).
+_DOING = ['loading the model']
+
+
 def step(title: str) -> None:
+  _DOING[0] = title
   print(f'\n== {title} ==', flush=True)
 
 
@@ -127,6 +133,11 @@ def flywheel_demo(engine) -> list[str]:
 
 def main(argv):
   del argv
+  with common.heartbeat(lambda: _DOING[0]):
+    tour()
+
+
+def tour() -> None:
   failed = []  # every exactness check that did not hold: any one fails the job
   loaded = common.load_model()
   engine = common.make_engine(loaded)

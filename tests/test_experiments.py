@@ -115,3 +115,14 @@ def test_batch_slots_run_replays_unbatched(tmp_path):
   assert result['config']['batch_slots'] == 3
   assert result['summary']['equal'] == 4 and result['summary']['continuations_equal'] == 4
   assert 'reproduce' in run('replay', f'--manifest={manifest}').stdout
+
+
+def test_the_heartbeat_says_what_runs_while_a_step_prints_nothing(capsys):
+  import threading
+  from experiments import common
+  done = threading.Event()
+  with common.heartbeat(lambda: 'compiling', every=0.05):
+    done.wait(0.5)
+  lines = capsys.readouterr().out.splitlines()
+  assert lines and all(line.endswith('] compiling') for line in lines)
+  assert len(lines) <= 11  # at most one a beat, and none after the block
