@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma_jax import weights
+from gemma_jax import verdicts, weights
 from gemma_jax.numerics import SPEC, Spec
 from gemma_jax.spec import binary32 as b32
 from gemma_jax.spec import functions as fn
@@ -162,6 +162,14 @@ def test_a_global_layer_is_compared_from_its_first_token(monkeypatch):
   assert summary['first_difference'] == {'run': 'one-shot', 'layer': layer, 'op': 'k',
                                          'position': 0}
 
+
+
+@pytest.fixture(autouse=True)
+def run_every_check(monkeypatch):
+  """Checks are run, never answered by a verdict kept from another process: several tests here
+  plant a difference in memory, which is no edit of the files the verdicts are keyed by
+  (gemma_jax/verdicts.py)."""
+  monkeypatch.setenv(verdicts.RECHECK_ENV, '1')
 
 def test_the_self_check_refuses_a_machine_whose_function_differs(monkeypatch):
   from gemma_jax import numerics

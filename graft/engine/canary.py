@@ -9,7 +9,7 @@ without bumping `SPEC_VERSION` (gemma_jax/spec/__init__.py):
   - the self-check (gemma_jax.spec.selfcheck): the engine's functions and contractions against
     binary32 on this machine. It cannot see a change made to both sides at once: the
     elementwise functions are written once for both (gemma_jax.spec.functions).
-  - the canary: the tiny model of the engine's family (random weights, seed 0) computes a fixed
+  - the canary: the tiny model of the engine's family (weights NumPy draws exactly) computes a fixed
     token sequence in a spec engine of the same dot library, whole and in pieces, and the
     SHA-256 of its K and V rows and logits (graft.spec_check.rows_digest) must equal the digest
     committed here for the spec version. The digests are the NumPy interpreter's
@@ -20,12 +20,15 @@ without bumping `SPEC_VERSION` (gemma_jax/spec/__init__.py):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+
+import numpy as np
 
 from gemma_jax import verdicts
 from gemma_jax.config import Family
 
-# The family's tiny model (gemma_jax.config), random weights of seed 0.
+# The family's tiny model (gemma_jax.config), with weights of its own (`_loaded`).
 MODELS = {Family.GEMMA2: 'tiny_gemma2', Family.GEMMA3: 'tiny_gemma3', Family.GEMMA4: 'tiny_gemma4'}
 WEIGHTS = 'random:0'
 # 8-row calls, 8-slot tiles and a 32-term chunk: the tiny model's contractions are chained over
@@ -38,9 +41,9 @@ SPLITS = (5, 13)  # the pieces of the second run: a prefill, then continued call
 # Spec version -> tiny model -> the canary's digest, as the interpreter computes it.
 EXPECTED = {
     1: {
-        'tiny_gemma2': '2698ec5f2cd7cf7660993a7959f2b4c041d1facac22249f669feccfc01ba12f2',
-        'tiny_gemma3': '577361d48bea416b9ae549fa8a3b9b399718bf094d6945d83d7d541c9857a61e',
-        'tiny_gemma4': 'df076c7394a400061b0562305e507441b38bcc89117382994fa5125e969486b8',
+        'tiny_gemma2': '5f3d51f869fd7e2eb0e276790633abac68dc5a0794d974c434dac50cedaf67d8',
+        'tiny_gemma3': '32898472e895c2f8b8f55085bc65ca1f22044ad328ca1ea97081c43609f39ffc',
+        'tiny_gemma4': '772d2ef27db28a6413c51f0c2908e6da3fe9916311be6044ad8705eac1268c4c',
     },
 }
 
@@ -84,11 +87,23 @@ def check(version: int, model: str, dot_library: str) -> str:
   return got
 
 
-def _engine(model: str, dot_library: str | None):
+def _loaded(model: str):
+  """`model` with the canary's weights: every leaf an integer in [-1024, 1024) over 2^14, drawn
+  by NumPy (exact in float32, the same on every machine; random:SEED weights are drawn by XLA,
+  whose bits follow the CPU's instruction set)."""
+  import jax
+  import jax.numpy as jnp
   from gemma_jax import weights
+  loaded = weights.load(model, WEIGHTS, 'float32')  # its config and tokenizer
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda leaf: jnp.asarray(
+      (rng.integers(-1024, 1024, leaf.shape) / 16384).astype(np.float32)), loaded.params)
+  return dataclasses.replace(loaded, params=params, weights='canary')
+
+
+def _engine(model: str, dot_library: str | None):
   from graft.engine import Engine, EngineConfig
-  return Engine(weights.load(model, WEIGHTS, 'float32'),
-                EngineConfig(**ENGINE, dot_library=dot_library), canary=False)
+  return Engine(_loaded(model), EngineConfig(**ENGINE, dot_library=dot_library), canary=False)
 
 
 def computed(model: str, dot_library: str | None = None) -> str:
