@@ -276,7 +276,8 @@ def bench(found_results: Sequence[tuple[pathlib.Path, dict]],
     limits = data['ceilings'] if isinstance(data['ceilings'], dict) else {}
     described.append(
         f"{'[' + (hatch or 'solid') + '] ' if len(runs) > 1 else ''}"
-        f"{base.machine(data) or 'this machine'}: {base.label(c.get('model'), c.get('weights'), c.get('dtype'))}, "
+        f"{base.machine(data) or 'this machine'}: "
+        f"{base.label(c.get('model'), c.get('weights'), c.get('dtype'))}, "
         f"medians of {c.get('repeats')}, ceilings "
         f"{limits.get('matmul_gflops', float('nan')):.3g} GFLOP/s, "
         f"{limits.get('read_gbps', float('nan')):.3g} GB/s")

@@ -84,9 +84,10 @@ def flywheel(found_results: Sequence[tuple[pathlib.Path, dict]],
   ax_acc.set_xticks(x, [_run_label(d) for d in runs], fontsize=6)
   ax_acc.legend(fontsize=6, ncol=4, loc='upper center')
   deltas = [d['summary'].get('heldout_delta_ci95') for d in runs]
-  ax_acc.set_title(textwrap.fill('accuracy; held-out change with its paired 95% interval: ' + '; '.join(
-      f"{_run_label(d).split(chr(10))[0]} [{c[0]:+.2f}, {c[1]:+.2f}]"
-      for d, c in zip(runs, deltas) if c), 150), fontsize=6)
+  intervals = '; '.join(f"{_run_label(d).split(chr(10))[0]} [{c[0]:+.2f}, {c[1]:+.2f}]"
+                        for d, c in zip(runs, deltas) if c)
+  ax_acc.set_title(textwrap.fill('accuracy; held-out change with its paired 95% interval: '
+                                 + intervals, 150), fontsize=6)
 
   for i, phase in enumerate(('base', 'library')):
     means = [decode_tokens_per_solved(d['tasks'], phase)[0] for d in runs]

@@ -45,8 +45,8 @@ def graft_exactness(results: Sequence[dict[str, Any]], path: pathlib.Path) -> pa
 
 def widen_context(found_results: Sequence[tuple[pathlib.Path, dict]],
                   path: pathlib.Path) -> pathlib.Path | None:
-  """Per model (its newest widening run per machine): tokens the store can graft against the device cache's, store throughput
-  against the raw disk, and time to first token by tier."""
+  """Per model (its newest widening run per machine): tokens the store can graft against the
+  device cache's, store throughput against the raw disk, and time to first token by tier."""
   if not found_results:
     logging.warning('widen_context: no widen_context results; skipped')
     return None

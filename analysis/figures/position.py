@@ -114,7 +114,8 @@ def position_controls(rows: Sequence[dict[str, Any]], path: pathlib.Path) -> pat
   """One panel per RoPE mode (float, then the controls): the largest |logit difference| of a
   shifted graft against the offset, per model and dtype (solid rerotate, dashed pre-RoPE), on
   one y scale."""
-  groups = {key: group for key, group in base.group_rows(rows, ('model', 'weights', 'dtype')).items()
+  groups = {key: group
+            for key, group in base.group_rows(rows, ('model', 'weights', 'dtype')).items()
             if len({r.get('rope') for r in group}) > 1}
   if not groups:
     logging.warning('position_controls: no model/dtype has position-sweep results for float RoPE '

@@ -9,8 +9,8 @@ without bumping `SPEC_VERSION` (gemma_jax/spec/__init__.py):
   - the self-check (gemma_jax.spec.selfcheck): the engine's functions and contractions against
     binary32 on this machine. It cannot see a change made to both sides at once: the
     elementwise functions are written once for both (gemma_jax.spec.functions).
-  - the canary: the tiny model of the engine's family (weights NumPy draws exactly) computes a fixed
-    token sequence in a spec engine of the same dot library, whole and in pieces, and the
+  - the canary: the tiny model of the engine's family (weights NumPy draws exactly) computes a
+    fixed token sequence in a spec engine of the same dot library, whole and in pieces, and the
     SHA-256 of its K and V rows and logits (graft.spec_check.rows_digest) must equal the digest
     committed here for the spec version. The digests are the NumPy interpreter's
     (tests/test_canary.py recomputes them), so a changed coefficient, a reordered sum in the
@@ -30,7 +30,7 @@ from gemma_jax.config import Family
 
 # The family's tiny model (gemma_jax.config), with weights of its own (`_loaded`).
 MODELS = {Family.GEMMA2: 'tiny_gemma2', Family.GEMMA3: 'tiny_gemma3', Family.GEMMA4: 'tiny_gemma4'}
-WEIGHTS = 'random:0'
+WEIGHTS = 'random:0'  # the tiny model's config and tokenizer come with these; its weights do not
 # 8-row calls, 8-slot tiles and a 32-term chunk: the tiny model's contractions are chained over
 # chunks, attention crosses tiles and wraps the local ring.
 ENGINE = {'mode': 'spec', 'rows_per_call': 8, 'cache_len': 64, 'attention_tile': 8,
