@@ -29,7 +29,8 @@ from typing import Callable
 from absl import flags, logging
 
 from analysis import results as results_schema
-from gemma_jax import compilation_cache, files, sharding, weights
+from gemma_jax import compilation_cache, files, rope, sharding, weights
+from gemma_jax.config import get_config
 from gemma_jax.attention import IMPLEMENTATIONS
 from graft.engine import PLANS, Engine, EngineConfig, fingerprint, plans
 from graft.engine.plans import DOT_LIBRARIES
@@ -82,6 +83,15 @@ def define_model_flags(model: str = 'gemma3_270m', weights_spec: str = 'embedded
                       "'embedded', 'random:SEED', or a checkpoint path (GGUF file, Orbax "
                       'directory, safetensors).')
   flags.DEFINE_enum('dtype', 'float32', sorted(weights.DTYPES), 'Parameter/activation dtype.')
+
+
+def define_rope_flag() -> None:
+  """--rope: the model's RoPE mode (gemma_jax.rope.MODES), applied by `load_model`."""
+  flags.DEFINE_enum('rope', 'float', list(rope.MODES),
+                    "RoPE mode (gemma_jax.rope.MODES): 'float' as trained; 'relative' the same "
+                    'model scored from relative offsets (unrotated keys); controls \'none\' '
+                    "(NoPE) and 'quarter_turn' (angles multiple of pi/2: rotations compose "
+                    'exactly).')
 
 
 def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096) -> None:
@@ -167,8 +177,11 @@ def load_model() -> weights.LoadedModel:
     sharding.set_host_devices(sharding.parse_mesh(FLAGS.mesh), processes)
   if processes > 1 or ('coordinator' in FLAGS and FLAGS.coordinator):
     sharding.initialize_distributed(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
-  logging.info('loading %s with weights=%s dtype=%s', FLAGS.model, FLAGS.weights, FLAGS.dtype)
-  return weights.load(FLAGS.model, FLAGS.weights, FLAGS.dtype)
+  mode = FLAGS.rope if 'rope' in FLAGS else 'float'
+  logging.info('loading %s with weights=%s dtype=%s rope=%s', FLAGS.model, FLAGS.weights,
+               FLAGS.dtype, mode)
+  return weights.load(get_config(FLAGS.model).replace(rope_mode=mode), FLAGS.weights,
+                      FLAGS.dtype)
 
 
 def engine_config(**overrides) -> EngineConfig:
@@ -189,7 +202,8 @@ def make_engine(loaded: weights.LoadedModel, **overrides) -> Engine:
 
 
 def model_config_json() -> dict:
-  return {'model': FLAGS.model, 'weights': FLAGS.weights, 'dtype': FLAGS.dtype}
+  return {'model': FLAGS.model, 'weights': FLAGS.weights, 'dtype': FLAGS.dtype,
+          'rope': FLAGS.rope if 'rope' in FLAGS else 'float'}
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,7 +50,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import common, samples
-from gemma_jax import compare, rope as rope_lib
+from gemma_jax import compare
 from gemma_jax import weights
 from gemma_jax.config import BOS_ID, get_config
 from graft.store import artifact
@@ -75,9 +75,7 @@ def define_flags() -> None:
                     'library + query inside the context, minus or plus N). Negative offsets graft '
                     'a library computed at --negative_base.')
   flags.DEFINE_list('methods', list(shift.METHODS), f'Any of {", ".join(shift.METHODS)}.')
-  flags.DEFINE_enum('rope', 'float', list(rope_lib.MODES),
-                    "RoPE mode (gemma_jax.rope.MODES): 'float' as trained; controls 'none' (NoPE) "
-                    "and 'quarter_turn' (angles multiple of pi/2: rotations compose exactly).")
+  common.define_rope_flag()
   flags.DEFINE_integer('library_tokens', 600, 'Library length L (600 crosses the 512-token '
                        'window of Gemma 3).')
   flags.DEFINE_integer('query_tokens', 32, 'Query length Q.')

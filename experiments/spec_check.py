@@ -2,6 +2,7 @@
 
   python -m experiments.spec_check --model=tiny_gemma3 --weights=random:0 --tokens=300
   python -m experiments.spec_check --tokens=640 --splits=512   # the embedded 270M
+  python -m experiments.spec_check --model=tiny_gemma4 --weights=random:0 --rope=relative
 
 Computes --tokens tokens with the spec engine (one-shot, and cut at --splits) and with the
 interpreter (graft/spec_check.py), and writes {"config", "summary": {"tokens", "kv_equal",
@@ -32,6 +33,7 @@ def define_flags() -> None:
   flags.DEFINE_string('output', None, 'Results JSON (default: results/spec_check_<model>_<dtype>'
                       '.json).')
   common.define_model_flags()
+  common.define_rope_flag()
   common.define_engine_flags(engine_default='spec', cache_len=0)
 
 
@@ -64,7 +66,8 @@ def main(argv):
   config = {**common.model_config_json(), 'tokens': FLAGS.tokens, 'splits': splits,
             'seed': FLAGS.seed, 'engine_config': dataclasses.asdict(engine.engine_config),
             'engine_fingerprint': engine.fingerprint}
-  output = FLAGS.output or common.default_output('spec_check', FLAGS.model, FLAGS.dtype)
+  output = FLAGS.output or common.default_output(
+      'spec_check', FLAGS.model, FLAGS.dtype, *([FLAGS.rope] if FLAGS.rope != 'float' else []))
   common.write_result(output, 'spec_check', {'config': config, **result})
   summary = result['summary']
   print(f"{summary['tokens']} tokens: KV equal {summary['kv_equal']}, logits equal "

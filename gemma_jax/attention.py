@@ -207,7 +207,7 @@ class Attention(nnx.Module):
     if self.config.kv_cache_pre_rope:  # every slot rotated by its own position (empty: masked)
       keys = rope.rotate_heads(keys, self.angles(cache.positions, numerics), numerics)
     mode = rope.get_mode(self.config.rope_mode)
-    scores = mode.scores(self.spec.rotary_fraction) if mode.scores else None
+    scores = mode.scores(self.spec, numerics) if mode.scores else None
     encoded = attention_fn(q, keys, cache.v, positions, cache.positions,
                            window=self.spec.window, softcap=self.config.attn_logits_softcap,
                            scores=scores, numerics=numerics)

@@ -154,6 +154,14 @@ class Numerics:
     (gemma_jax.tiled_attention): the same rows against every tile."""
     return jnp.einsum('bkjrh,bkjsh->bkjrs', _per_tile(q, k), k)
 
+  def row_scores(self, q: jax.Array, k: jax.Array) -> jax.Array:
+    """q [M, H] . k [M, S, H] -> [M, S]: each row against keys of its own (the relative RoPE
+    mode, gemma_jax.rope.RelativeScores), contracted as `tile_scores` contracts a row: one
+    `tile_scores` call per row, padded to two rows (a one-row dot takes another path on
+    XLA:CPU)."""
+    rows = jnp.stack([q, jnp.zeros_like(q)], axis=1)[:, None]  # [M, 1, 2, H]
+    return self.tile_scores(rows, k[:, None, None])[:, 0, 0, 0]
+
   def tile_values(self, p: jax.Array, v: jax.Array) -> jax.Array:
     """Probabilities times values per KV tile: p [B, K, n, R, S] . v [B, K, n, S, H] ->
     [B, K, n, R, H] (gemma_jax.tiled_attention)."""

@@ -10,8 +10,13 @@ full H); the other pairs pass through unchanged.
 `MODES` names every RoPE mode: its rotation (sin/cos from positions), the attention score
 function it needs, and the attention implementations that support it. The model, the engine,
 the position sweep and the figures read this table, so a new mode is one entry here plus its
-functions. Besides the model as trained ('float') there are two controls for the position
-experiments:
+functions. Besides the model as trained ('float'):
+  'relative'      the same model, its rotary encoding evaluated from relative offsets: keys are
+                  cached unrotated, q is not turned, and each score is q . R(-(p_q - p_k) θ) k
+                  with sin and cos of the integer offset's angle (`RelativeScores`). In exact
+                  arithmetic this is what 'float' computes; in floating point no absolute
+                  angle enters, so a shifted computation is bit for bit the same computation.
+and two controls for the position experiments:
   'none'          no rotation at all (a NoPE variant of the model);
   'quarter_turn'  angles that are integer multiples of pi/2, so rotations compose exactly in
                   floating point: R(a) R(b) == R(a + b) bit for bit; attention then scores from
@@ -140,8 +145,9 @@ class RopeMode:
 
   sin_cos: (positions, head_dim, numerics, *, base, scale, rotary_fraction) -> (sin, cos)
     [..., H/2], or None for no rotation.
-  scores: rotary_fraction -> a score function (q, k, q_pos, k_pos) -> logits replacing the
-    plain q . k, or None for the plain dot.
+  scores: (layer spec, numerics) -> a score function (q, k, q_pos, k_pos) -> logits replacing
+    the plain q . k in the reference attention, or None for the plain dot. The tiled attention
+    runs a score function that also has `tiles` (RelativeScores).
   attention: the attention implementations (gemma_jax.attention.IMPLEMENTATIONS) that support
     the mode; `why` says why the others do not.
   """
@@ -153,9 +159,82 @@ class RopeMode:
   why: str = ''
 
 
-def _quarter_turn_scores(rotary_fraction: float) -> Callable:
+def _quarter_turn_scores(spec, numerics: Numerics) -> Callable:
+  del numerics  # exact values: no arithmetic to choose
   return lambda q, k, q_pos, k_pos: quarter_turn_logits(q, k, q_pos, k_pos,
-                                                        rotary_fraction=rotary_fraction)
+                                                        rotary_fraction=spec.rotary_fraction)
+
+
+def offset_sin_cos(size: int, head_dim: int, numerics: Numerics = XLA, *, base: float,
+                   scale: float = 1.0, rotary_fraction: float = 1.0):
+  """sin and cos [size, H/2] of the float mode's angles at integer offsets 0 .. size - 1: the
+  relative mode's table (an offset's angle is computed as a position's is)."""
+  return float_sin_cos(jnp.arange(size, dtype=jnp.int32), head_dim, numerics, base=base,
+                       scale=scale, rotary_fraction=rotary_fraction)
+
+
+@dataclasses.dataclass(frozen=True)
+class RelativeScores:
+  """The relative mode's attention scores for one layer: q . R(-a(d)) k, d = p_q - p_k, where
+  R(-a(d)) turns pair i back by the float mode's angle of the integer offset d (from a table of
+  offsets 0 .. size - 1, `offset_sin_cos`). Unrotated q and k and the offset are all it reads, so
+  the score of a (query, key) pair is the same bits wherever the pair sits. Every query row sees
+  its own turned copy of the keys, [rows, slots, H] (measured against scoring from per-offset
+  tables of q_i k_i products, which need the same [rows, slots, H/2] pairs twice: the turned key
+  is one tensor and lets each row's dot run as the numerics' ordinary dot).
+
+  A visible key's offset must be below the table's size: the engines write a sequence's
+  positions contiguously into its slots (and a local layer sees fewer offsets than its ring has
+  slots), so the slots read bound every offset; one that does not fit reads NaN, never another
+  offset's angle."""
+
+  head_dim: int
+  base: float
+  scale: float
+  rotary_fraction: float
+  numerics: Numerics = XLA
+
+  @classmethod
+  def for_layer(cls, spec, numerics: Numerics) -> 'RelativeScores':
+    return cls(spec.head_dim, spec.rope_base, spec.rope_scale, spec.rotary_fraction, numerics)
+
+  def table(self, size: int):
+    return offset_sin_cos(size, self.head_dim, self.numerics, base=self.base, scale=self.scale,
+                          rotary_fraction=self.rotary_fraction)
+
+  def turned_keys(self, k: jax.Array, offsets: jax.Array, visible: jax.Array, size: int):
+    """k [..., S, H] as the rows with `offsets` [..., R, S] (int) see them -> [..., R, S, H]
+    float32; a slot a row does not see is turned by offset 0 (its score is masked)."""
+    sin, cos = self.table(size)
+    index = jnp.where(visible, offsets, 0)
+    sin = jnp.take(sin, index, axis=0, mode='fill', fill_value=jnp.nan)
+    cos = jnp.take(cos, index, axis=0, mode='fill', fill_value=jnp.nan)
+    k = k[..., None, :, :].astype(jnp.float32)
+    keys = jnp.broadcast_to(k, jnp.broadcast_shapes(k.shape[:-1], offsets.shape) + k.shape[-1:])
+    return rotate(keys, -sin, cos, self.numerics)  # R(-a) = R(a) with sin negated (exact)
+
+  def __call__(self, q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array):
+    """The reference attention's scores: q [B, T, K, G, H], k [B, S, K, H] (float32),
+    q_pos [B, T], k_pos [B, S] -> [B, T, K, G, S]."""
+    offsets = q_pos[:, :, None] - k_pos[:, None, :]  # [B, T, S]
+    visible = (k_pos[:, None, :] >= 0) & (offsets >= 0)
+    keys = self.turned_keys(k.transpose(0, 2, 1, 3), offsets[:, None],
+                            visible[:, None], k.shape[1])  # [B, K, T, S, H]
+    return jnp.einsum('btkgh,bktsh->btkgs', q, keys)
+
+  def tiles(self, q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+            visible: jax.Array) -> jax.Array:
+    """The tiled attention's scores: q [B, K, R, H], k [B, K, n, S, H] (n tiles of S slots),
+    q_pos [B, R], k_pos [B, n, S], visible [B, n, R, S] -> [B, K, n, R, S], each row against
+    its own turned keys by the numerics' `row_scores` (the same chain as `tile_scores`)."""
+    b, kv, n, s, h = k.shape
+    rows = q.shape[2]
+    offsets = q_pos[:, None, :, None] - k_pos[:, :, None, :]  # [B, n, R, S]
+    keys = self.turned_keys(k, offsets[:, None], visible[:, None],
+                            n * s)  # [B, K, n, R, S, H]
+    q = jnp.broadcast_to(q[:, :, None], (b, kv, n, rows, h))
+    scores = self.numerics.row_scores(q.reshape(-1, h), keys.reshape(-1, s, h))
+    return scores.reshape(b, kv, n, rows, s)
 
 
 MODES: dict[str, RopeMode] = {m.name: m for m in (
@@ -165,6 +244,10 @@ MODES: dict[str, RopeMode] = {m.name: m for m in (
              attention=('xla',),
              why='its scores come from relative rotations (quarter_turn_logits), which only the '
                  'reference attention computes'),
+    RopeMode('relative', None, scores=RelativeScores.for_layer, attention=('xla', 'tiled'),
+             why='its scores are computed from offsets, each query row against its own turned '
+                 'keys (RelativeScores), which the reference and the tiled attention do and the '
+                 'Pallas kernels do not'),
 )}
 
 

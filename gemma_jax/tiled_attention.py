@@ -39,10 +39,13 @@ from gemma_jax.numerics import MASKED, XLA, Numerics, tree_sum
 
 def tiled_attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
                  *, window: int | None, softcap: float | None, tile: int,
-                 max_tiles: int | None = None, numerics: Numerics = XLA) -> jax.Array:
+                 max_tiles: int | None = None, scores: Callable | None = None,
+                 numerics: Numerics = XLA) -> jax.Array:
   """q [B, T, N, H] (already scaled), k, v [B, S, K, H], q_pos [B, T], k_pos [B, S] ->
   [B, T, N, H] in v's dtype. S must be a multiple of `tile`; only the first `max_tiles` tiles
-  are read (None: all), which the caller guarantees hold every slot a row of the call sees."""
+  are read (None: all), which the caller guarantees hold every slot a row of the call sees.
+  `scores`: a RoPE mode's score function with a `tiles` method (the relative mode's,
+  gemma_jax.rope.RelativeScores) in place of the plain per-tile q . k."""
   batch, num_tokens, num_heads, head_dim = q.shape
   num_slots, num_kv_heads = k.shape[1], k.shape[2]
   if num_slots % tile:
@@ -66,12 +69,15 @@ def tiled_attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_p
   kt, vt = tiles(k), tiles(v)
   kp = k_pos[:, :n * tile].reshape(batch, 1, n, 1, tile)
   qp = row_pos[:, None, None, :, None]  # [B, 1, 1, R, 1]
-  s = numerics.tile_scores(qr, kt)  # [B, K, n, R, tile]: one dot per tile
-  if softcap is not None:
-    s = numerics.materialize(numerics.softcap(s, softcap))
   visible = (kp >= 0) & (kp <= qp)
   if window is not None:
     visible &= (qp - kp) < window
+  if scores is None:
+    s = numerics.tile_scores(qr, kt)  # [B, K, n, R, tile]: one dot per tile
+  else:
+    s = scores.tiles(qr, kt, row_pos, kp[:, 0, :, 0], visible[:, 0])
+  if softcap is not None:
+    s = numerics.materialize(numerics.softcap(s, softcap))
   tile_max = jnp.max(jnp.where(visible, s, MASKED), axis=-1, keepdims=True)  # [B, K, n, R, 1]
   saw = tile_max > MASKED  # scores are finite, so a row that sees a slot has a larger max
   m = jnp.max(tile_max, axis=2, keepdims=True)  # the row's max over everything it sees (exact)
@@ -105,10 +111,11 @@ class TiledAttention:
 
   def __call__(self, q, k, v, q_pos, k_pos, *, window, softcap, scores: Callable | None = None,
                numerics: Numerics = XLA):
-    if scores is not None:
-      raise ValueError('tiled attention computes the plain q . k only (see gemma_jax.rope.MODES)')
+    if scores is not None and not hasattr(scores, 'tiles'):
+      raise ValueError('tiled attention computes the plain q . k or scores with a `tiles` '
+                       'method (see gemma_jax.rope.MODES)')
     return tiled_attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, tile=self.tile,
-                        max_tiles=self.max_tiles, numerics=numerics)
+                        max_tiles=self.max_tiles, scores=scores, numerics=numerics)
 
   def reading(self, max_tiles: int | None) -> 'TiledAttention':
     return dataclasses.replace(self, max_tiles=max_tiles)

@@ -53,9 +53,12 @@ class Interpreter:
   def __init__(self, config: TransformerConfig, params, *, k_chunk: int = 256,
                small: int = 65536, tile: int = 256, rows_per_call: int = 256,
                progress=None):
-    if config.rope_mode != 'float' or config.kv_cache_pre_rope:
-      raise ValueError('the interpreter computes the model as trained (float RoPE, rotated '
-                       'keys cached)')
+    if config.rope_mode not in ('float', 'relative') or config.kv_cache_pre_rope:
+      raise ValueError("the interpreter computes RoPE 'float' (rotated keys cached) and "
+                       f"'relative' (unrotated keys, scores from offsets), not "
+                       f"{config.rope_mode!r}" + (' with keys cached before RoPE'
+                                                  if config.kv_cache_pre_rope else ''))
+    self.relative = config.rope_mode == 'relative'
     self.config = config
     self.p = _to_numpy(params)
     self.k_chunk, self.small, self.tile = k_chunk, small, tile
@@ -113,9 +116,11 @@ class Interpreter:
       return -(-ring // self.tile) * self.tile
     return -(-num_tokens // self.tile) * self.tile
 
-  def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, spec) -> np.ndarray:
-    """q [T, N, H] (rotated, scaled), k, v [T, K, H] -> [T, N, H] (gemma_jax.tiled_attention
-    under the spec)."""
+  def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, spec,
+             offset_table=None) -> np.ndarray:
+    """q [T, N, H] (scaled), k, v [T, K, H] -> [T, N, H] (gemma_jax.tiled_attention under the
+    spec). q and k are rotated by their positions, or, with `offset_table` (sin, cos [T, H/2]
+    of offsets 0 .. T - 1), unrotated and scored from offsets (the relative mode)."""
     t_len, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
     groups = num_heads // num_kv
@@ -133,8 +138,10 @@ class Interpreter:
     saw = visible.reshape(t_len, tiles, self.tile).any(axis=2)  # [T, tiles]
     out = np.zeros((t_len, num_kv, groups, head_dim), F32)
     for kh in range(num_kv):
-      scores = np.take_along_axis(self._scores(q[:, kh * groups:(kh + 1) * groups], k[:, kh]),
-                                  index[:, None, :], axis=2)  # [T, G, slots]
+      rows = q[:, kh * groups:(kh + 1) * groups]
+      scores = (self._scores(rows, k[:, kh]) if offset_table is None
+                else self._relative_scores(rows, k[:, kh], *offset_table))
+      scores = np.take_along_axis(scores, index[:, None, :], axis=2)  # [T, G, slots]
       if cap is not None:
         scores = fn.softcap(O, scores, cap)
       seen = visible[:, None, :]
@@ -161,6 +168,21 @@ class Interpreter:
     t_len, groups, head_dim = q.shape
     return b32.chunked_dot(q.reshape(t_len * groups, head_dim), k.T,
                            self.k_chunk).reshape(t_len, groups, -1)
+
+  def _relative_scores(self, q: np.ndarray, k: np.ndarray, sin: np.ndarray,
+                       cos: np.ndarray) -> np.ndarray:
+    """q [T, G, H] . R(-a(t - i)) k[i] -> [T, G, T] (0 where i > t): each row against the keys
+    before it, turned back by the angle of their offset (gemma_jax.rope.RelativeScores)."""
+    t_len, groups, head_dim = q.shape
+    out = np.zeros((t_len, groups, t_len), F32)
+    for t in range(t_len):
+      offsets = t - np.arange(t + 1)
+      first, second = np.split(k[:t + 1], 2, axis=-1)
+      s, c = -sin[offsets], cos[offsets]
+      keys = np.concatenate([O.sub(O.mul(first, c), O.mul(second, s)),
+                             O.add(O.mul(second, c), O.mul(first, s))], axis=-1)
+      out[t, :, :t + 1] = b32.chunked_dot(q[t], keys.T, self.k_chunk)
+    return out
 
   # The model --------------------------------------------------------------------------------------
 
@@ -192,7 +214,8 @@ class Interpreter:
       q = self.dense(h, a['q_proj']['w'])
       if 'query_norm' in a:
         q = self.norm(q, a['query_norm']['scale'])
-      q = self.rotate(q, sin, cos)
+      if not self.relative:
+        q = self.rotate(q, sin, cos)
       if cfg.query_pre_attn_scalar is not None:
         q = O.mul(q, F32(cfg.query_pre_attn_scalar ** -0.5))
       if spec.kv_source == i:
@@ -205,9 +228,10 @@ class Interpreter:
           k = self.norm(k, a['key_norm']['scale'])
         if cfg.use_v_norm:
           v = self.norm(v, None)
-        caches[i] = (self.rotate(k, sin, cos), v)
+        caches[i] = (k if self.relative else self.rotate(k, sin, cos), v)
       k, v = caches[spec.kv_source]
-      encoded = self.attend(q, k, v, spec)
+      # Positions are 0 .. T - 1, so their table is the offsets' table too.
+      encoded = self.attend(q, k, v, spec, (sin, cos) if self.relative else None)
       x = O.add(x, self.norm(self.dense(encoded, a['o_proj']['w'], 2),
                              lp['post_attention_norm']['scale']))
       mlp = lp['mlp']

@@ -46,6 +46,8 @@ if TYPE_CHECKING:  # config.py reads the plans; the plans only name its class
 # ring on local layers; blocked calls aligned to the sequence). Every fingerprint records it; a
 # change of layout must bump it, so that KV computed under the old one is refused.
 SLOT_LAYOUT_VERSION = 2
+# The RoPE modes the written arithmetic defines (gemma_jax.spec.interpreter computes both).
+SPEC_ROPE_MODES = ('float', 'relative')
 
 # What computes a fixed-order plan's dots -> the XLA:CPU debug options passed to its every
 # compilation (so its numerics do not depend on the process's XLA_FLAGS defaults). Mode spec
@@ -311,8 +313,10 @@ class Spec(Pinned):
       raise ValueError(f'the written arithmetic (spec version {SpecNumerics.version}) is '
                        f'float32; this model is {engine.loaded.dtype}')
     cfg = engine.config
-    if cfg.rope_mode != 'float' or cfg.kv_cache_pre_rope:
-      raise ValueError('the spec engine runs the model as trained (float RoPE, rotated keys)')
+    if cfg.rope_mode not in SPEC_ROPE_MODES or cfg.kv_cache_pre_rope:
+      raise ValueError(f'the spec engine runs RoPE modes {SPEC_ROPE_MODES} with keys cached as '
+                       f'the mode keeps them, not {cfg.rope_mode!r}'
+                       + (' with keys cached before RoPE' if cfg.kv_cache_pre_rope else ''))
     numerics = dataclasses.replace(engine.numerics, mesh=None)  # with its dot kernel
     weights = engine.projection_weights()
     head_dims = tuple(sorted({cfg.layer_spec(i).head_dim for i in range(cfg.num_layers)}))
@@ -321,7 +325,9 @@ class Spec(Pinned):
     try:
       selfcheck.run(numerics, self.compiler_options, weights=weights, rows=rows,
                     head_rows=self.head_rows,
-                    attention_rows=tuple(sorted({max(r * g, 2) for r in rows for g in groups})),
+                    # (two rows: the relative mode's per-row scores, numerics.row_scores)
+                    attention_rows=tuple(sorted({max(r * g, 2) for r in rows for g in groups}
+                                                | {2})),
                     head_dims=head_dims, tile=engine.attention_tile,
                     kv_heads=max(cfg.layer_spec(i).num_kv_heads for i in range(cfg.num_layers)))
     except selfcheck.SpecError as e:
