@@ -374,8 +374,9 @@ def main(argv):
     method_rows = [r for r in rows if r['method'] == method]
     exact = [r['offset'] for r in method_rows if r['equal']]
     inexact = [r for r in method_rows if not r['equal']]
-    print(f'{label} {FLAGS.dtype} rope={FLAGS.rope} {method}: exact at δ in {exact}; '
-          f'{len(inexact)} inexact' + (
+    kv_equal = sum(1 for r in method_rows if r['equal'] and r.get('kv_equal'))
+    print(f'{label} {FLAGS.dtype} rope={FLAGS.rope} {method}: exact at δ in {exact} '
+          f'(KV equal too at {kv_equal} of them); {len(inexact)} inexact' + (
               f' (KL {min(r["kl"] for r in inexact):.3g}..{max(r["kl"] for r in inexact):.3g}, '
               f'max_ulp {min(r["max_ulp"] for r in inexact):.3g}..'
               f'{max(r["max_ulp"] for r in inexact):.3g})' if inexact else ''))
