@@ -78,6 +78,60 @@ def test_quarter_turn_control_is_exact_at_every_offset(method, offset):
   assert r['equal'] and r['kv_equal'], (r['max_ulp'], r['first_differing_layer'])
 
 
+@pytest.mark.parametrize('method', shift.METHODS)
+@pytest.mark.parametrize('offset', [1, 2, 3, 13, 64, 1026, 4096 - LIBRARY - QUERY, -1, -2])
+def test_relative_rope_is_exact_at_every_offset(method, offset):
+  # The trained model's encoding evaluated from offsets: every δ, every method, logits and KV.
+  r = row('relative', method, offset)
+  assert r['equal'] and r['kv_equal'], (r['max_ulp'], r['first_differing_layer'])
+  assert r['reference_sha256'] == r['sha256']
+
+
+def test_relative_rope_caches_unrotated_keys_so_rerotate_moves_positions_only():
+  std = engines('relative')['standard']
+  seq, _ = std.prefill(tokens(LIBRARY), logits='none')
+  rows = kvs.take_rows(seq.kv, 0, LIBRARY)
+  (moved,) = shift.rerotate(std.config, [rows], 7)
+  for a, b in zip(rows.k, moved.k):
+    assert compare.sha256_bytes(a) == compare.sha256_bytes(b)
+  assert all(np.array_equal(p + 7, m) for p, m in zip(rows.positions, moved.positions))
+  # Layer 0's keys are the float model's before RoPE (the pre-RoPE float engine caches the same
+  # bytes); later layers read attention outputs, which the two modes round differently.
+  pre, _ = engines('float')['pre_rope'].prefill(tokens(LIBRARY), logits='none')
+  float_keys = kvs.take_rows(pre.kv, 0, LIBRARY).k
+  assert compare.sha256_bytes(rows.k[0]) == compare.sha256_bytes(float_keys[0])
+  assert compare.sha256_bytes(rows.k[-1]) != compare.sha256_bytes(float_keys[-1])
+
+
+def test_relative_rope_is_the_float_model_up_to_rounding():
+  # Same weights, same tokens: only the order of the angle arithmetic differs (one rotation by
+  # the offset's angle instead of two by the positions'), so logits agree to float32 rounding
+  # grown through the layers; 1e-3 absolute on logits of order 10 is that, not another model.
+  toks = tokens(LIBRARY)
+  outs = {}
+  for mode in ('float', 'relative'):
+    _, logits = engines(mode)['standard'].prefill(toks, logits='all')
+    outs[mode] = np.asarray(logits, np.float32)
+  assert not np.array_equal(outs['float'], outs['relative'])
+  np.testing.assert_allclose(outs['relative'], outs['float'], rtol=0, atol=1e-3)
+  assert np.array_equal(outs['float'].argmax(-1), outs['relative'].argmax(-1))
+
+
+def test_relative_rope_is_refused_where_attention_cannot_score_from_offsets():
+  with pytest.raises(ValueError, match=r"'relative' RoPE mode needs attention in \('xla', "
+                                       r"'tiled'\), not 'pallas'"):
+    Engine(engines('relative')['standard'].loaded, EngineConfig(mode='pinned', attention='pallas'))
+
+
+def test_an_artifact_of_one_rope_mode_is_refused_by_the_other(tmp_path):
+  from graft.store import artifact
+  std = engines('float')['standard']
+  seq, _ = std.prefill(tokens(LIBRARY), logits='none')
+  artifact.save(str(tmp_path / 'float'), std, seq)
+  with pytest.raises(artifact.ArtifactError, match='rope_mode'):
+    artifact.load(str(tmp_path / 'float'), engines('relative')['standard'])
+
+
 def test_quarter_turn_scores_need_relative_rotations():
   # Same q, k at the same positions, shifted by one: the QK terms are the same numbers in other
   # dimensions. A dot over H adds them in another order (other bits); the control's scores,

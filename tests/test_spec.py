@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from gemma_jax import verdicts, weights
+from gemma_jax.config import get_config
 from gemma_jax.numerics import SPEC, Spec
 from gemma_jax.spec import binary32 as b32
 from gemma_jax.spec import functions as fn
@@ -110,9 +111,11 @@ def test_functions_are_close_to_the_mathematical_ones():
   assert np.max(np.abs(inverse / exact - 1)) <= 2 ** -24  # correctly rounded: half an ulp
 
 
+@pytest.mark.parametrize('rope_mode', ['float', 'relative'])
 @pytest.mark.parametrize('name', ['tiny_gemma2', 'tiny_gemma3', 'tiny_gemma4', 'tiny_gemma3_wide'])
-def test_the_spec_engine_computes_what_the_interpreter_computes(name):
-  engine = Engine(weights.load(name, 'random:0', 'float32'), SMALL)
+def test_the_spec_engine_computes_what_the_interpreter_computes(name, rope_mode):
+  config = get_config(name).replace(rope_mode=rope_mode)
+  engine = Engine(weights.load(config, 'random:0', 'float32'), SMALL)
   assert engine.engine_config.dot_library == 'native'  # the default where g++ is found
   tokens = [int(t) for t in np.random.default_rng(2).integers(3, 512, 100)]
   result = spec_check.run(engine, tokens, splits=[1, 17, 50])
