@@ -3,6 +3,7 @@
   python -m experiments.graft_exactness --samples=50 --manifest=manifests/NAME.json
   python -m experiments.graft_exactness --input=pairs.jsonl --engine=default --output=...
   python -m experiments.graft_exactness --source=store --store=file:///tmp/kv/
+  python -m experiments.graft_exactness --rope=relative --offsets=1,7,64,1000,30000
 
 Samples are drawn by a seeded generator from real text (experiments/samples.py) or read from
 --input (one {"library": text, "query": text} per line). For each, the fresh side computes
@@ -16,6 +17,12 @@ prefix ending mid-block with another (their shared blocks stored once) and libra
 never deposited but diverge mid-block from one that was (the store gives the shared block's
 first rows); see experiments/samples.py `with_shared_prefixes`. Rows add `grafted_tokens`,
 `deposited` and `shares`.
+With --offsets=δ,... each artifact, computed at [0, L), is grafted at [δ, δ + L) and compared
+with a fresh computation of the same tokens at δ (graft/exactness.py `check_offset`); under
+--rope=relative that is exact. For δ up to --preceded_up_to a second row grafts the library
+after δ tokens of other text, against the fresh computation of that whole text: what stays
+inexact (the library's own KV never attended to those tokens). Rows add `sample`, `offset`
+and `preceding_tokens`; the summary counts own-text rows, and `preceded` the others.
 With --mesh=model:4 (or model:2,data:2; --mesh_layout=gather|split) the engine runs on a device mesh
 (gemma_jax/sharding.py); on a CPU host the device count is set from the mesh.
 With --batch_slots=N the pinned engine serves N samples per call, one per batch slot
@@ -61,7 +68,14 @@ def define_flags() -> None:
                     'Where grafts come from: an artifact per sample, or the knowledge store.')
   flags.DEFINE_string('store', None, 'Store URL for --source=store (default: a temporary '
                       'file:// store); another process deposits into it, so not memory://.')
+  flags.DEFINE_list('offsets', [], 'Graft each artifact at these positions δ instead of its own '
+                    '(computed at [0, L), grafted at [δ, δ + L)) against a fresh computation there: '
+                    'one row per sample and offset (artifacts only; exact under --rope=relative).')
+  flags.DEFINE_integer('preceded_up_to', 512, 'With --offsets, also graft the library after δ '
+                       'other tokens (another sample\'s text) for every δ up to this: a change of '
+                       'content, not of position (0: none).')
   common.define_model_flags()
+  common.define_rope_flag()
   common.define_store_flags()
   common.define_engine_flags(cache_len=common.GRAFT_CACHE_LEN)
 
@@ -74,6 +88,7 @@ def run_config(engine) -> dict:
           'batch_slots': FLAGS.batch_slots,
           'store': FLAGS.store if FLAGS.source == 'store' else None,
           'continuation_tokens': FLAGS.continuation_tokens,
+          'offsets': [int(o) for o in FLAGS.offsets], 'preceded_up_to': FLAGS.preceded_up_to,
           'model_fingerprint': engine.model_fingerprint['sha256'],
           'engine_fingerprint': engine.fingerprint}
 
@@ -95,6 +110,27 @@ def run(engine, grafts, pairs: list[samples.Sample]) -> list[dict]:
                    'continuation_equal=%s (%.1fs)', i + 1, len(pairs), row['library_tokens'],
                    row['query_tokens'], row['equal'], row['kl'], row['argmax_agreement'],
                    row['continuation_equal'], row['fresh_seconds'] + row['graft_seconds'])
+  return rows
+
+
+def run_offsets(engine, writer, pairs: list[samples.Sample], offsets: list[int],
+                directory: str) -> list[dict]:
+  """One row per sample and offset (`exactness.check_offset`), and per sample and offset up to
+  --preceded_up_to one more with that many tokens of the next sample's text before it."""
+  rows = []
+  for i, pair in enumerate(pairs):
+    other = list(pairs[(i + 1) % len(pairs)].library) + list(pairs[(i + 1) % len(pairs)].query)
+    for offset in offsets:
+      for preceding in ([[]] + ([other[:offset]] if 0 < offset <= FLAGS.preceded_up_to
+                                                     and offset <= len(other) else [])):
+        path = os.path.join(directory, f'sample_{i:03d}_offset{offset}_after{len(preceding)}')
+        row = exactness.check_offset(engine, writer, path,
+                                     pair.library, pair.query, offset=offset, preceding=preceding,
+                                     continuation_tokens=FLAGS.continuation_tokens)
+        rows.append({'sample': i, **row})
+        logging.info('sample %d/%d δ=%d after %d other tokens: equal=%s kl=%.3g max_ulp=%.3g',
+                     i + 1, len(pairs), offset, len(preceding), row['equal'], row['kl'],
+                     row['max_ulp'])
   return rows
 
 
@@ -129,6 +165,14 @@ def deposit(url: str, libraries: list, scratch: str) -> None:
 
 def main(argv):
   del argv
+  try:
+    offsets = [int(o) for o in FLAGS.offsets]
+  except ValueError:
+    raise app.UsageError(f'--offsets: integers expected, got {FLAGS.offsets}') from None
+  if offsets and (FLAGS.source != 'artifact' or FLAGS.batch_slots > 1 or FLAGS.manifest):
+    raise app.UsageError('--offsets grafts artifacts one sample at a time, without a manifest')
+  if any(o < 0 for o in offsets):
+    raise app.UsageError(f'--offsets: an artifact computed at 0 moves to δ >= 0, not {offsets}')
   loaded = common.load_model()
   engine = common.make_engine(loaded)
   if FLAGS.input:
@@ -138,7 +182,10 @@ def main(argv):
                          window=loaded.config.sliding_window)
   config = run_config(engine)
   with tempfile.TemporaryDirectory() as scratch:
-    if FLAGS.source == 'store':
+    if offsets:
+      rows = run_offsets(engine, common.make_engine(loaded), pairs, offsets,
+                         FLAGS.artifact_dir or scratch)
+    elif FLAGS.source == 'store':
       if (FLAGS.store or '').startswith('memory://'):
         raise app.UsageError('--source=store deposits from another process: use a store it can '
                              'reach (file:///abs/path/, gs://...), not memory://')
@@ -155,13 +202,18 @@ def main(argv):
       grafts = [exactness.artifact_graft(writer, engine,
                                          os.path.join(directory, f'sample_{i:03d}'))
                 for i in range(len(pairs))]
-    rows = run(engine, grafts, pairs)
+    if not offsets:
+      rows = run(engine, grafts, pairs)
   if FLAGS.source == 'store':
     for row, plan in zip(rows, planned):
       row.update(deposited=plan.deposited, shares=plan.shares, shared_tokens=plan.shared_tokens)
-  summary = exactness.summarize(rows)
+  summary = exactness.summarize([r for r in rows if not r.get('preceding_tokens')])
+  if offsets:
+    preceded = [r for r in rows if r['preceding_tokens']]
+    summary.update(offsets=offsets, preceded=exactness.summarize(preceded) if preceded else None)
   output = FLAGS.output or common.default_output(
-      'graft_exactness', FLAGS.model, FLAGS.dtype,
+      'graft_exactness', FLAGS.model, FLAGS.dtype, FLAGS.rope if FLAGS.rope != 'float' else '',
+      'offsets' if offsets else '',
       FLAGS.engine if FLAGS.engine != 'pinned' else '',
       FLAGS.attention or '',
       'store' if FLAGS.source == 'store' else '',
@@ -171,6 +223,9 @@ def main(argv):
                                 {'config': config, 'samples': rows, 'summary': summary})
   if FLAGS.manifest:
     files.write_json(FLAGS.manifest, manifest(written['config'], engine, pairs, rows))
+  if offsets and summary['preceded']:
+    print(f"after other tokens: {summary['preceded']['equal']}/{summary['preceded']['samples']} "
+          'SHA-256 equal (a change of content)')
   print(f"{summary['equal']}/{summary['samples']} SHA-256 equal, max KL {summary['max_kl']:.3g}, "
         f"argmax agreement {summary['argmax_agreement']:.4f}, "
         f"{summary['continuations_equal']}/{summary['samples']} continuations equal")

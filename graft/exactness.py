@@ -18,6 +18,7 @@ import time
 from typing import Callable
 
 from gemma_jax import compare
+from graft import shift
 from graft.store import artifact
 from graft.engine import Context, Engine
 
@@ -82,6 +83,34 @@ def check_sample(engine: Engine, graft: Callable, library, query, *,
   t2 = time.perf_counter()
   return _row(library, query, grafted, fresh_logits, graft_logits, fresh_continuation,
               graft_continuation, t1 - t0, t2 - t1)
+
+
+def check_offset(engine: Engine, writer: Engine, artifact_path: str, library, query, *,
+                 offset: int, preceding=(), continuation_tokens: int = 32) -> dict:
+  """A graft at another position: `writer` computes the library at [0, L) and saves its
+  artifact; `engine` grafts it at [δ, δ + L) (graft/shift.py: keys re-rotated by δ, which
+  under the relative RoPE mode moves positions only) and computes the query; the fresh side
+  computes library + query from scratch at δ. With `preceding` (δ other tokens), both sides
+  start with them at 0 instead: the fresh library then attends to them, the grafted one never
+  did (a change of content, not of position). The row adds `offset` and `preceding_tokens`."""
+  head = [int(t) for t in preceding]
+  if head and len(head) != offset:
+    raise ValueError(f'{len(head)} preceding tokens for an offset of {offset}')
+  t0 = time.perf_counter()
+  fresh_ctx, fresh = engine.extend(engine.empty(0 if head else offset),
+                                   head + list(library) + list(query), logits=len(query))
+  _, fresh_continuation = engine.generate(fresh_ctx, continuation_tokens, stop_at_eos=False)
+  t1 = time.perf_counter()
+  library_ctx, _ = writer.prefill(list(library), logits='none')
+  artifact.save(artifact_path, writer, library_ctx)
+  before = engine.prefill(head, logits='none')[0] if head else None
+  grafted = shift.graft_shifted(engine, artifact.load(artifact_path, engine), offset, 'rerotate',
+                                preceding=before)
+  logits, ctx = graft_logits(engine, grafted, head + list(library), query)
+  _, continuation = engine.generate(ctx, continuation_tokens, stop_at_eos=False)
+  t2 = time.perf_counter()
+  return {**_row(library, query, len(library), fresh, logits, fresh_continuation, continuation,
+                 t1 - t0, t2 - t1), 'offset': offset, 'preceding_tokens': len(head)}
 
 
 def _row(library, query, grafted, fresh_logits, graft_logits, fresh_continuation,

@@ -128,7 +128,9 @@ def _moved(block: kvs.KVRows, delta: int, k=None) -> kvs.KVRows:
 
 def rerotate(config: TransformerConfig, rows: list[kvs.KVRows], delta: int) -> list[kvs.KVRows]:
   """The rows moved by `delta` positions, their rotated keys rotated once more by `delta`
-  (K-shift). Needs a config that caches rotated keys."""
+  (K-shift). Needs a config that caches rotated keys. Under a mode that caches keys unrotated
+  ('relative', 'none') the rotation is the identity: the keys stay as they are and only the
+  positions move, which is all a shift is there."""
   if config.kv_cache_pre_rope:
     raise ShiftError('rerotate shifts rotated keys; this config caches keys before RoPE '
                      '(use pre_rope)')
@@ -171,10 +173,21 @@ def shift(config: TransformerConfig, rows: list[kvs.KVRows], delta: int,
 
 
 def graft_shifted(engine: Engine, art: artifact_lib.Artifact, delta: int,
-                  method: str) -> Context:
-  """A fresh context holding the artifact grafted at its own positions plus `delta`."""
+                  method: str, preceding: Context | None = None) -> Context:
+  """A fresh context holding the artifact grafted at its own positions plus `delta`.
+  `preceding`: a context of exactly `delta` tokens from position 0 (the artifact computed at 0):
+  the artifact's rows then follow that context's rows, the library after other tokens (a change
+  of content as well as of position: its own KV never saw them)."""
   rows = shift(engine.config, artifact_lib.rows(engine, art), delta, method)
-  return engine.graft(rows, art.tokens, art.start_position + delta)
+  if preceding is None:
+    return engine.graft(rows, art.tokens, art.start_position + delta)
+  if art.start_position != 0 or len(preceding.tokens) != delta:
+    raise ShiftError(f'a library after {len(preceding.tokens)} other tokens is grafted at '
+                     f'δ = {len(preceding.tokens)} from position 0, not δ = {delta} from '
+                     f'{art.start_position}')
+  head = kvs.take_rows(preceding.kv, 0, delta)
+  rows = [kvs.KVRows(r.start + delta, r.k, r.v, r.positions) for r in rows]
+  return engine.graft([head] + rows, tuple(preceding.tokens) + tuple(art.tokens), 0)
 
 
 # ----------------------------------------------------------------------------------------------

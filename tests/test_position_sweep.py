@@ -103,6 +103,24 @@ def test_relative_rope_caches_unrotated_keys_so_rerotate_moves_positions_only():
   assert compare.sha256_bytes(rows.k[-1]) != compare.sha256_bytes(float_keys[-1])
 
 
+@pytest.mark.parametrize('offset', [1, 7, 300])
+def test_an_artifact_grafted_at_another_position_is_exact_under_relative_rope(tmp_path, offset):
+  from graft import exactness
+  config = EngineConfig(mode='pinned', rows_per_call=BLOCK, cache_len=64)
+  def check(mode, name, **kwargs):
+    loaded = engines(mode)['standard'].loaded
+    return exactness.check_offset(Engine(loaded, config), Engine(loaded, config),
+                                  str(tmp_path / name), tokens(LIBRARY), tokens(QUERY, 1),
+                                  continuation_tokens=4, **kwargs)
+  r = check('relative', 'a', offset=offset)
+  assert r['equal'] and r['continuation_equal'] and r['offset'] == offset, r
+  # The library after other tokens is another computation (its KV never saw them).
+  after = check('relative', 'b', offset=16, preceding=tokens(16, 2))
+  assert not after['equal'] and after['preceding_tokens'] == 16
+  # Under float RoPE the same graft, keys re-rotated by the offset, is not exact.
+  assert not check('float', 'c', offset=offset)['equal']
+
+
 def test_relative_rope_is_the_float_model_up_to_rounding():
   # Same weights, same tokens: only the order of the angle arithmetic differs (one rotation by
   # the offset's angle instead of two by the positions'), so logits agree to float32 rounding
