@@ -39,6 +39,12 @@ KINDS: dict[str, Kind] = {
     #            "layers": [{"layer", "k_max_abs", "v_max_abs", "k_max_ulp", "v_max_ulp",
     #                        "k_equal", "v_equal"}]}]}
     'position_sweep': Kind(1, ('config', 'rows'), 'shifted grafts against fresh, per offset'),
+    # {"config": {"model", "weights", "dtype", "modes", ...}, "texts": [{"text", "tokens",
+    #  "max_abs", "max_kl", "mean_kl", "argmax_agreement", "continuation_equal", ...}],
+    #  "summary": {"max_abs", "max_kl", "min_argmax_agreement", "continuations_equal",
+    #  "perplexity": {mode: value}, ...}} (experiments/rope_fidelity.py)
+    'rope_fidelity': Kind(1, ('config', 'texts', 'summary'),
+                          'the relative RoPE mode against float on the same weights'),
     # {"config", "facts", "layer_types": {name: {"spec", "angles", "rotation", "composition",
     #  "rotary"}}, "summary"} (analysis/rope_float.py `analyze`)
     'rope_float': Kind(1, ('config', 'layer_types', 'summary'),

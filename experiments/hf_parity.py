@@ -1,6 +1,7 @@
 """This project's Gemma 3 270M against HF transformers on the same GGUF, prompt by prompt.
 
   python -m experiments.hf_parity --output=results/hf_parity_gemma3_270m_float32.json
+  python -m experiments.hf_parity --rope=relative   # the same model scored from offsets
 
 Ours runs from the cached dequantized GGUF; HF's Gemma3ForCausalLM reads the same file with its
 own GGUF loader and dequantization. Both get the same token ids (ours, with BOS), so tokenizer
@@ -20,19 +21,23 @@ import jax
 from experiments import common
 from experiments.peers.parity import GREEDY_STEPS, PROMPTS, compare_prompt, load_hf
 from gemma_jax import weights
+from gemma_jax.config import get_config
 
 FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_string('output', 'results/hf_parity_gemma3_270m_float32.json', 'Results JSON.')
+  flags.DEFINE_string('output', None, 'Results JSON (default results/hf_parity_gemma3_270m_'
+                      'float32[_<rope>].json).')
+  common.define_rope_flag()
 
 
 def main(argv):
   del argv
   import torch
   import transformers
-  loaded = weights.load('gemma3_270m', 'embedded', 'float32')
+  loaded = weights.load(get_config('gemma3_270m').replace(rope_mode=FLAGS.rope), 'embedded',
+                        'float32')
   hf_model = load_hf()
   rows = []
   for name, text in PROMPTS.items():
@@ -47,9 +52,11 @@ def main(argv):
              'max_abs_over_max_logit': max(r['max_abs_over_max_logit'] for r in rows),
              'continuations_equal': sum(r['continuation_equal'] for r in rows)}
   config = {'model': 'gemma3_270m', 'weights': 'embedded', 'dtype': 'float32',
-            'greedy_steps': GREEDY_STEPS, 'torch': torch.__version__,
+            'rope': FLAGS.rope, 'greedy_steps': GREEDY_STEPS, 'torch': torch.__version__,
             'transformers': transformers.__version__, 'jax': jax.__version__}
-  common.write_result(FLAGS.output, 'hf_parity',
+  output = FLAGS.output or common.default_output(
+      'hf_parity', 'gemma3_270m', 'float32', FLAGS.rope if FLAGS.rope != 'float' else '')
+  common.write_result(output, 'hf_parity',
                       {'config': config, 'prompts': rows, 'summary': summary})
   print(summary)
 

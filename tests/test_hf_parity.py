@@ -23,6 +23,7 @@ transformers = pytest.importorskip('transformers')
 from experiments.peers import parity as hf_parity  # noqa: E402
 from gemma_jax import kv_state, model, weights  # noqa: E402
 from gemma_jax.config import get_config  # noqa: E402
+from graft import shift  # noqa: E402
 
 # What the README claims from results/hf_parity_gemma3_270m_float32.json, and the margin the
 # tests allow: every position's argmax agrees, the last position's logits agree within 2.3e-6
@@ -78,6 +79,18 @@ def test_270m_matches_hf(ours_270m, hf_270m, prompt):
   # No prompt's continuation stops early at EOS, so all 24 tokens are compared (for the long
   # prompt, all of them at positions past the 512-token window).
   assert row['continuation_tokens'] == hf_parity.GREEDY_STEPS
+
+
+@pytest.mark.slow
+def test_270m_under_relative_rope_matches_hf_within_the_float_tolerance(ours_270m, hf_270m):
+  """The relative RoPE mode (scores from offsets, gemma_jax.rope.RelativeScores) is the model
+  as trained up to rounding: it meets float's parity margin on the prompt past the window."""
+  relative = shift.with_config(ours_270m, rope_mode='relative')
+  row = hf_parity.compare_prompt(relative, hf_270m, hf_parity.PROMPTS['long_prose'])
+  print(f'\nrelative long_prose: {row}')
+  assert row['argmax_agreement'] == 1.0
+  assert row['max_abs_over_max_logit'] <= LAST_POSITION_TOLERANCE
+  assert row['continuation_equal']
 
 
 # ----------------------------------------------------------------------------------------------
