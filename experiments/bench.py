@@ -2,6 +2,8 @@
 
   python -m experiments.bench --output=results/bench_gemma3_270m_float32.json
   python -m experiments.bench --systems=ours_spec,ours_pinned,ours_default --repeats=5
+  python -m experiments.bench --systems=ours_spec,ours_spec_relative,ours_pinned,\
+      ours_pinned_relative --start=false --output=results/bench_gemma3_270m_float32_relative.json
 
 For every system: prefill tokens/s on a --prompt_tokens prompt (logits of the last position
 only), decode tokens/s over --decode_tokens greedy steps after a 32-token prompt (one token per
@@ -13,10 +15,12 @@ untimed warm-up. The machine's ceilings are measured in the same run: a large fl
 GFLOP/s and a streaming read's GB/s (experiments/ceilings.py), so every figure is also a
 fraction of the limit.
 
-Systems (`--systems`, default all): ours_spec (on its default dot library: the native kernels
+Systems (`--systems`, default all but the relative ones): ours_spec (on its default dot library: the native kernels
 on a CPU), ours_spec_eigen (the spec engine on XLA's Eigen dots), ours_pinned, ours_default,
 hf_transformers (torch, the same dequantized GGUF in float32), llama_cpp_q4_k_m, llama_cpp_f32
-and deepmind_gemma (experiments/peers/). Each of ours records its engine_config (dot_library
+and deepmind_gemma (experiments/peers/); and, only when named, ours_spec_relative,
+ours_pinned_relative and ours_default_relative: the same engines under the relative RoPE mode
+(gemma_jax.rope), their ratios to float's in `ratios`. Each of ours records its engine_config (dot_library
 included). A peer that is not installed is skipped with the reason printed and
 recorded in its row (`skipped`), never silently. Output: schema `bench` (analysis/results.py).
 """
@@ -39,6 +43,7 @@ from gemma_jax import compilation_cache as compilation_cache_module
 from gemma_jax import cost, verdicts
 from gemma_jax.checkpoints import orbax_util
 from graft.store import artifact
+from graft import shift
 from graft.engine import fingerprint
 
 FLAGS = flags.FLAGS
@@ -46,12 +51,17 @@ FLAGS = flags.FLAGS
 # Our systems -> (engine mode, dot library; None: the engine's default).
 OURS = {'ours_spec': ('spec', None), 'ours_spec_eigen': ('spec', 'eigen'),
         'ours_pinned': ('pinned', None), 'ours_default': ('default', None)}
-SYSTEMS = tuple(OURS) + peers.NAMES
+# The same engines with the relative RoPE mode (gemma_jax.rope.RelativeScores): its cost next to
+# float's, measured only when asked for (--systems).
+RELATIVE = {f'{name}_relative': OURS[name] for name in ('ours_spec', 'ours_pinned',
+                                                       'ours_default')}
+SYSTEMS = tuple(OURS) + peers.NAMES + tuple(RELATIVE)
 
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_list('systems', list(SYSTEMS), f'Systems to measure: any of {", ".join(SYSTEMS)}.')
+  flags.DEFINE_list('systems', list(OURS) + list(peers.NAMES),
+                    f'Systems to measure: any of {", ".join(SYSTEMS)}.')
   flags.DEFINE_integer('prompt_tokens', 2000, 'Prompt length for prefill throughput.')
   flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps for decode throughput.')
   flags.DEFINE_integer('library_tokens', 2048, 'Library length for time to first token.')
@@ -260,6 +270,10 @@ def main(argv):
       mode, library = OURS[name]
       row = {**measure_ours(common.make_engine(loaded, mode=mode, dot_library=library), work),
              **(measure_start(mode, library, work.repeats) if FLAGS.start else {})}
+    elif name in RELATIVE:
+      mode, library = RELATIVE[name]
+      relative = shift.with_config(loaded, rope_mode='relative')
+      row = measure_ours(common.make_engine(relative, mode=mode, dot_library=library), work)
     else:
       row = peers.measure(name, loaded, work)
       if FLAGS.start and not row.get('skipped'):
@@ -276,7 +290,9 @@ def main(argv):
   if 'ours_spec' in by_name and 'batch_decode_speedup_8' in ratios:
     by_name['ours_spec']['batch_decode_speedup_8'] = ratios['batch_decode_speedup_8']
   for ours, other in (('spec', 'spec_eigen'), ('spec', 'pinned'), ('spec', 'default'),
-                      ('spec_eigen', 'pinned'), ('pinned', 'default')):
+                      ('spec_eigen', 'pinned'), ('pinned', 'default'),
+                      ('spec_relative', 'spec'), ('pinned_relative', 'pinned'),
+                      ('default_relative', 'default')):
     if f'ours_{ours}' in by_name and f'ours_{other}' in by_name:
       for what in ('prefill_tok_s', 'decode_tok_s'):
         ratios[f'{ours}_vs_{other}_{what}'] = (by_name[f'ours_{ours}'][what]
