@@ -239,15 +239,15 @@ class RelativeScores:
 
 MODES: dict[str, RopeMode] = {m.name: m for m in (
     RopeMode('float', float_sin_cos),
+    RopeMode('relative', None, scores=RelativeScores.for_layer, attention=('xla', 'tiled'),
+             why='its scores are computed from offsets, each query row against its own turned '
+                 'keys (RelativeScores), which the reference and the tiled attention do and the '
+                 'Pallas kernels do not'),
     RopeMode('none', None),
     RopeMode('quarter_turn', quarter_turn_sin_cos, scores=_quarter_turn_scores,
              attention=('xla',),
              why='its scores come from relative rotations (quarter_turn_logits), which only the '
                  'reference attention computes'),
-    RopeMode('relative', None, scores=RelativeScores.for_layer, attention=('xla', 'tiled'),
-             why='its scores are computed from offsets, each query row against its own turned '
-                 'keys (RelativeScores), which the reference and the tiled attention do and the '
-                 'Pallas kernels do not'),
 )}
 
 

@@ -131,7 +131,7 @@ def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True
                     store=True, bench=True, flywheel=True, profile=True) -> None:
   results.mkdir(parents=True, exist_ok=True)
   if sweeps:
-    for rope_mode in ('float', 'quarter_turn', 'none'):
+    for rope_mode in ('float', 'relative', 'quarter_turn', 'none'):
       config = {'model': 'tiny_gemma3', 'weights': 'random', 'dtype': 'float32',
                 'rope': rope_mode, 'methods': METHODS, 'offsets': OFFSETS, 'fixture': True}
       _write(results / f'position_sweep_tiny_gemma3_float32_{rope_mode}.json',
@@ -221,10 +221,10 @@ def test_empty_results_directory_draws_nothing(tmp_path):
   assert all(path is None for path in drawn.values())
 
 
-def test_controls_figure_needs_a_control_next_to_float(tmp_path):
+def test_controls_figure_needs_another_mode_next_to_float(tmp_path):
   results = tmp_path / 'results'
   _write_fixtures(results, graft=False, rope=False)
-  for control in ('quarter_turn', 'none'):
+  for control in ('relative', 'quarter_turn', 'none'):
     (results / f'position_sweep_tiny_gemma3_float32_{control}.json').unlink()
   drawn = figures.draw_figures(results, tmp_path / 'figures')
   assert drawn['position_controls'] is None

@@ -26,7 +26,7 @@ from gemma_jax import files
 from gemma_jax import rope
 
 METHOD_ORDER = ('rerotate', 'pre_rope', 'recompute')  # graft/shift.py METHODS
-ROPE_ORDER = tuple(rope.MODES)  # float first, then the controls
+ROPE_ORDER = tuple(rope.MODES)  # float first, then relative, then the controls
 DPI = 120
 # The largest figure: a two-column page's text block (width, height in inches); every figure is
 # drawn inside it (tests/test_figures.py checks the committed figures' pixel sizes).

@@ -25,8 +25,10 @@ def _colors(keys) -> dict:
 
 def position_exactness(rows: Sequence[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | None:
   """Left: the fraction of shifted grafts whose logits are bit-equal to fresh, per method, over
-  every model and dtype (their curves coincide: own position only); right: KL(fresh || graft)
-  per model and dtype (solid rerotate, dashed pre-RoPE)."""
+  every model and dtype (their curves coincide: own position only), and the same under the
+  relative mode where it was swept (grey: every offset); right: KL(fresh || graft) per model
+  and dtype (solid rerotate, dashed pre-RoPE)."""
+  relative = [r for r in rows if r.get('rope') == 'relative']
   rows = [r for r in rows if r.get('rope') == 'float']
   if not rows:
     logging.warning('position_exactness: no float-RoPE position-sweep results; skipped')
@@ -36,6 +38,11 @@ def position_exactness(rows: Sequence[dict[str, Any]], path: pathlib.Path) -> pa
   for method in base.methods(rows):
     offsets, equal = base.by_offset([r for r in rows if r['method'] == method], 'equal', np.mean)
     ax_eq.plot(offsets, equal, 'o' + _STYLES.get(method, '-'), ms=3, label=method)
+  for method in base.methods(relative):
+    offsets, equal = base.by_offset([r for r in relative if r['method'] == method], 'equal',
+                                    np.mean)
+    ax_eq.plot(offsets, equal, 's' + _STYLES.get(method, '-'), ms=2, color='0.55', lw=0.8,
+               label=f'{method}, relative mode')
   ax_eq.set_ylim(-0.05, 1.05)
   ax_eq.set_ylabel('fraction bit-equal to fresh (SHA-256)')
   ax_eq.set_title(f'logits bit-equal, {len(groups)} models/dtypes pooled', fontsize=8)
@@ -56,8 +63,8 @@ def position_exactness(rows: Sequence[dict[str, Any]], path: pathlib.Path) -> pa
   for ax in (ax_eq, ax_kl):
     base.symlog_offsets(ax)
     ax.grid(alpha=0.3)
-  fig.suptitle('Float RoPE: a shifted graft is exact at its own position (δ = 0) only',
-               fontsize=9)
+  fig.suptitle('Float RoPE: a shifted graft is exact at its own position (δ = 0) only'
+               + ('; relative evaluation: at every δ' if relative else ''), fontsize=9)
   return base.save(fig, path)
 
 
@@ -146,6 +153,6 @@ def position_controls(rows: Sequence[dict[str, Any]], path: pathlib.Path) -> pat
     base.symlog_y(ax, values)
   axes[0][0].set_ylabel('max |logit diff| (symlog)')
   base.small_legend(axes[0][0], title='solid rerotate, dashed pre-RoPE')
-  fig.suptitle('Shifted graft: float RoPE against the controls (quarter-turn table, no RoPE)',
-               fontsize=9)
+  fig.suptitle('Shifted graft: float RoPE, the same model scored from offsets (relative), and '
+               'the controls', fontsize=9)
   return base.save(fig, path)
