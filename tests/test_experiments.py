@@ -105,6 +105,48 @@ def test_graft_exactness_reads_pairs_from_jsonl(tmp_path):
   assert len(rows) == 1 and rows[0]['equal'] and rows[0]['query_tokens'] > 0
 
 
+def test_graft_exactness_offsets_under_relative_rope(tmp_path):
+  # Every own-text graft at another position is exact; the library after other tokens is not.
+  pairs, output = tmp_path / 'pairs.jsonl', tmp_path / 'r.json'
+  pairs.write_text(''.join(json.dumps({'library': text, 'query': ' and then'}) + '\n' for text in
+                           ('the quick brown fox jumps over the lazy dog',
+                            'a stitch in time saves nine, or so they say')))
+  out = run('graft_exactness', *TINY, '--rope=relative', f'--input={pairs}',
+            '--offsets=0,5,3000', '--preceded_up_to=8', '--continuation_tokens=2',
+            '--cache_len=2048', f'--output={output}')
+  result = json.loads(output.read_text())
+  summary = result['summary']
+  assert result['config']['rope'] == 'relative' and summary['offsets'] == [0, 5, 3000]
+  assert summary['samples'] == summary['equal'] == 6
+  assert summary['preceded']['samples'] == 2 and summary['preceded']['equal'] == 0
+  assert 'after other tokens: 0/2' in out.stdout
+  bad = run('graft_exactness', *TINY, '--offsets=-3', check=False)
+  assert bad.returncode != 0 and 'δ >= 0' in bad.stderr.strip().splitlines()[-1]
+
+
+def test_relative_rope_with_pallas_attention_is_refused_in_one_line():
+  out = run('graft_exactness', *TINY, '--rope=relative', '--engine=default', '--attention=pallas',
+            '--samples=1',
+            check=False)
+  last = out.stderr.strip().splitlines()[-1]
+  assert out.returncode != 0 and 'Traceback' not in out.stderr
+  assert "'relative' RoPE mode needs attention in ('xla', 'tiled')" in last
+
+
+def test_rope_fidelity_compares_relative_with_float(tmp_path):
+  output = tmp_path / 'f.json'
+  run('rope_fidelity', '--model=tiny_gemma4', '--weights=random:0', '--samples=1',
+      '--ppl_texts=1', '--ppl_tokens=64', '--continuation_tokens=4', f'--output={output}')
+  result = json.loads(output.read_text())
+  summary = result['summary']
+  assert result['schema'].startswith('rope_fidelity')
+  assert summary['texts'] == len(result['texts']) > 1
+  # Rounding apart, the same model: small, nonzero logit differences (random weights, 4 layers).
+  assert 0 < summary['max_abs'] < 1e-2 and summary['min_argmax_agreement'] > 0.99
+  ppl = summary['perplexity']
+  assert abs(ppl['relative'] / ppl['float'] - 1) < 1e-4
+
+
 def test_batch_slots_run_replays_unbatched(tmp_path):
   # 4 samples in slots of 3 (the last batch is partial); the replay recomputes every sample
   # alone, so a batched hash that differed from the unbatched one would fail it.
