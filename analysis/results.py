@@ -45,6 +45,10 @@ KINDS: dict[str, Kind] = {
     #  "perplexity": {mode: value}, ...}} (experiments/rope_fidelity.py)
     'rope_fidelity': Kind(1, ('config', 'texts', 'summary'),
                           'the relative RoPE mode against float on the same weights'),
+    # {"config": {"rows", "slots", "head_dim", ...}, "summary": {"median_s": {"turned",
+    #  "tables"}, "tables_vs_turned_speed", "max_abs_difference"}} (experiments/rope_formulation.py)
+    'rope_formulation': Kind(1, ('config', 'summary'),
+                             "the relative mode's two score formulations, timed side by side"),
     # {"config", "facts", "layer_types": {name: {"spec", "angles", "rotation", "composition",
     #  "rotary"}}, "summary"} (analysis/rope_float.py `analyze`)
     'rope_float': Kind(1, ('config', 'layer_types', 'summary'),

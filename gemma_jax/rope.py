@@ -179,9 +179,11 @@ class RelativeScores:
   R(-a(d)) turns pair i back by the float mode's angle of the integer offset d (from a table of
   offsets 0 .. size - 1, `offset_sin_cos`). Unrotated q and k and the offset are all it reads, so
   the score of a (query, key) pair is the same bits wherever the pair sits. Every query row sees
-  its own turned copy of the keys, [rows, slots, H] (measured against scoring from per-offset
-  tables of q_i k_i products, which need the same [rows, slots, H/2] pairs twice: the turned key
-  is one tensor and lets each row's dot run as the numerics' ordinary dot).
+  its own turned copy of the keys, [rows, slots, H], so that each row's score is the numerics'
+  ordinary dot: the spec's native FMA-chain kernels and its interpreter compute it unchanged.
+  Summing cos and sin of the offset times per-pair products instead fuses better under XLA's own
+  numerics (experiments/rope_formulation.py measures both) but would need a sum of its own
+  written into the spec.
 
   A visible key's offset must be below the table's size: the engines write a sequence's
   positions contiguously into its slots (and a local layer sees fewer offsets than its ring has
