@@ -173,6 +173,10 @@ def offset_sin_cos(size: int, head_dim: int, numerics: Numerics = XLA, *, base: 
                        scale=scale, rotary_fraction=rotary_fraction)
 
 
+# The most bytes of turned keys the reference attention makes at once (RelativeScores).
+TURNED_BYTES = 1 << 28
+
+
 @dataclasses.dataclass(frozen=True)
 class RelativeScores:
   """The relative mode's attention scores for one layer: q . R(-a(d)) k, d = p_q - p_k, where
@@ -217,12 +221,18 @@ class RelativeScores:
 
   def __call__(self, q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array):
     """The reference attention's scores: q [B, T, K, G, H], k [B, S, K, H] (float32),
-    q_pos [B, T], k_pos [B, S] -> [B, T, K, G, S]."""
-    offsets = q_pos[:, :, None] - k_pos[:, None, :]  # [B, T, S]
-    visible = (k_pos[:, None, :] >= 0) & (offsets >= 0)
-    keys = self.turned_keys(k.transpose(0, 2, 1, 3), offsets[:, None],
-                            visible[:, None], k.shape[1])  # [B, K, T, S, H]
-    return jnp.einsum('btkgh,bktsh->btkgs', q, keys)
+    q_pos [B, T], k_pos [B, S] -> [B, T, K, G, S], computed for a few tokens at a time (the
+    turned keys of a whole prompt against a whole cache would not fit in memory)."""
+    keys = k.transpose(0, 2, 1, 3)  # [B, K, S, H]
+    step = max(1, TURNED_BYTES // (4 * keys[0].size))
+    parts = []
+    for lo in range(0, q.shape[1], step):
+      offsets = q_pos[:, lo:lo + step, None] - k_pos[:, None, :]  # [B, t, S]
+      visible = (k_pos[:, None, :] >= 0) & (offsets >= 0)
+      turned = self.turned_keys(keys, offsets[:, None], visible[:, None],
+                                k.shape[1])  # [B, K, t, S, H]
+      parts.append(jnp.einsum('btkgh,bktsh->btkgs', q[:, lo:lo + step], turned))
+    return jnp.concatenate(parts, axis=1)
 
   def tiles(self, q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
             visible: jax.Array) -> jax.Array:
@@ -232,11 +242,13 @@ class RelativeScores:
     b, kv, n, s, h = k.shape
     rows = q.shape[2]
     offsets = q_pos[:, None, :, None] - k_pos[:, :, None, :]  # [B, n, R, S]
-    keys = self.turned_keys(k, offsets[:, None], visible[:, None],
-                            n * s)  # [B, K, n, R, S, H]
-    q = jnp.broadcast_to(q[:, :, None], (b, kv, n, rows, h))
-    scores = self.numerics.row_scores(q.reshape(-1, h), keys.reshape(-1, s, h))
-    return scores.reshape(b, kv, n, rows, s)
+    q = jnp.broadcast_to(q[:, :, None], (b, kv, 1, rows, h)).reshape(-1, h)
+    tiles = []
+    for j in range(n):  # one tile's turned keys at a time: [B, K, 1, R, S, H]
+      keys = self.turned_keys(k[:, :, j:j + 1], offsets[:, None, j:j + 1],
+                              visible[:, None, j:j + 1], n * s)
+      tiles.append(self.numerics.row_scores(q, keys.reshape(-1, s, h)).reshape(b, kv, 1, rows, s))
+    return jnp.concatenate(tiles, axis=2)
 
 
 MODES: dict[str, RopeMode] = {m.name: m for m in (
