@@ -244,14 +244,18 @@ def _bench_graft_split(ax, runs) -> bool:
 
 def bench(found_results: Sequence[tuple[pathlib.Path, dict]],
           path: pathlib.Path) -> pathlib.Path | None:
-  """The newest bench run of each machine, overlaid (hatches tell machines apart): prefill and
+  """The newest bench run of each machine (leaving out runs of the relative RoPE mode's systems),
+  overlaid (hatches tell machines apart): prefill and
   decode tokens/s per system with each machine's ceiling in tokens/s as a line, time to first
   token recomputed vs grafted, and the graft's phases. A skipped system keeps its place, with
   no bar and its reason under its name."""
   drawable = []
   for source, data in found_results:
-    if isinstance(data.get('config'), dict) and data['config'].get('start_only'):
+    config = data.get('config') if isinstance(data.get('config'), dict) else {}
+    if config.get('start_only'):
       continue  # start phases only (experiments.bench --start_only): no throughput to draw
+    if any(str(name).endswith('_relative') for name in config.get('systems') or ()):
+      continue  # the relative RoPE mode's cost against float: a comparison of its own (README)
     rows = bench_systems(source, data)
     if rows:
       drawable.append((source, data))

@@ -14,8 +14,9 @@ from analysis.figures import base
 
 
 def graft_exactness(results: Sequence[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | None:
-  """Own-position graft exactness per result: samples whose logits are SHA-256 equal to fresh,
-  out of all, one bar per model, dtype, engine and source."""
+  """Graft exactness per result (own position, unless the label says other offsets): samples
+  whose logits are SHA-256 equal to fresh, out of all, one bar per model, dtype, engine, source
+  and RoPE mode."""
   if not results:
     logging.warning('graft_exactness: no graft-exactness results; skipped')
     return None
@@ -23,7 +24,9 @@ def graft_exactness(results: Sequence[dict[str, Any]], path: pathlib.Path) -> pa
   for r in results:
     c = r['config']
     parts = [c.get('model'), c.get('weights'), c.get('dtype'), c.get('engine'), c.get('attention'),
-             'store' if c.get('source') == 'store' else None]
+             'store' if c.get('source') == 'store' else None,
+             f"RoPE {c['rope']}" if c.get('rope', 'float') != 'float' else None,
+             'grafted at other offsets' if c.get('offsets') else None]
     labels.append(', '.join(str(p) for p in parts if p))
     totals.append(r['samples'])
     equals.append(r['equal'])
@@ -39,7 +42,8 @@ def graft_exactness(results: Sequence[dict[str, Any]], path: pathlib.Path) -> pa
   ax.set_xlabel('samples')
   ax.set_xlim(0, max(totals) * 1.15)
   ax.legend(loc='lower right', fontsize=6)
-  ax.set_title('Own-position graft exactness: equal samples out of total', fontsize=9)
+  ax.set_title('Graft exactness (own position unless labelled): equal samples out of total',
+               fontsize=9)
   return base.save(fig, path)
 
 
