@@ -15,14 +15,14 @@ untimed warm-up. The machine's ceilings are measured in the same run: a large fl
 GFLOP/s and a streaming read's GB/s (experiments/ceilings.py), so every figure is also a
 fraction of the limit.
 
-Systems (`--systems`, default all but the relative ones): ours_spec (on its default dot library: the native kernels
-on a CPU), ours_spec_eigen (the spec engine on XLA's Eigen dots), ours_pinned, ours_default,
-hf_transformers (torch, the same dequantized GGUF in float32), llama_cpp_q4_k_m, llama_cpp_f32
-and deepmind_gemma (experiments/peers/); and, only when named, ours_spec_relative,
-ours_pinned_relative and ours_default_relative: the same engines under the relative RoPE mode
-(gemma_jax.rope), their ratios to float's in `ratios`. Each of ours records its engine_config (dot_library
-included). A peer that is not installed is skipped with the reason printed and
-recorded in its row (`skipped`), never silently. Output: schema `bench` (analysis/results.py).
+Systems (`--systems`, default all but the relative ones): ours_spec (on its default dot
+library: the native kernels on a CPU), ours_spec_eigen (the spec engine on XLA's Eigen dots),
+ours_pinned, ours_default, hf_transformers (torch, the same dequantized GGUF in float32),
+llama_cpp_q4_k_m, llama_cpp_f32 and deepmind_gemma (experiments/peers/); and, only when named,
+ours_spec_relative, ours_pinned_relative and ours_default_relative: the same engines under the
+relative RoPE mode (gemma_jax.rope), their ratios to float's in `ratios`. Each of ours records
+its engine_config (dot_library included). A peer that is not installed is skipped with the
+reason printed and recorded in its row (`skipped`), never silently. Output: schema `bench` (analysis/results.py).
 """
 
 from __future__ import annotations

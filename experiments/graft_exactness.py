@@ -69,8 +69,9 @@ def define_flags() -> None:
   flags.DEFINE_string('store', None, 'Store URL for --source=store (default: a temporary '
                       'file:// store); another process deposits into it, so not memory://.')
   flags.DEFINE_list('offsets', [], 'Graft each artifact at these positions δ instead of its own '
-                    '(computed at [0, L), grafted at [δ, δ + L)) against a fresh computation there: '
-                    'one row per sample and offset (artifacts only; exact under --rope=relative).')
+                    '(computed at [0, L), grafted at [δ, δ + L)) against a fresh computation '
+                    'there: one row per sample and offset (artifacts only; exact under '
+                    '--rope=relative).')
   flags.DEFINE_integer('preceded_up_to', 512, 'With --offsets, also graft the library after δ '
                        'other tokens (another sample\'s text) for every δ up to this: a change of '
                        'content, not of position (0: none).')
