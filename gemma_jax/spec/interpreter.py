@@ -46,6 +46,11 @@ class Output:
   logits: dict[int, np.ndarray]
 
 
+# The RoPE modes the written arithmetic defines: 'float' (keys rotated by their positions) and
+# 'relative' (unrotated keys, scores from offsets; gemma_jax.rope.RelativeScores).
+ROPE_MODES = ('float', 'relative')
+
+
 class Interpreter:
   """The reference for one model and the engine geometry that decides the order of sums:
   k_chunk and small (contractions), tile and rows_per_call (attention's slot layout)."""
@@ -53,7 +58,7 @@ class Interpreter:
   def __init__(self, config: TransformerConfig, params, *, k_chunk: int = 256,
                small: int = 65536, tile: int = 256, rows_per_call: int = 256,
                progress=None):
-    if config.rope_mode not in ('float', 'relative') or config.kv_cache_pre_rope:
+    if config.rope_mode not in ROPE_MODES or config.kv_cache_pre_rope:
       raise ValueError("the interpreter computes RoPE 'float' (rotated keys cached) and "
                        f"'relative' (unrotated keys, scores from offsets), not "
                        f"{config.rope_mode!r}" + (' with keys cached before RoPE'

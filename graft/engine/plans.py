@@ -46,8 +46,6 @@ if TYPE_CHECKING:  # config.py reads the plans; the plans only name its class
 # ring on local layers; blocked calls aligned to the sequence). Every fingerprint records it; a
 # change of layout must bump it, so that KV computed under the old one is refused.
 SLOT_LAYOUT_VERSION = 2
-# The RoPE modes the written arithmetic defines (gemma_jax.spec.interpreter computes both).
-SPEC_ROPE_MODES = ('float', 'relative')
 
 # What computes a fixed-order plan's dots -> the XLA:CPU debug options passed to its every
 # compilation (so its numerics do not depend on the process's XLA_FLAGS defaults). Mode spec
@@ -313,9 +311,10 @@ class Spec(Pinned):
       raise ValueError(f'the written arithmetic (spec version {SpecNumerics.version}) is '
                        f'float32; this model is {engine.loaded.dtype}')
     cfg = engine.config
-    if cfg.rope_mode not in SPEC_ROPE_MODES or cfg.kv_cache_pre_rope:
-      raise ValueError(f'the spec engine runs RoPE modes {SPEC_ROPE_MODES} with keys cached as '
-                       f'the mode keeps them, not {cfg.rope_mode!r}'
+    from gemma_jax.spec.interpreter import ROPE_MODES
+    if cfg.rope_mode not in ROPE_MODES or cfg.kv_cache_pre_rope:
+      raise ValueError(f'the spec engine runs RoPE modes {ROPE_MODES} with keys cached as the '
+                       f'mode keeps them, not {cfg.rope_mode!r}'
                        + (' with keys cached before RoPE' if cfg.kv_cache_pre_rope else ''))
     numerics = dataclasses.replace(engine.numerics, mesh=None)  # with its dot kernel
     weights = engine.projection_weights()
