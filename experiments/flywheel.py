@@ -20,10 +20,10 @@ graft/knowledge/verifiers.py the verifiers and their one answer-extraction rule)
       "self"), else one from --solutions (a file, `generated`: the generator's worked
       solutions, standing in for a stronger solver's, or `none`: only the model's own), which
       the library verifies itself; one that fails is rejected and counted, never deposited;
-  (c) recurring: each deposited task asked again, greedily, with its entry grafted from the
-      store, for its answer line directly ("Problem: ...\\nAnswer:", graft/knowledge/library.py
-      RECALL: the entry holds it), so a recurring answer takes a few decode tokens (tokens per
-      recurring answer reported);
+  (c) recurring: each deposited task asked again, greedily, as its own entry up to the answer
+      ("Problem: ...\\nSolution: ...\\nAnswer:", graft/knowledge/library.py RECALL), all but the
+      last token grafted from the store: the model states the answer after the verified
+      trace, in a few decode tokens (tokens per recurring answer reported);
   (d) held-out, per round: each held-out problem (--heldout, or generated sets disjoint from
       the tasks, one per --rounds) asked greedily three ways: without a library (the few-shot
       header), with its --k BM25-retrieved entries grafted as one library prefix, and with the
@@ -64,7 +64,7 @@ from gemma_jax import cost, files
 from graft.engine import plans
 from graft.knowledge import tasks as tasks_lib
 from graft.knowledge.flywheel import Settings, manifest, run, summarize, task_row
-from graft.knowledge.library import QUESTION, Library
+from graft.knowledge.library import ENTRY, QUESTION, RECALL, Library
 from graft.store import Store
 
 FLAGS = flags.FLAGS
@@ -184,8 +184,7 @@ def main(argv):
             'engine_config': dataclasses.asdict(engine.engine_config),
             'model_fingerprint': engine.model_fingerprint['sha256'],
             'engine_fingerprint': engine.fingerprint,
-            'templates': {'entry': 'Problem: {problem}\\nSolution: {solution}\\nAnswer: {answer}'
-                                   '\\n\\n', 'question': QUESTION},
+            'templates': {'entry': ENTRY, 'question': QUESTION, 'recall': RECALL},
             'cost': {'dense_flops_per_token': cost.dense_flops_per_token(loaded.config)}}
   summary = summarize(loaded.config, results, seed=FLAGS.seed)
   rows = [task_row(r) for r in results['rows']]

@@ -344,8 +344,27 @@ def test_energy_is_read_from_rapl_counters_where_the_kernel_has_them(tmp_path, m
   assert meter.joules() == 2.0 and meter.cpu_seconds() >= 0
 
 
+def test_a_recurring_problem_is_recalled_from_its_own_entry(engine):
+  # Its prompt is the entry's own tokens through the answer cue, all but the last grafted from
+  # the store; the answer decoded there is the fresh computation's, byte for byte.
+  from graft.knowledge import flywheel
+  library = Library(Store('memory://', engine))
+  task, entry = _task('What is 1 + 2?', '3'), _entry(3, 'What is 1 + 2?')
+  library.add(entry, task)
+  ctx, match, prompt, cue = library.recall(entry)
+  stored = library.prefix([entry])
+  assert len(prompt) < len(stored) and prompt == stored[:len(prompt)]
+  assert library.tokenizer.decode(prompt[1:]) == 'Problem: What is 1 + 2?\nSolution: worked 3\n' \
+      'Answer:' and cue == 'Answer:'
+  assert match.tokens == len(ctx.tokens) == len(prompt) - 1
+  asked = flywheel.ask_library(flywheel.Asker(engine), library, [entry], task, 6, check=True,
+                               recall=True)
+  assert asked.prompt == prompt and asked.grafted == len(prompt) - 1 and asked.cue == cue
+  assert asked.graft_exact is True and 0 < len(asked.tokens) <= 6
+
+
 def test_a_recall_stops_at_the_end_of_its_answer_line():
-  # A recurring problem is asked as library.RECALL, whose prompt ends with the cue "Answer:":
+  # A recurring problem's prompt (library.RECALL) ends with the cue "Answer:":
   # the answer's stop rule and verdict read the cue and the decoded text together.
   from graft.knowledge import flywheel
   from graft.knowledge.library import RECALL, RECALL_CUE

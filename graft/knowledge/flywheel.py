@@ -209,15 +209,16 @@ def ask_library(asker: Asker, library: Library, entries: list[Entry], task, max_
                 check: bool, recall: bool = False):
   """One greedy answer with the entries grafted from the store as one prefix; `check`: also
   decoded from a fresh prefill of the same prompt, and compared by SHA-256. `recall`: the
-  problem is the entry's own (a recurring one), so the prompt asks for its answer line
-  directly (library.RECALL) instead of a worked solution."""
+  problem is the one entry's own (a recurring one), so the prompt is that entry up to its
+  answer cue (Library.recall) and the model states the answer it holds."""
   meter = Meter()
-  ctx, match, prefix = library.context(entries)
-  question, cue = library.recall(task.problem) if recall else (library.question(task.problem),
-                                                                 '')
-  ctx, _ = asker.engine.extend(ctx, prefix[match.tokens:] + question, logits='last',
-                               consume=True)
-  asked = asker.ask(ctx, prefix + question, match.tokens, task, meter, max_tokens=max_tokens,
+  if recall:
+    ctx, match, prompt, cue = library.recall(entries[0])
+  else:
+    ctx, match, prefix = library.context(entries)
+    prompt, cue = prefix + library.question(task.problem), ''
+  ctx, _ = asker.engine.extend(ctx, prompt[match.tokens:], logits='last', consume=True)
+  asked = asker.ask(ctx, prompt, match.tokens, task, meter, max_tokens=max_tokens,
                     temperature=0.0, seed=0, cue=cue)
   if check:
     fresh = asker.ask_fresh(asked.prompt, task, max_tokens=max_tokens, cue=cue)

@@ -10,9 +10,11 @@ has run the task's verifier (graft/knowledge/verifiers.py) on the entry's text. 
 
 and a question is asked as `QUESTION` ("Problem: {problem}\\nSolution:"): the model writes a
 worked solution and a stated answer, from which graft/knowledge/verifiers.py reads it. A
-recurring problem, asked after its own entry, is asked as `RECALL` ("Problem:
-{problem}\\nAnswer:"): the model states the answer line the entry holds, in a few tokens. A library prefix is BOS followed by the canonical texts of some entries in a
-fixed order, tokenized as one text. Every entry is deposited alone, as its own prefix, in the
+recurring problem is recalled from its own entry (`recall`): the entry's text up to its answer
+cue ("...Solution: {solution}\\nAnswer:"), all but its last token grafted from the store, so the
+model states the answer after the verified trace that reached it, in a few decode tokens. A
+library prefix is BOS followed by the canonical texts of some entries in a fixed order,
+tokenized as one text. Every entry is deposited alone, as its own prefix, in the
 store (graft/store/_store.py), computed once by the pinned engine; a prefix of several entries
 grafts its longest stored prefix and computes the rest.
 
@@ -32,9 +34,9 @@ from graft.store import Match, Store
 
 ENTRY = 'Problem: {problem}\nSolution: {solution}\nAnswer: {answer}\n\n'
 QUESTION = 'Problem: {problem}\nSolution:'
-# A recurring problem, asked after its own entry: the answer line directly, its cue in the prompt.
+# A recurring problem's prompt: its entry up to the answer, which the model states after the cue.
 RECALL_CUE = 'Answer:'
-RECALL = 'Problem: {problem}\n' + RECALL_CUE
+RECALL = ENTRY.split(RECALL_CUE)[0] + RECALL_CUE
 
 
 class LibraryError(ValueError):
@@ -130,6 +132,13 @@ class Library:
   def question(self, problem: str) -> list[int]:
     return self.tokenizer.encode(QUESTION.format(problem=problem), add_bos=False)
 
-  def recall(self, problem: str) -> tuple[list[int], str]:
-    """The tokens asking for a recurring problem's answer line, and the cue they end with."""
-    return self.tokenizer.encode(RECALL.format(problem=problem), add_bos=False), RECALL_CUE
+  def recall(self, entry: Entry) -> tuple[Context, Match, list[int], str]:
+    """A recurring problem's prompt: BOS and `entry`'s text through its answer cue, tokenized
+    alone, with its longest stored prefix but the last token grafted (the caller computes the
+    rest, so the answer's first logits come from the engine's own step: where the cue's
+    tokens are the entry's own, that is one token). Returns the context, the match, the
+    prompt's tokens and the cue."""
+    tokens = [BOS_ID] + self.tokenizer.encode(
+        RECALL.format(problem=entry.problem, solution=entry.solution), add_bos=False)
+    ctx, match = self.store.graft(tokens[:-1])
+    return ctx, match, tokens, RECALL_CUE
