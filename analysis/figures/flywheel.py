@@ -39,6 +39,8 @@ def _run_label(data: dict) -> str:
   name = c.get('task_set') or pathlib.Path(str(c.get('tasks') or '?')).parent.name or '?'
   if c.get('solutions') == 'none':
     name += ' (own answers only)'
+  if 'recall' not in c.get('templates', {}):  # made before recall from the entry's own trace
+    name += ' (recall: answer line)'
   held = sum(t['split'] == 'heldout' for t in data['tasks'])
   return f"{name}\n{c.get('budget')} tok, {held} held-out"
 
