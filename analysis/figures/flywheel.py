@@ -38,9 +38,9 @@ def _run_label(data: dict) -> str:
   c = data['config']
   name = c.get('task_set') or pathlib.Path(str(c.get('tasks') or '?')).parent.name or '?'
   if c.get('solutions') == 'none':
-    name += ' (own answers only)'
+    name += '\n(own answers only)'
   if 'recall' not in c.get('templates', {}):  # made before recall from the entry's own trace
-    name += ' (recall: answer line)'
+    name += '\n(old recall)'
   held = sum(t['split'] == 'heldout' for t in data['tasks'])
   return f"{name}\n{c.get('budget')} tok, {held} held-out"
 
@@ -86,7 +86,7 @@ def flywheel(found_results: Sequence[tuple[pathlib.Path, dict]],
   ax_acc.set_xticks(x, [_run_label(d) for d in runs], fontsize=6)
   ax_acc.legend(fontsize=6, ncol=4, loc='upper center')
   deltas = [d['summary'].get('heldout_delta_ci95') for d in runs]
-  intervals = '; '.join(f"{_run_label(d).split(chr(10))[0]} [{c[0]:+.2f}, {c[1]:+.2f}]"
+  intervals = '; '.join(f"{' '.join(_run_label(d).split(chr(10))[:-1])} [{c[0]:+.2f}, {c[1]:+.2f}]"
                         for d, c in zip(runs, deltas) if c)
   ax_acc.set_title(textwrap.fill('accuracy; held-out change with its paired 95% interval: '
                                  + intervals, 150), fontsize=6)
