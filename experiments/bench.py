@@ -22,7 +22,8 @@ llama_cpp_q4_k_m, llama_cpp_f32 and deepmind_gemma (experiments/peers/); and, on
 ours_spec_relative, ours_pinned_relative and ours_default_relative: the same engines under the
 relative RoPE mode (gemma_jax.rope), their ratios to float's in `ratios`. Each of ours records
 its engine_config (dot_library included). A peer that is not installed is skipped with the
-reason printed and recorded in its row (`skipped`), never silently. Output: schema `bench` (analysis/results.py).
+reason printed and recorded in its row (`skipped`), never silently. Output: schema `bench`
+(analysis/results.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The verified-knowledge library: verified solutions kept as KV in the store, grafted on demand.
 
 An entry is a problem, a worked solution and its answer, accepted only when the library itself
-has run the task's verifier (graft/knowledge/verifiers.py) on the entry's text. Its canonical text is one template:
+has run the task's verifier (graft/knowledge/verifiers.py) on the entry's text. Its canonical
+text is one template:
 
     Problem: {problem}
     Solution: {solution}
