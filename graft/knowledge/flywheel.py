@@ -19,7 +19,7 @@ from gemma_jax import compare, cost
 from gemma_jax.config import EOS_ID
 from graft.knowledge import tasks as tasks_lib
 from graft.knowledge import paired, verifiers
-from graft.knowledge.library import Entry, Library, LibraryError, QUESTION, worked
+from graft.knowledge.library import Entry, Library, LibraryError, question_tokens, worked
 
 
 @dataclasses.dataclass
@@ -172,7 +172,7 @@ def ask_base(asker: Asker, header, task, settings: 'Settings', *, greedy: bool =
   budget = settings.attempt_tokens if greedy else settings.budget
   header_ctx, header_tokens = header
   meter = Meter()
-  question = asker.tokenizer.encode(QUESTION.format(problem=task.problem), add_bos=False)
+  question = question_tokens(asker.tokenizer, task.problem)
   prompt = header_tokens + question
   ctx, _ = asker.engine.extend(header_ctx, question, logits='last')
   if greedy:

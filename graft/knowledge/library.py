@@ -40,6 +40,12 @@ RECALL_CUE = 'Answer:'
 RECALL = ENTRY.split(RECALL_CUE)[0] + RECALL_CUE
 
 
+def question_tokens(tokenizer, problem: str) -> list[int]:
+  """A problem asked as `QUESTION`, tokenized to follow a prefix (no BOS): the one form the
+  base, library and text conditions share."""
+  return tokenizer.encode(QUESTION.format(problem=problem), add_bos=False)
+
+
 class LibraryError(ValueError):
   """An entry that must not enter the library; the message says why."""
 
@@ -131,7 +137,7 @@ class Library:
     return ctx, match, tokens
 
   def question(self, problem: str) -> list[int]:
-    return self.tokenizer.encode(QUESTION.format(problem=problem), add_bos=False)
+    return question_tokens(self.tokenizer, problem)
 
   def recall(self, entry: Entry) -> tuple[Context, Match, list[int], str]:
     """A recurring problem's prompt: BOS and `entry`'s text through its answer cue, tokenized
