@@ -34,15 +34,20 @@ def decode_tokens_per_solved(tasks: list[dict], phase: str) -> tuple[float, int]
 PAPER_TOKENS_PER_ANSWER = 61 / 8
 
 
-def _run_label(data: dict) -> str:
+def _run_name(data: dict) -> list[str]:
+  """A run's name: its task family or file, and what sets it apart, one part per line."""
   c = data['config']
-  name = c.get('task_set') or pathlib.Path(str(c.get('tasks') or '?')).parent.name or '?'
+  name = [c.get('task_set') or pathlib.Path(str(c.get('tasks') or '?')).parent.name or '?']
   if c.get('solutions') == 'none':
-    name += '\n(own answers only)'
+    name.append('(own answers only)')
   if 'recall' not in c.get('templates', {}):  # made before recall from the entry's own trace
-    name += '\n(old recall)'
+    name.append('(old recall)')
+  return name
+
+
+def _run_label(data: dict) -> str:
   held = sum(t['split'] == 'heldout' for t in data['tasks'])
-  return f"{name}\n{c.get('budget')} tok, {held} held-out"
+  return '\n'.join(_run_name(data) + [f"{data['config'].get('budget')} tok, {held} held-out"])
 
 
 def flywheel(found_results: Sequence[tuple[pathlib.Path, dict]],
@@ -86,7 +91,7 @@ def flywheel(found_results: Sequence[tuple[pathlib.Path, dict]],
   ax_acc.set_xticks(x, [_run_label(d) for d in runs], fontsize=6)
   ax_acc.legend(fontsize=6, ncol=4, loc='upper center')
   deltas = [d['summary'].get('heldout_delta_ci95') for d in runs]
-  intervals = '; '.join(f"{' '.join(_run_label(d).split(chr(10))[:-1])} [{c[0]:+.2f}, {c[1]:+.2f}]"
+  intervals = '; '.join(f"{' '.join(_run_name(d))} [{c[0]:+.2f}, {c[1]:+.2f}]"
                         for d, c in zip(runs, deltas) if c)
   ax_acc.set_title(textwrap.fill('accuracy; held-out change with its paired 95% interval: '
                                  + intervals, 150), fontsize=6)

@@ -216,7 +216,7 @@ def ask_library(asker: Asker, library: Library, entries: list[Entry], task, max_
     ctx, match, prompt, cue = library.recall(entries[0])
   else:
     ctx, match, prefix = library.context(entries)
-    prompt, cue = prefix + library.question(task.problem), ''
+    prompt, cue = prefix + question_tokens(library.tokenizer, task.problem), ''
   ctx, _ = asker.engine.extend(ctx, prompt[match.tokens:], logits='last', consume=True)
   asked = asker.ask(ctx, prompt, match.tokens, task, meter, max_tokens=max_tokens,
                     temperature=0.0, seed=0, cue=cue)

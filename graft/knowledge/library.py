@@ -136,9 +136,6 @@ class Library:
     ctx, match = self.store.graft(tokens)
     return ctx, match, tokens
 
-  def question(self, problem: str) -> list[int]:
-    return question_tokens(self.tokenizer, problem)
-
   def recall(self, entry: Entry) -> tuple[Context, Match, list[int], str]:
     """A recurring problem's prompt: BOS and `entry`'s text through its answer cue, tokenized
     alone, with its longest stored prefix but the last token grafted (the caller computes the

@@ -13,12 +13,13 @@ in a statement cut short: one on its unfinished last line (a `\\boxed{` there wi
 closing brace included) is no statement, and never overrides a complete one before it; where
 it is the only one, the answer is unreadable (`Verdict.unreadable`: not correct, and counted
 apart from wrong answers). A text in none of these forms states its answer as its last number
-(numeric answers) or its last non-empty line (string answers). A number is an optional minus sign, digits with optional
-thousands commas and an optional decimal part (`-?\\d[\\d,]*(\\.\\d+)?`, commas removed):
-the first number of a stated answer (of its part after its last `=` when that part has one: a
-stated equation, `Answer: 46 + 20 = 66.`, states its result), or the text's last. An integer answer must equal the
-expected integer; an exact-decimal answer must equal the expected decimal as a number (3.50 ==
-3.5, compared with `decimal.Decimal`, never floats); a string answer must equal the expected
+(numeric answers) or its last non-empty line (string answers). A number is an optional minus
+sign, digits with optional thousands commas and an optional decimal part
+(`-?\\d[\\d,]*(\\.\\d+)?`, commas removed): the first number of a stated answer (of its part
+after its last `=` when that part has one: a stated equation, `Answer: 46 + 20 = 66.`, states
+its result), or the text's last. An integer answer must equal the expected integer; an
+exact-decimal answer must equal the expected decimal as a number (3.50 == 3.5, compared with
+`decimal.Decimal`, never floats); a string answer must equal the expected
 string exactly after stripping surrounding whitespace (and a sentence's final period, when the
 expected string has none); a regex answer must match the expected pattern in full.
 
