@@ -152,6 +152,9 @@ class Transformer(nnx.Module):
     # The run-time zero of numerics.materialize: fill is never negative; the compiler cannot
     # know that.
     numerics = numerics.with_zero((kv.fill[0] < 0).astype(jnp.uint32))
+    if tokens.shape[0] == 1:  # the rows through the last real one (a kernel may skip the rest)
+      rows = jnp.arange(1, tokens.shape[1] + 1, dtype=jnp.int32)
+      numerics = numerics.with_rows(jnp.max(jnp.where(positions[0] != kvs.EMPTY, rows, 0)))
     x, per_layer_inputs = self.embedder.encode(tokens, numerics)
     # Each layer's RoPE angles, computed once per call for the layers that share them.
     angles = {}

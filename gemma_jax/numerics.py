@@ -67,17 +67,39 @@ def chunk_size(k: int, limit: int) -> int:
 class Numerics:
   """XLA's own arithmetic (name 'xla'): the base the other values refine.
 
-  zero, mesh: bound while a call is traced (`with_zero`, `on_mesh`), never part of the value's
-  identity."""
+  zero, mesh, rows: bound while a call is traced (`with_zero`, `on_mesh`, `with_rows`), never
+  part of the value's identity."""
 
   name: ClassVar[str] = 'xla'
   zero: Any = dataclasses.field(default=None, compare=False, repr=False)
   mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
+  rows: Any = dataclasses.field(default=None, compare=False, repr=False)
 
   def with_zero(self, zero: jax.Array | None) -> 'Numerics':
     """This value with a run-time zero: a uint32 scalar that is 0 at run time but unknown to the
     compiler (the model derives it from its inputs while tracing a call)."""
     return dataclasses.replace(self, zero=zero)
+
+  def with_rows(self, rows: jax.Array | None) -> 'Numerics':
+    """This value computing only the first `rows` (an int32 scalar known at run time) of every
+    projection's rows, where its kernels can (the rest are the call's padding rows, whose
+    values nothing reads; None: every row). A row's bits never depend on it."""
+    return dataclasses.replace(self, rows=rows)
+
+  @property
+  def runs_by_length(self) -> bool:
+    """Whether a call's work follows its run-time length (`with_rows`, and attention over only
+    the tiles the context fills, `attention`), so that one call shape serves every length."""
+    return False
+
+  def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+                k_pos: jax.Array, *, window: int | None, softcap: float | None,
+                tile: int) -> jax.Array | None:
+    """The tiled attention (gemma_jax.tiled_attention) computed whole by a kernel of this
+    numerics, or None where it has none (the tiled attention then computes it with XLA ops).
+    q [B, T, N, H] (scaled), k, v [B, S, K, H], q_pos [B, T], k_pos [B, S] -> [B, T, N, H]."""
+    del q, k, v, q_pos, k_pos, window, softcap, tile
+    return None
 
   def on_mesh(self, mesh) -> 'Numerics':
     """This value gathering the input of every row-parallel projection on `mesh` (the 'gather'
@@ -361,7 +383,17 @@ class Spec(FixedOrder):
     k, n = w.shape
     if self.dot is None or k * n <= self.small:
       return super().matmul(x, w)
-    return self.dot.matmul(x, w, self.chunk(k))
+    return self.dot.matmul(x, w, self.chunk(k), rows=self.rows)
+
+  @property
+  def runs_by_length(self) -> bool:
+    return getattr(self.dot, 'attends', False)
+
+  def attention(self, q, k, v, q_pos, k_pos, *, window, softcap, tile):
+    if not self.runs_by_length:
+      return None
+    return self.dot.attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, tile=tile,
+                           chunk=self.chunk(q.shape[-1]))
 
   def packs(self, k, n):
     return self.dot is not None and k * n > self.small and self.dot.packs(k, n)
@@ -374,7 +406,7 @@ class Spec(FixedOrder):
 
   def dense(self, x, w, k, n):
     if self.packs(k, n):
-      return self.dot.matmul_packed(x, w, self.chunk(k))
+      return self.dot.matmul_packed(x, w, self.chunk(k), rows=self.rows)
     return self.matmul(x, w.reshape(k, n))
 
   def product(self, a, b):

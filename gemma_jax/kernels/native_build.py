@@ -30,7 +30,7 @@ import tempfile
 from gemma_jax.checkpoints.param_cache import cache_root
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'csrc')
-SOURCES = ('chains.h', 'isa.cc', 'ffi.cc')
+SOURCES = ('chains.h', 'attention.h', 'isa.cc', 'ffi.cc')
 LIBRARY = 'libgemma_spec.so'
 COMMON_FLAGS = ('-O3', '-std=c++17', '-fPIC', '-ffp-contract=off', '-fno-fast-math',
                 '-Wall')

@@ -36,7 +36,8 @@ import numpy as np
 ISAS = ('auto', 'portable', 'avx2', 'avx512', 'neon')  # the index is the kernel's `isa` code
 ISA_VARIABLE = 'GEMMA_JAX_NATIVE_ISA'
 _TARGETS = {'gemma_spec_matmul': 'GemmaSpecMatmul', 'gemma_spec_matmul_packed': 'GemmaSpecMatmulPacked',
-            'gemma_spec_scores': 'GemmaSpecScores', 'gemma_spec_values': 'GemmaSpecValues'}
+            'gemma_spec_scores': 'GemmaSpecScores', 'gemma_spec_values': 'GemmaSpecValues',
+            'gemma_spec_attend': 'GemmaSpecAttend'}
 PANEL = 64  # columns of a packed weight panel (ffi.cc kPanel)
 # --xla_cpu_max_isa -> the most this kernel uses under it.
 _XLA_CAPS = {'SSE4_2': 'portable', 'AVX': 'portable', 'AVX2': 'avx2'}
@@ -100,27 +101,50 @@ class NativeDot:
     _library()
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32))(
         *args, isa=np.int64(ISAS.index(self.isa)), parts=np.int64(self.parts),
-        **{k: np.int64(v) for k, v in attrs.items()})
+        **{k: v if isinstance(v, np.floating) else np.int64(v) for k, v in attrs.items()})
 
-  def matmul(self, x: jax.Array, w: jax.Array, chunk: int) -> jax.Array:
-    """x [M, K] @ w [K, N] (float32) over chunks of `chunk` terms added in chunk order."""
+  def matmul(self, x: jax.Array, w: jax.Array, chunk: int,
+             rows: jax.Array | None = None) -> jax.Array:
+    """x [M, K] @ w [K, N] (float32) over chunks of `chunk` terms added in chunk order. rows: an
+    int32 scalar, the first rows to compute (the rest of the output is +0; None: all M)."""
     _check_f32(x, w)
-    call = lambda a, b: self._call('gemma_spec_matmul', (a.shape[0], b.shape[1]), a, b,  # noqa
-                                   chunk=chunk)
-    if self.partitioned:
+    if self.partitioned:  # each device's shard of rows is computed whole
+      call = lambda a, b: self._call('gemma_spec_matmul', (a.shape[0], b.shape[1]), a, b,  # noqa
+                                     _valid(None, a.shape[0]), chunk=chunk)
       return _partitioned(call, 'm k, k n -> m n', keep='mn')(x, w)
-    return call(x, w)
+    return self._call('gemma_spec_matmul', (x.shape[0], w.shape[1]), x, w,
+                      _valid(rows, x.shape[0]), chunk=chunk)
 
   def packs(self, k: int, n: int) -> bool:
     """Whether a [k, n] weight is kept packed (`pack`): whole panels only, and not on a mesh
     (the weights keep the layout the mesh places them in; calls are partitioned instead)."""
     return not self.partitioned and n % PANEL == 0
 
-  def matmul_packed(self, x: jax.Array, panels: jax.Array, chunk: int) -> jax.Array:
-    """x [M, K] @ the weight `pack` made `panels` from -> [M, N], bit for bit `matmul`'s."""
+  def matmul_packed(self, x: jax.Array, panels: jax.Array, chunk: int,
+                    rows: jax.Array | None = None) -> jax.Array:
+    """x [M, K] @ the weight `pack` made `panels` from -> [M, N], bit for bit `matmul`'s (rows:
+    as there)."""
     _check_f32(x, panels)
     return self._call('gemma_spec_matmul_packed', (x.shape[0], panels.shape[0] * PANEL), x,
-                      panels, chunk=chunk)
+                      panels, _valid(rows, x.shape[0]), chunk=chunk)
+
+  @property
+  def attends(self) -> bool:
+    """Whether `attend` computes attention whole here (not on a mesh: its calls stay whole)."""
+    return not self.partitioned
+
+  def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+             k_pos: jax.Array, *, window: int | None, softcap: float | None, tile: int,
+             chunk: int) -> jax.Array:
+    """The spec's tiled attention whole (csrc/attention.h): q [B, T, N, H] (scaled), the cache's
+    k, v [B, S, K, H] (float32), q_pos [B, T], k_pos [B, S] (int32, -1: a padding row, an empty
+    slot) -> [B, T, N, H] float32, with `tile` slots per tile and scores over H in chunks of
+    `chunk`. Only the tiles some row sees are computed: the work follows the context, the bits
+    do not (gemma_jax.tiled_attention computes the same with XLA ops over the tiles read)."""
+    _check_f32(q, k, v)
+    return self._call('gemma_spec_attend', q.shape, q, k, v, q_pos.astype(jnp.int32),
+                      k_pos.astype(jnp.int32), tile=tile, chunk=chunk, window=window or 0,
+                      softcap=np.float32(softcap or 0.0))
 
   def tile_scores(self, q: jax.Array, k: jax.Array, chunk: int) -> jax.Array:
     """q [B, K, R, H] . k [B, K, n, S, H] -> [B, K, n, R, S]: every tile's scores against the
@@ -199,6 +223,12 @@ def pack(w: jax.Array) -> jax.Array:
   products and their order are `matmul`'s)."""
   k, n = w.shape
   return w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
+
+
+def _valid(rows: jax.Array | None, m: int) -> jax.Array:
+  """The kernels' row-count operand: int32 [1]."""
+  return jnp.full((1,), m, jnp.int32) if rows is None else jnp.reshape(rows, (1,)).astype(
+      jnp.int32)
 
 
 def _check_f32(*arrays):

@@ -270,6 +270,47 @@ class Interpreter:
     return fn.softcap(O, logits, cap) if cap is not None else logits
 
 
+def tiled_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
+                    k_pos: np.ndarray, *, window: int | None, softcap: float | None, tile: int,
+                    k_chunk: int = 256) -> np.ndarray:
+  """The spec's tiled attention for slots at any positions (gemma_jax.tiled_attention, and the
+  native kernel that computes it whole): q [T, N, H] (scaled), k, v [S, K, H], q_pos [T], k_pos
+  [S] (int; -1: a padding row, an empty slot) -> [T, N, H] float32. Slot s is visible to a row
+  at p when 0 <= k_pos[s] <= p (and p - k_pos[s] < window); scores over H in chunks, the
+  soft-cap, each row's max over what it sees, p = exp(s - max) where visible, then tile after
+  tile in slot order the row sum (a pairwise tree) and p . v (one FMA chain over the tile's
+  slots) added where the row saw the tile, and acc * (1 / l)."""
+  t_len, num_heads, head_dim = q.shape
+  num_slots, num_kv = k.shape[:2]
+  groups, n = num_heads // num_kv, num_slots // tile
+  row_pos = np.repeat(np.asarray(q_pos), groups)[:, None]  # row r = token r // G, head r % G
+  k_pos = np.asarray(k_pos)[None]
+  visible = (k_pos >= 0) & (k_pos <= row_pos)
+  if window is not None:
+    visible &= (row_pos - k_pos) < window
+  out = np.zeros((t_len, num_kv, groups, head_dim), F32)
+  for kh in range(num_kv):
+    rows = q[:, kh * groups:(kh + 1) * groups].reshape(t_len * groups, head_dim)
+    scores = b32.chunked_dot(rows, k[:, kh].T, k_chunk)  # [R, S]
+    if softcap is not None:
+      scores = fn.softcap(O, scores, softcap)
+    tile_max = np.where(visible, scores, F32(MASKED)).reshape(-1, n, tile).max(axis=2)
+    saw = tile_max > F32(MASKED)  # [R, n]
+    m = tile_max.max(axis=1, keepdims=True)
+    p = np.where(visible, fn.exp(O, O.sub(scores, m)), F32(0.0)).astype(F32)
+    sums = b32.tree_sum(p.reshape(-1, n, tile))[..., 0]  # [R, n]
+    l = np.zeros((len(rows), 1), F32)
+    acc = np.zeros((len(rows), head_dim), F32)
+    for j in range(n):
+      part = slice(j * tile, (j + 1) * tile)
+      pv = b32.dot(p[:, part], v[part, kh])
+      l = np.where(saw[:, j:j + 1], O.add(l, sums[:, j:j + 1]), l).astype(F32)
+      acc = np.where(saw[:, j:j + 1], O.add(acc, pv), acc).astype(F32)
+    out[:, kh] = O.mul(acc, fn.reciprocal(O, np.where(l > 0, l, F32(1.0)).astype(F32))).reshape(
+        t_len, groups, head_dim)
+  return out.reshape(t_len, num_heads, head_dim)
+
+
 def _to_numpy(tree):
   """Parameters as float32 NumPy arrays, subnormals flushed (XLA:CPU reads them as zeros)."""
   if isinstance(tree, dict):

@@ -156,6 +156,10 @@ class Engine:
     self.mesh = sharding.make_mesh(sharding.parse_mesh(config.mesh)) if config.mesh else None
     self.numerics = self.plan.numerics_on(kernel_platform).on_mesh(
         self.mesh if config.mesh_layout == 'gather' else None)
+    # Whether the numerics' kernels do only a call's run-time length of work: then a byte-exact
+    # plan's calls have one of two shapes (a decode step, or rows_per_call rows) and attention
+    # reads the whole cache, whatever the lengths met (a fixed set of executables).
+    self.by_length = self.plan.byte_exact and self.numerics.runs_by_length
     # Weights placed on the mesh and in the form the numerics read them (the native kernels'
     # panels; else as loaded), shared with every other engine of this model that places and
     # stores them alike.
@@ -173,11 +177,12 @@ class Engine:
           jax.eval_shape(_output_table, table, packed) if abstract
           else _output_table(table, packed)))
 
-    def head(params, output_table, hidden, rows):
+    def head(params, output_table, hidden, rows, count):
       # hidden [B, T, D], rows [R] -> logits [1, R, V] of those rows of the B x T rows (row
-      # b * T + t: slot b's row t; gathered inside the jit).
+      # b * T + t: slot b's row t; gathered inside the jit, before the output table); count:
+      # how many of the rows are wanted (the rest are padding, which a kernel may skip).
       # The run-time zero of the numerics' barriers: row indices are never negative.
-      numerics = self.numerics.with_zero((rows[0] < 0).astype(jnp.uint32))
+      numerics = self.numerics.with_zero((rows[0] < 0).astype(jnp.uint32)).with_rows(count)
       with jax.default_matmul_precision(config.matmul_precision):
         flat = hidden.reshape(1, -1, hidden.shape[-1])
         return model.compute_logits(params, self.config, jnp.take(flat, rows, axis=1),
@@ -190,8 +195,9 @@ class Engine:
       self.plan.check_engine(self)
 
   def head_function(self):
-    """The jitted logits call (params, output table, hidden [B, T, D], rows [R] of the B x T)
-    -> logits [1, R, V] (the output table: `output_table`)."""
+    """The jitted logits call (params, output table, hidden [B, T, D], rows [R] of the B x T,
+    count: the first rows wanted, int32) -> logits [1, R, V] (the output table:
+    `output_table`)."""
     return self._head
 
   @property
@@ -200,10 +206,11 @@ class Engine:
     return self._output_table
 
   def step_function(self, tiles: int | None = None, with_logits: bool = False):
-    """The jitted transformer call (params, output table, tokens [1, T], positions [1, T], kv)
-    -> (hidden [1, T, D], kv[, logits [1, 1, V]]) whose attention reads the first `tiles` KV
-    tiles (None: the whole cache). with_logits: a one-row call that also returns its logits (a
-    decode step: the same ops as the call then the head on row 0, one dispatch instead of two).
+    """The jitted transformer call (params, output table, tokens [B, T], positions [B, T], kv)
+    -> (hidden [B, T, D], kv[, logits [1, B T, V]]) whose attention reads the first `tiles` KV
+    tiles (None: the whole cache). with_logits: a call that also returns the logits of all its
+    rows (a decode step of one row per slot: the same ops as the call then the head, one
+    dispatch instead of two).
     The output table (`output_table`) is an argument, never a closed-over constant: a constant
     would be compiled into the executable (hundreds of MB in the persistent cache, slower to
     load than to compile). The KV state is donated: XLA updates the cache in place; callers'
@@ -222,11 +229,12 @@ class Engine:
                                      numerics)
         if not with_logits:
           return hidden, kv
-        # Row 0, as a value the compiler cannot know (fill is never negative, so this is 0; a
-        # constant, or a value it can prove non-negative, would let it fold the head's
-        # run-time zero, and with it every barrier of the head).
-        row = jnp.minimum(kv.fill[:1], 0)
-        return hidden, kv, self._head_fn(params, output_table, hidden, row)
+        # Every row, from a value the compiler cannot know (fill is never negative, so the
+        # first is 0; a constant, or a value it can prove non-negative, would let it fold the
+        # head's run-time zero, and with it every barrier of the head).
+        count = tokens.size
+        rows = jnp.minimum(kv.fill[:1], 0) + jnp.arange(count, dtype=jnp.int32)
+        return hidden, kv, self._head_fn(params, output_table, hidden, rows, jnp.int32(count))
 
       self._steps[key] = jax.jit(step, donate_argnums=(4,),
                                  compiler_options=self.plan.compiler_options)
@@ -241,7 +249,7 @@ class Engine:
     """Tiles the tiled attention reads for a call whose last token has sequence index end - 1:
     the tiles holding slots 0 .. end - 1, rounded up to a power of two (fewer compiled shapes);
     reading more tiles than a row sees does not change its bits (gemma_jax.tiled_attention)."""
-    if not (self.plan.reads_tiles and hasattr(self._attention_fn, 'reading')):
+    if self.by_length or not (self.plan.reads_tiles and hasattr(self._attention_fn, 'reading')):
       return None
     tile = self._attention_fn.tile
     return min(_next_power_of_two(-(-end // tile)), self._cache_slots // tile)
@@ -347,18 +355,20 @@ class Engine:
 
   def _logits(self, hidden: jax.Array, rows: list[int]) -> list[np.ndarray]:
     """float32 logits [V] of the given rows of one call's hidden states [B, T, D] (row
-    b * T + t: slot b's row t), in calls of the plan's head row counts."""
-    buckets = self.plan.head_rows
+    b * T + t: slot b's row t), in calls of the plan's head row counts (by length: one count,
+    plans.HEAD_ROWS, whatever the number wanted)."""
+    buckets = (plans.HEAD_ROWS,) if self.by_length else self.plan.head_rows
     if buckets is None:
       return list(sharding.to_host(self._head(self._params, self._output_table, hidden,
-                                              np.asarray(rows, np.int32)))[0])
+                                              np.asarray(rows, np.int32),
+                                              np.int32(len(rows))))[0])
     out = []
     while len(out) < len(rows):
       chunk = rows[len(out):len(out) + buckets[-1]]
       padded = np.zeros(next(r for r in buckets if r >= len(chunk)), np.int32)
       padded[:len(chunk)] = chunk
       out.extend(sharding.to_host(self._head(self._params, self._output_table, hidden,
-                                             padded))[0, :len(chunk)])
+                                             padded, np.int32(len(chunk))))[0, :len(chunk)])
     return out
 
   def extend(self, ctx: Context, tokens: Sequence[int], *, logits: str | int = 'none',
@@ -375,17 +385,20 @@ class Engine:
     first_wanted = len(tokens) - wanted
     kv = ctx.kv if consume else jax.tree.map(jnp.copy, ctx.kv)
     logit_rows = []
-    for call in self.plan.calls(len(ctx.tokens), len(tokens)):
+    for call in self.plan.calls(len(ctx.tokens), len(tokens), self.by_length):
       chunk = tokens[call.first:call.first + call.count]
       wanted_rows = [j - call.first + call.lead
                      for j in range(max(call.first, first_wanted), call.first + call.count)]
       end = len(ctx.tokens) + call.first + call.count
-      fused = self.plan.fuses_decode and call.rows == 1 and bool(wanted_rows)
+      # (By length every one-row call is the decode step: one executable, logits or not.)
+      fused = (self.plan.fuses_decode and call.rows == 1
+               and (bool(wanted_rows) or self.by_length))
       out = self._call(kv, chunk, ctx.next_position + call.first, call.rows, call.lead, end,
                        with_logits=fused)
       if fused:
         _, kv, row_logits = out
-        logit_rows.append(sharding.to_host(row_logits)[0, 0])
+        if wanted_rows:
+          logit_rows.append(sharding.to_host(row_logits)[0, 0])
         continue
       hidden, kv = out
       if wanted_rows:
@@ -439,6 +452,8 @@ class Engine:
                       wanted: list[int]):
     """extend_batch on a stacked state (donated): -> (the new stacked state, each slot's list
     of logits rows). Only the contexts' lengths and positions are read."""
+    if self.by_length:
+      return self._extend_stacked_by_length(kv, ctxs, tokens, wanted)
     b = self.max_rows
     out = [[] for _ in ctxs]
     for first in range(0, max(len(t) for t in tokens), b):
@@ -457,6 +472,29 @@ class Engine:
       for (i, _), row in zip(flat, self._logits(hidden, [r for _, r in flat])):
         out[i].append(row)
     return kv, out
+
+  def _extend_stacked_by_length(self, kv, ctxs: Sequence[Context], tokens: list[list[int]],
+                                wanted: list[int]):
+    """`_extend_stacked` by length: a step of one token per slot is one call of the decode
+    step with a row per slot and its logits (one executable per slot count); longer requests
+    run slot by slot through `extend` on the slot's part of the stacked state (the
+    single-stream calls: no executable of their own)."""
+    if max(len(t) for t in tokens) == 1:
+      ids, positions = call_inputs(tokens, [c.next_position for c in ctxs], 1)
+      _, kv, logits = self.step_function(None, with_logits=True)(
+          self._params, self._output_table, ids, positions, kv)
+      logits = sharding.to_host(logits)[0]
+      return kv, [[logits[i]] if wanted[i] else [] for i in range(len(ctxs))]
+    parts, out = [], []
+    for i, (ctx, t) in enumerate(zip(ctxs, tokens)):
+      part = jax.tree.map(lambda x, i=i: x[i:i + 1], kv)
+      if t:
+        alone = Context(kv=part, tokens=ctx.tokens, next_position=ctx.next_position)
+        new, logits = self.extend(alone, t, logits=wanted[i], consume=True)
+        part = new.kv
+      parts.append(part)
+      out.append(list(logits) if t and wanted[i] else [])
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts), out
 
   def generate_batch(self, ctxs: Sequence[Context], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations of N contexts (each with its last logits), decoded together one

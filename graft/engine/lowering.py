@@ -113,7 +113,8 @@ def abstract_inputs(engine: Engine) -> dict[str, tuple]:
                jax.ShapeDtypeStruct((1, rows), i32), kv),
       'logits': (params, engine.output_table,
                  jax.ShapeDtypeStruct((1, rows, config.embed_dim), engine.dtype),
-                 jax.ShapeDtypeStruct((engine_config.logits_rows,), i32)),
+                 jax.ShapeDtypeStruct((engine_config.logits_rows,), i32),
+                 jax.ShapeDtypeStruct((), i32)),
   }
 
 

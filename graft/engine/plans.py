@@ -142,8 +142,11 @@ class Plan:
     """KV slots of local (sliding-window) layers (None: as many as global layers)."""
     return None
 
-  def calls(self, done: int, num_tokens: int) -> list[Call]:
-    """The calls of a request of `num_tokens` tokens after `done` tokens of context."""
+  def calls(self, done: int, num_tokens: int, by_length: bool = False) -> list[Call]:
+    """The calls of a request of `num_tokens` tokens after `done` tokens of context. by_length:
+    the engine's numerics do the work of a call's run-time length only
+    (`Numerics.runs_by_length`), so a plan that can gives every call one of two shapes."""
+    del by_length
     rows = max(num_tokens, min(_next_power_of_two(num_tokens), self.config.cache_len))
     return [Call(0, num_tokens, 0, rows)]
 
@@ -209,9 +212,10 @@ class Blocked(_Shaped):
       raise ValueError("the blocked engine reduces over the whole cache: attention 'xla' or "
                        "'pallas'")
 
-  def calls(self, done: int, num_tokens: int) -> list[Call]:
+  def calls(self, done: int, num_tokens: int, by_length: bool = False) -> list[Call]:
     # Blocks aligned to the sequence: the token with sequence index j always sits in row
     # j mod B, whatever the calls before (the first block may start with padding rows).
+    del by_length
     b = self.config.rows_per_call
     out = []
     for start in range(-(done % b), num_tokens, b):
@@ -242,12 +246,17 @@ class Pinned(_Shaped):
     buckets = row_buckets(self.config.rows_per_call, self.config.min_rows)
     return next(r for r in buckets if r >= num_tokens)
 
-  def calls(self, done: int, num_tokens: int) -> list[Call]:
+  def calls(self, done: int, num_tokens: int, by_length: bool = False) -> list[Call]:
     # At most rows_per_call tokens per call, padding after them; no alignment to the sequence
-    # is needed.
+    # is needed. By length: a call is one row (a decode step) or rows_per_call rows, whatever
+    # its token count (its padding rows are not computed).
     b = self.config.rows_per_call
-    return [Call(first, min(b, num_tokens - first), 0, self.rows_for(min(b, num_tokens - first)))
-            for first in range(0, num_tokens, b)]
+    out = []
+    for first in range(0, num_tokens, b):
+      count = min(b, num_tokens - first)
+      out.append(Call(first, count, 0,
+                      (1 if count == 1 else b) if by_length else self.rows_for(count)))
+    return out
 
   @property
   def reads_tiles(self) -> bool:

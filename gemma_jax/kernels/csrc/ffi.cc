@@ -11,6 +11,7 @@
 // bit: outputs are split into items by rows and columns, and each output's chain is the same
 // operations in the same order whoever computes it.
 #include <algorithm>
+#include <climits>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -20,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "attention.h"
 #include "chains.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -30,12 +32,19 @@
 namespace ffi = xla::ffi;
 using gemma_spec::Problem;
 
+using gemma_spec::Attend;
+using gemma_spec::AttendScratch;
+
 using PanelFn = void (*)(const Problem*, int64_t, int64_t, int64_t, int64_t);
 using StreamFn = void (*)(const Problem*, int64_t, int64_t, int64_t, int64_t, float*);
+using AttendFn = void (*)(const Attend*, int64_t, int64_t, int64_t, const int64_t*, int64_t,
+                          const AttendScratch*);
 
 #define GEMMA_SPEC_DECLARE(isa)                                                    \
   void gemma_spec_panel_##isa(const Problem*, int64_t, int64_t, int64_t, int64_t); \
-  void gemma_spec_stream_##isa(const Problem*, int64_t, int64_t, int64_t, int64_t, float*);
+  void gemma_spec_stream_##isa(const Problem*, int64_t, int64_t, int64_t, int64_t, float*); \
+  void gemma_spec_attend_##isa(const Attend*, int64_t, int64_t, int64_t, const int64_t*,   \
+                               int64_t, const AttendScratch*);
 extern "C" {
 GEMMA_SPEC_DECLARE(portable)
 #if defined(__x86_64__)
@@ -51,6 +60,7 @@ GEMMA_SPEC_DECLARE(neon)
 struct Path {
   PanelFn panel;
   StreamFn stream;
+  AttendFn attend;
 };
 
 namespace {
@@ -87,16 +97,17 @@ Path PathOf(int64_t isa) {
   switch (isa) {
 #if defined(__x86_64__)
     case kAvx2:
-      return {gemma_spec_panel_avx2, gemma_spec_stream_avx2};
+      return {gemma_spec_panel_avx2, gemma_spec_stream_avx2, gemma_spec_attend_avx2};
     case kAvx512:
-      return {gemma_spec_panel_avx512, gemma_spec_stream_avx512};
+      return {gemma_spec_panel_avx512, gemma_spec_stream_avx512, gemma_spec_attend_avx512};
 #endif
 #if defined(__aarch64__)
     case kNeon:
-      return {gemma_spec_panel_neon, gemma_spec_stream_neon};
+      return {gemma_spec_panel_neon, gemma_spec_stream_neon, gemma_spec_attend_neon};
 #endif
     default:
-      return {gemma_spec_panel_portable, gemma_spec_stream_portable};
+      return {gemma_spec_panel_portable, gemma_spec_stream_portable,
+              gemma_spec_attend_portable};
   }
 }
 
@@ -184,12 +195,22 @@ constexpr int64_t kItemsPerThread = 4;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The rows of x a call computes: the first `valid` (the rest of the output is +0). A prefill
+// call has a fixed row count and as many real rows as its tokens; a row's chain does not depend on
+// the rows beside it, so the padding rows are not computed at all.
+int64_t ValidRows(const ffi::Buffer<ffi::S32>& valid, int64_t rows) {
+  if (valid.element_count() == 0) return rows;
+  return std::clamp<int64_t>(valid.typed_data()[0], 0, rows);
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::ResultBuffer<ffi::F32> out, int64_t chunk, int64_t isa, int64_t parts) {
+                  ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> out, int64_t chunk,
+                  int64_t isa, int64_t parts) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
     return ffi::Error::InvalidArgument("spec matmul: shapes do not contract");
-  const int64_t m = xd[0], k = xd[1], n = wd[1];
+  const int64_t k = xd[1], n = wd[1], m = ValidRows(valid, xd[0]);
+  std::memset(out->typed_data() + m * n, 0, sizeof(float) * (xd[0] - m) * n);
   if (chunk < 1 || k % chunk)
     return ffi::Error::InvalidArgument("spec matmul: the chunk does not divide the terms");
   auto panel = Resolve(isa);
@@ -226,12 +247,13 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 // contiguous run over every term, whatever the row count: the layout the engine keeps its weights
 // in (gemma_jax.kernels.native_dot.pack), so that a call streams each weight once.
 ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
-                        ffi::ResultBuffer<ffi::F32> out, int64_t chunk, int64_t isa,
-                        int64_t parts) {
+                        ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> out,
+                        int64_t chunk, int64_t isa, int64_t parts) {
   auto xd = x.dimensions(), wd = wp.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || wd[2] != kPanel)
     return ffi::Error::InvalidArgument("spec packed matmul: shapes do not contract");
-  const int64_t m = xd[0], k = xd[1], panels = wd[0], n = panels * kPanel;
+  const int64_t k = xd[1], panels = wd[0], n = panels * kPanel, m = ValidRows(valid, xd[0]);
+  std::memset(out->typed_data() + m * n, 0, sizeof(float) * (xd[0] - m) * n);
   if (chunk < 1 || k % chunk)
     return ffi::Error::InvalidArgument("spec packed matmul: the chunk does not divide the terms");
   auto path = Resolve(isa);
@@ -313,6 +335,107 @@ ffi::Error Values(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> pr, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// Rows of one attention work item: enough to reuse each key tile, few enough to spread a prefill
+// call over threads.
+constexpr int64_t kAttendRows = 32;
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                     ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> qpos,
+                     ffi::Buffer<ffi::S32> kpos, ffi::ResultBuffer<ffi::F32> out, int64_t tile,
+                     int64_t chunk, int64_t window, float softcap, int64_t isa, int64_t parts) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  auto pd = qpos.dimensions(), sd = kpos.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2 || sd.size() != 2 ||
+      kd[0] != qd[0] || vd[0] != qd[0] || kd[1] != vd[1] || kd[2] != vd[2] || kd[3] != qd[3] ||
+      vd[3] != qd[3] || pd[0] != qd[0] || pd[1] != qd[1] || sd[0] != qd[0] || sd[1] != kd[1] ||
+      kd[2] == 0 || qd[2] % kd[2])
+    return ffi::Error::InvalidArgument("spec attention: shapes do not match");
+  const int64_t b_len = qd[0], t_len = qd[1], heads = qd[2], h = qd[3], s_len = kd[1],
+                kv = kd[2];
+  if (tile < 1 || s_len % tile || chunk < 1 || h % chunk)
+    return ffi::Error::InvalidArgument("spec attention: the tile or the chunk does not divide");
+  auto path = Resolve(isa);
+  if (path.has_error()) return path.error();
+  if (b_len * t_len * heads * h == 0) return ffi::Error::Success();
+  const int64_t n = s_len / tile, groups = b_len * kv, rows = t_len * (heads / kv);
+  const int32_t* qp = qpos.typed_data();
+  const int32_t* kp = kpos.typed_data();
+  // Each tile's positions, over its non-empty slots (lo > hi: empty).
+  std::vector<int32_t> lo(b_len * n, INT32_MAX), hi(b_len * n, INT32_MIN);
+  for (int64_t b = 0; b < b_len; ++b)
+    for (int64_t s = 0; s < s_len; ++s) {
+      const int32_t p = kp[b * s_len + s];
+      if (p < 0) continue;
+      lo[b * n + s / tile] = std::min(lo[b * n + s / tile], p);
+      hi[b * n + s / tile] = std::max(hi[b * n + s / tile], p);
+    }
+  // Work items: blocks of a group's rows, each with the tiles its rows may see.
+  struct Item {
+    int64_t group, r0, rows, first_tile, num_tiles;
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> tiles;
+  std::vector<uint8_t> needed(groups * n, 0);
+  const int64_t per_head = heads / kv;
+  for (int64_t group = 0; group < groups; ++group) {
+    const int64_t b = group / kv;
+    for (int64_t r0 = 0; r0 < rows; r0 += kAttendRows) {
+      const int64_t count = std::min(kAttendRows, rows - r0);
+      int32_t qlo = INT32_MAX, qhi = INT32_MIN;
+      for (int64_t r = r0; r < r0 + count; ++r) {
+        const int32_t p = qp[b * t_len + r / per_head];
+        if (p < 0) continue;
+        qlo = std::min(qlo, p);
+        qhi = std::max(qhi, p);
+      }
+      const int64_t first = tiles.size();
+      for (int64_t j = 0; j < n; ++j)
+        if (gemma_spec::MaySee(qlo, qhi, lo[b * n + j], hi[b * n + j], window)) {
+          tiles.push_back(j);
+          needed[group * n + j] = 1;
+        }
+      items.push_back({group, r0, count, first, static_cast<int64_t>(tiles.size()) - first});
+    }
+  }
+  // The keys of every needed tile transposed, [groups, n, H, tile]; kept by the calling thread
+  // between calls.
+  thread_local std::vector<float> keys_t;
+  keys_t.resize(std::max<size_t>(keys_t.size(), groups * n * h * tile));
+  std::vector<int64_t> transpose;
+  for (int64_t i = 0; i < groups * n; ++i)
+    if (needed[i]) transpose.push_back(i);
+  const float* kd_ptr = k.typed_data();
+  float* kt = keys_t.data();
+  ForEach(pool, parts, transpose.size(), [&](int64_t i) {
+    const int64_t group = transpose[i] / n, j = transpose[i] % n;
+    const int64_t b = group / kv, kh = group % kv;
+    float* dst = kt + (group * n + j) * h * tile;
+    for (int64_t c = 0; c < tile; ++c) {
+      const float* key = kd_ptr + ((b * s_len + j * tile + c) * kv + kh) * h;
+      for (int64_t d = 0; d < h; ++d) dst[d * tile + c] = key[d];
+    }
+  });
+  const Attend a{q.typed_data(), kd_ptr, v.typed_data(), qp, kp, kt, out->typed_data(),
+                 b_len, t_len, heads, kv, h, s_len, tile, chunk, window, softcap};
+  const AttendFn attend = path->attend;
+  ForEach(pool, parts, items.size(), [&](int64_t i) {
+    const Item& item = items[i];
+    thread_local std::vector<float> floats;
+    thread_local std::vector<uint8_t> saw;
+    const int64_t r = item.rows;
+    floats.resize(r * s_len + 3 * r * h + 2 * r + tile + s_len);
+    saw.resize(r * n);
+    float* f = floats.data();
+    float* rest = f + r * s_len + 3 * r * h;  // l, then the tree, then the visible flags
+    const AttendScratch w{f, f + r * s_len, f + r * s_len + r * h, rest,
+                          f + r * s_len + 2 * r * h, saw.data(), rest + 2 * r,
+                          rest + 2 * r + tile};
+    attend(&a, item.group, item.r0, item.rows, tiles.data() + item.first_tile, item.num_tiles,
+           &w);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // Every handler: XLA's intra-op thread pool, two float32 operands, one float32 result.
@@ -324,17 +447,41 @@ static auto Binding() {
       .Ret<ffi::Buffer<ffi::F32>>();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaSpecMatmul, Matmul,
-                              Binding().Attr<int64_t>("chunk").Attr<int64_t>("isa").Attr<int64_t>(
-                                  "parts"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaSpecMatmulPacked, MatmulPacked,
-                              Binding().Attr<int64_t>("chunk").Attr<int64_t>("isa").Attr<int64_t>(
-                                  "parts"));
+// The matmuls: x, the weight and the count of rows to compute (int32, one element).
+static auto MatmulBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>()
+      .Attr<int64_t>("chunk")
+      .Attr<int64_t>("isa")
+      .Attr<int64_t>("parts");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaSpecMatmul, Matmul, MatmulBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaSpecMatmulPacked, MatmulPacked, MatmulBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaSpecScores, Scores,
                               Binding().Attr<int64_t>("chunk").Attr<int64_t>("isa").Attr<int64_t>(
                                   "parts"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaSpecValues, Values,
                               Binding().Attr<int64_t>("isa").Attr<int64_t>("parts"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaSpecAttend, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("tile")
+                                  .Attr<int64_t>("chunk")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("parts"));
 
 // The path `isa` resolves to on this CPU (0: the best), or -1 where it cannot run here.
 extern "C" int64_t gemma_spec_resolve(int64_t isa) {

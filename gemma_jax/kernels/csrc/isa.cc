@@ -6,9 +6,11 @@
 //                              rounded by definition; a software routine on an x86 without FMA)
 // Each path exports gemma_spec_panel_<isa> and gemma_spec_stream_<isa> (chains.h). Every build uses -ffp-contract=off and no fast-math:
 // the only fused operations are the FMAs written here.
+#include <climits>
 #include <cmath>
 #include <cstdint>
 
+#include "attention.h"
 #include "chains.h"
 
 #define GEMMA_SPEC_CAT2(a, b) a##b
@@ -27,6 +29,26 @@ struct V {
   static T splat(float x) { return _mm512_set1_ps(x); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  // The elementwise operations of attention.h.
+  using M = __mmask16;
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T div(T a, T b) { return _mm512_div_ps(a, b); }
+  static T min(T a, T b) { return _mm512_min_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T abs(T a) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a),
+                                                                  _mm512_set1_epi32(0x7FFFFFFF))); }
+  static T neg(T a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a),
+                                                                  _mm512_set1_epi32(INT32_MIN))); }
+  static M lt(T a, T b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static M gt(T a, T b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static M eq(T a, T b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  static T select(M m, T a, T b) { return _mm512_mask_blend_ps(m, b, a); }
+  static T truncated(T x) { return _mm512_cvtepi32_ps(_mm512_cvttps_epi32(x)); }
+  static T pow2(T n) {
+    const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+  }
 };
 }  // namespace
 #define GEMMA_SPEC_NAME avx512
@@ -43,6 +65,24 @@ struct V {
   static T splat(float x) { return _mm256_set1_ps(x); }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  // The elementwise operations of attention.h.
+  using M = __m256;
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T div(T a, T b) { return _mm256_div_ps(a, b); }
+  static T min(T a, T b) { return _mm256_min_ps(a, b); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T abs(T a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+  static T neg(T a) { return _mm256_xor_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN))); }
+  static M lt(T a, T b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+  static M gt(T a, T b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+  static M eq(T a, T b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+  static T select(M m, T a, T b) { return _mm256_blendv_ps(b, a, m); }
+  static T truncated(T x) { return _mm256_cvtepi32_ps(_mm256_cvttps_epi32(x)); }
+  static T pow2(T n) {
+    const __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+  }
 };
 }  // namespace
 #define GEMMA_SPEC_NAME avx2
@@ -59,21 +99,33 @@ struct V {
   static T splat(float x) { return vdupq_n_f32(x); }
   static T fma(T a, T b, T c) { return vfmaq_f32(c, a, b); }  // c + a * b, fused
   static T add(T a, T b) { return vaddq_f32(a, b); }
+  // The elementwise operations of attention.h.
+  using M = uint32x4_t;
+  static T sub(T a, T b) { return vsubq_f32(a, b); }
+  static T mul(T a, T b) { return vmulq_f32(a, b); }
+  static T div(T a, T b) { return vdivq_f32(a, b); }
+  static T min(T a, T b) { return vminq_f32(a, b); }
+  static T max(T a, T b) { return vmaxq_f32(a, b); }
+  static T abs(T a) { return vabsq_f32(a); }
+  static T neg(T a) { return vnegq_f32(a); }
+  static M lt(T a, T b) { return vcltq_f32(a, b); }
+  static M gt(T a, T b) { return vcgtq_f32(a, b); }
+  static M eq(T a, T b) { return vceqq_f32(a, b); }
+  static T select(M m, T a, T b) { return vbslq_f32(m, a, b); }
+  static T truncated(T x) { return vcvtq_f32_s32(vcvtq_s32_f32(x)); }
+  static T pow2(T n) {
+    const int32x4_t e = vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127));
+    return vreinterpretq_f32_s32(vshlq_n_s32(e, 23));
+  }
 };
 }  // namespace
 #define GEMMA_SPEC_NAME neon
 #elif GEMMA_SPEC_ISA_portable
 namespace {
-struct V {
-  using T = float;
-  static constexpr int kLanes = 1;
+struct V : gemma_spec::Scalar {
   static constexpr int kVectors = 4;
   static T zero() { return 0.0f; }
-  static T load(const float* p) { return *p; }
-  static void store(float* p, T v) { *p = v; }
-  static T splat(float x) { return x; }
   static T fma(T a, T b, T c) { return std::fma(a, b, c); }
-  static T add(T a, T b) { return a + b; }
 };
 }  // namespace
 #define GEMMA_SPEC_NAME portable
@@ -90,4 +142,10 @@ extern "C" void GEMMA_SPEC_CAT(gemma_spec_stream_, GEMMA_SPEC_NAME)(
     const gemma_spec::Problem* p, int64_t row0, int64_t rows, int64_t col0, int64_t width,
     float* part) {
   gemma_spec::Stream<V>(*p, row0, rows, col0, width, part);
+}
+
+extern "C" void GEMMA_SPEC_CAT(gemma_spec_attend_, GEMMA_SPEC_NAME)(
+    const gemma_spec::Attend* a, int64_t group, int64_t r0, int64_t rows, const int64_t* tiles,
+    int64_t num_tiles, const gemma_spec::AttendScratch* w) {
+  gemma_spec::AttendRows<V>(*a, group, r0, rows, tiles, num_tiles, *w);
 }

@@ -1,0 +1,296 @@
+// The written arithmetic's attention over the KV cache (docs/determinism.md, "Attention"), whole:
+// the tiled algorithm of gemma_jax/tiled_attention.py under the spec, in one kernel.
+//
+// For a query row r (token t, query head g of KV head k) at position qp and the cache's S slots
+// cut into tiles of `tile` slots (slot s at position kp[s], -1 when empty; visible when
+// 0 <= kp <= qp and, with a window W, qp - kp < W):
+//   1. scores s = q . key per slot, one FMA chain over H per chunk (chains.h), chunks added in
+//      order; with a soft-cap c, s = tanh(s * (1 / c)) * c (the spec's tanh);
+//   2. per tile, the max over its visible slots (MASKED when it has none: the row did not see
+//      the tile); m = the max over tiles;
+//   3. p = exp(s - m) (the spec's exp) where visible, else +0;
+//   4. per tile, its row sum (a pairwise tree over the tile's slots) and p . v (one FMA chain
+//      over the tile's slots, every slot of the tile in order);
+//   5. over the tiles the row saw, in slot order: l = l + sum, acc = acc + p . v, from +0;
+//   6. out = acc * (1 / l) (1 / 1 for a row that saw nothing: +0 out).
+// A tile no row of a work item sees contributes nothing to any of its rows (step 5 adds only
+// what a row saw, and its max is the smallest value), so tiles past the context, or outside
+// every row's window, are not computed at all: the work follows the context, the bits do not
+// follow the cache's size or how many tiles exist.
+//
+// Every operation is an IEEE binary32 operation in the FP environment of ffi.cc (subnormals
+// flushed), written without FMA contraction (-ffp-contract=off): the loops here are plain
+// elementwise loops the compiler may vectorize, which changes how many outputs are computed at
+// once, never the operations of any one.
+#ifndef GEMMA_SPEC_ATTENTION_H_
+#define GEMMA_SPEC_ATTENTION_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "chains.h"
+
+namespace gemma_spec {
+
+// A constant of gemma_jax/spec/functions.py, rounded as NumPy rounds a Python float to binary32
+// (the decimal to binary64, then to binary32), not as a float literal would be.
+constexpr float C(double x) { return static_cast<float>(x); }
+
+// The masked score of gemma_jax.numerics.MASKED: exp(MASKED - max) is exactly 0.
+constexpr float kMasked = -2.3819763e38f;
+
+// The elementwise functions below are written once over a vector type V (isa.cc; `Scalar` here
+// for the portable path and every path's tail): V::T, V::M (a lane mask), kLanes, load, store,
+// splat, add, sub, mul, div, min, max, abs, neg, lt, gt, eq (-> M), select(m, a, b) (a where m),
+// truncated(x) (x truncated toward zero, |x| < 2^31, as a float) and pow2(n) (2^n for integral n
+// in [-126, 127], built from its exponent bits). Each is one IEEE binary32 operation per lane (or
+// exact), so a lane computes what the scalar code computes.
+struct Scalar {
+  using T = float;
+  using M = bool;
+  static constexpr int kLanes = 1;
+  static T load(const float* p) { return *p; }
+  static void store(float* p, T v) { *p = v; }
+  static T splat(float x) { return x; }
+  static T add(T a, T b) { return a + b; }
+  static T sub(T a, T b) { return a - b; }
+  static T mul(T a, T b) { return a * b; }
+  static T div(T a, T b) { return a / b; }
+  static T min(T a, T b) { return b < a ? b : a; }
+  static T max(T a, T b) { return a < b ? b : a; }
+  static T abs(T a) { return std::fabs(a); }
+  static T neg(T a) { return -a; }
+  static M lt(T a, T b) { return a < b; }
+  static M gt(T a, T b) { return a > b; }
+  static M eq(T a, T b) { return a == b; }
+  static T select(M m, T a, T b) { return m ? a : b; }
+  static T truncated(T x) { return static_cast<float>(static_cast<int32_t>(x)); }
+  static T pow2(T n) {
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float out;
+    std::memcpy(&out, &bits, sizeof(out));
+    return out;
+  }
+};
+
+// floor(x), exactly (a -0 stays -0), for |x| < 2^31.
+template <class V>
+inline typename V::T Floor(typename V::T x) {
+  const auto t = V::truncated(x);
+  const auto down = V::sub(t, V::select(V::gt(t, x), V::splat(C(1.0)), V::splat(C(0.0))));
+  return V::select(V::eq(x, V::splat(0.0f)), x, down);
+}
+
+// ((c0 x + c1) x + c2) ...: a multiply, then an add, per coefficient after the first.
+template <class V, int N>
+inline typename V::T Horner(const double (&c)[N], typename V::T x) {
+  auto p = V::splat(C(c[0]));
+  for (int i = 1; i < N; ++i) p = V::add(V::mul(p, x), V::splat(C(c[i])));
+  return p;
+}
+
+constexpr double kExpP[] = {1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                            1.6666665459e-1, 5.0000001201e-1};
+constexpr double kTanhP[] = {-5.70498872745e-3, 2.06390887954e-2, -5.37397155531e-2,
+                             1.33314422036e-1, -3.33332819422e-1};
+
+// The spec's exp (gemma_jax.spec.functions.exp).
+template <class V>
+inline typename V::T Exp(typename V::T x) {
+  x = V::max(V::min(x, V::splat(C(88.0))), V::splat(C(-87.0)));
+  const auto n = Floor<V>(V::add(V::mul(x, V::splat(C(1.44269504088896341))), V::splat(C(0.5))));
+  auto r = V::sub(x, V::mul(n, V::splat(C(0.693359375))));
+  r = V::sub(r, V::mul(n, V::splat(C(-2.12194440e-4))));
+  auto y = V::mul(Horner<V>(kExpP, r), V::mul(r, r));
+  y = V::add(V::add(y, r), V::splat(C(1.0)));
+  return V::mul(y, V::pow2(n));
+}
+
+// The spec's tanh (gemma_jax.spec.functions.tanh).
+template <class V>
+inline typename V::T Tanh(typename V::T x) {
+  const auto z = V::mul(x, x);
+  const auto small = V::add(V::mul(V::mul(Horner<V>(kTanhP, z), z), x), x);
+  const auto e = Exp<V>(V::add(V::abs(x), V::abs(x)));
+  auto big = V::sub(V::splat(C(1.0)), V::div(V::splat(C(2.0)), V::add(e, V::splat(C(1.0)))));
+  big = V::select(V::lt(x, V::splat(C(0.0))), V::neg(big), big);
+  return V::select(V::lt(V::abs(x), V::splat(C(0.625))), small, big);
+}
+
+// f(V, i) over i in [0, n): whole vectors, then the tail one lane at a time.
+template <class V, class F>
+inline void Lanes(int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + V::kLanes <= n; i += V::kLanes) f(V(), i);
+  for (; i < n; ++i) f(Scalar(), i);
+}
+
+// What one call attends: q [B, T, N, H] (scaled), the layer's cache k, v [B, S, K, H] and slot
+// positions kpos [B, S], query positions qpos [B, T] (-1: a padding row), into out [B, T, N, H].
+// keys_t: the keys of every tile transposed, [B K, S / tile, H, tile] (tiles no row sees may be
+// left unwritten), so that a vector lane holds one slot's chain.
+struct Attend {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* qpos;
+  const int32_t* kpos;
+  const float* keys_t;
+  float* out;
+  int64_t batch, tokens, heads, kv_heads, head_dim, slots, tile, chunk;
+  int64_t window;  // 0: none
+  float softcap;   // 0: none
+};
+
+// Per work item: its rows' scores [rows, S] (then p), p . v of one tile [rows, H], and the
+// running sums.
+struct AttendScratch {
+  float* scores;
+  float* pv;
+  float* acc;
+  float* l;
+  float* q;
+  uint8_t* saw;    // [rows, S / tile]
+  float* tree;     // [tile]
+  float* visible;  // [S]: 1 where the row sees the slot, else 0
+};
+
+inline bool Visible(int32_t qp, int32_t kp, int64_t window) {
+  return kp >= 0 && kp <= qp && (window == 0 || qp - kp < window);
+}
+
+// s = tanh(s * inverse) * cap over n scores (the spec's soft-cap).
+template <class V>
+inline void Softcap(float* s, int64_t n, float cap, float inverse) {
+  Lanes<V>(n, [&](auto v, int64_t i) {
+    using W = decltype(v);
+    W::store(s + i, W::mul(Tanh<W>(W::mul(W::load(s + i), W::splat(inverse))), W::splat(cap)));
+  });
+}
+
+// The max over the visible of n scores (kMasked when none is; visible[i]: 1 or 0), taken lane by
+// lane, then across lanes (a max is exact in any order).
+template <class V>
+inline float VisibleMax(const float* s, const float* visible, int64_t n) {
+  auto most = V::splat(kMasked);
+  float tail = kMasked;
+  Lanes<V>(n, [&](auto v, int64_t i) {
+    using W = decltype(v);
+    const auto x = W::select(W::gt(W::load(visible + i), W::splat(0.0f)), W::load(s + i),
+                             W::splat(kMasked));
+    if constexpr (W::kLanes == 1) tail = tail < x ? x : tail;
+    else most = W::max(most, x);
+  });
+  float lanes[V::kLanes];
+  V::store(lanes, most);
+  for (float x : lanes) tail = tail < x ? x : tail;
+  return tail;
+}
+
+// s = exp(s - m) where visible, else +0, over n scores.
+template <class V>
+inline void Probabilities(float* s, const float* visible, int64_t n, float m) {
+  Lanes<V>(n, [&](auto v, int64_t i) {
+    using W = decltype(v);
+    const auto e = Exp<W>(W::sub(W::load(s + i), W::splat(m)));
+    W::store(s + i, W::select(W::gt(W::load(visible + i), W::splat(0.0f)), e, W::splat(0.0f)));
+  });
+}
+
+// The pairwise tree sum of gemma_jax.numerics.tree_sum over x[0 .. n) (n >= 1), in `tree`.
+inline float TreeSum(const float* x, int64_t n, float* tree) {
+  std::memcpy(tree, x, sizeof(float) * n);
+  while (n > 1) {
+    const int64_t h = n / 2;
+    for (int64_t i = 0; i < h; ++i) tree[i] = tree[i] + tree[h + i];
+    if (n % 2) tree[h] = tree[2 * h];  // the odd element rides along
+    n = h + n % 2;
+  }
+  return tree[0];
+}
+
+// Whether any row with a position in [qlo, qhi] may see a slot of a tile whose non-empty slots'
+// positions lie in [klo, khi] (klo > khi: the tile is empty). False only where none can.
+inline bool MaySee(int32_t qlo, int32_t qhi, int32_t klo, int32_t khi, int64_t window) {
+  if (klo > khi || qlo > qhi || klo > qhi) return false;
+  return window == 0 || static_cast<int64_t>(qlo) - khi < window;
+}
+
+// Rows [r0, r0 + rows) of group g = b K + k (row r: token r / G, query head k G + r % G).
+// tiles: the tiles some of these rows may see, ascending (the others hold nothing they see).
+template <class V>
+inline void AttendRows(const Attend& a, int64_t group, int64_t r0, int64_t rows,
+                       const int64_t* tiles, int64_t num_tiles, const AttendScratch& w) {
+  const int64_t b = group / a.kv_heads, kh = group % a.kv_heads;
+  const int64_t g = a.heads / a.kv_heads, h = a.head_dim, tile = a.tile, s_len = a.slots;
+  const int64_t n = s_len / tile;
+  const int32_t* kpos = a.kpos + b * s_len;
+  auto row_of = [&](int64_t i) {  // (token, offset of the row's q and out)
+    const int64_t r = r0 + i, t = r / g;
+    return std::pair<int64_t, int64_t>(t, ((b * a.tokens + t) * a.heads + kh * g + r % g) * h);
+  };
+  for (int64_t i = 0; i < rows; ++i)
+    std::memcpy(w.q + i * h, a.q + row_of(i).second, sizeof(float) * h);
+  // 1. Scores of every tile these rows may see.
+  for (int64_t j = 0; j < num_tiles; ++j) {
+    const int64_t tj = tiles[j];
+    Problem p{w.q, h, a.keys_t + (group * n + tj) * h * tile, tile, w.scores + tj * tile, s_len,
+              rows, h, tile, a.chunk};
+    Panel<V, V::kVectors>(p, 0, rows, 0, tile);
+  }
+  if (a.softcap != 0.0f) {
+    const float cap = a.softcap, inverse = C(1.0) / cap;
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < num_tiles; ++j)
+        Softcap<V>(w.scores + i * s_len + tiles[j] * tile, tile, cap, inverse);
+  }
+  // 2-3. Each row's max over what it sees, then p.
+  for (int64_t i = 0; i < rows; ++i) {
+    const int32_t qp = a.qpos[b * a.tokens + row_of(i).first];
+    float* s_row = w.scores + i * s_len;
+    uint8_t* saw = w.saw + i * n;
+    float m = kMasked;
+    for (int64_t j = 0; j < num_tiles; ++j) {
+      const int64_t base = tiles[j] * tile;
+      for (int64_t c = 0; c < tile; ++c)
+        w.visible[base + c] = Visible(qp, kpos[base + c], a.window) ? 1.0f : 0.0f;
+      const float most = VisibleMax<V>(s_row + base, w.visible + base, tile);
+      saw[tiles[j]] = most > kMasked;
+      m = m < most ? most : m;
+    }
+    for (int64_t j = 0; j < num_tiles; ++j) {
+      const int64_t base = tiles[j] * tile;
+      Probabilities<V>(s_row + base, w.visible + base, tile, m);
+    }
+    w.l[i] = 0.0f;
+    std::fill(w.acc + i * h, w.acc + (i + 1) * h, 0.0f);
+  }
+  // 4-5. Tile after tile, in slot order: its row sums and p . v, added where the row saw it.
+  for (int64_t j = 0; j < num_tiles; ++j) {
+    const int64_t tj = tiles[j];
+    Problem p{w.scores + tj * tile, s_len, a.v + ((b * s_len + tj * tile) * a.kv_heads + kh) * h,
+              a.kv_heads * h, w.pv, h, rows, tile, h, tile};
+    Panel<V, V::kVectors>(p, 0, rows, 0, h);
+    for (int64_t i = 0; i < rows; ++i) {
+      if (!w.saw[i * n + tj]) continue;
+      w.l[i] = w.l[i] + TreeSum(w.scores + i * s_len + tj * tile, tile, w.tree);
+      float* acc = w.acc + i * h;
+      const float* pv = w.pv + i * h;
+      for (int64_t c = 0; c < h; ++c) acc[c] = acc[c] + pv[c];
+    }
+  }
+  // 6. 1 / l once per row, then a multiply.
+  for (int64_t i = 0; i < rows; ++i) {
+    const float inverse = C(1.0) / (w.l[i] > 0.0f ? w.l[i] : C(1.0));
+    float* out = a.out + row_of(i).second;
+    const float* acc = w.acc + i * h;
+    for (int64_t c = 0; c < h; ++c) out[c] = acc[c] * inverse;
+  }
+}
+
+}  // namespace gemma_spec
+
+#endif  // GEMMA_SPEC_ATTENTION_H_
