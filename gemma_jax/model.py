@@ -59,10 +59,13 @@ class Embedder(nnx.Module):
              numerics: Numerics) -> tuple[jax.Array, jax.Array | None]:
     """tokens [B, T] -> (x [B, T, D], per-layer inputs [B, T, L, P] or None)."""
     table = self.input_embedding[...]
+    if table.ndim == 3:  # stored as the output table's column panels [V / P, D, P]: gathered
+      rows = table[tokens // table.shape[2], :, tokens % table.shape[2]]  # [B, T, D]
+    else:
+      rows = table[tokens]
     # sqrt(D) is rounded to the activation dtype first, as the reference does (in bfloat16,
     # sqrt(640) = 25.298 becomes 25.25).
-    x = numerics.barrier(
-        table[tokens] * jnp.asarray(math.sqrt(self.config.embed_dim), table.dtype))
+    x = numerics.barrier(rows * jnp.asarray(math.sqrt(self.config.embed_dim), table.dtype))
     if not self.config.per_layer_embed_dim:
       return x, None
     ple_table = self.per_layer_embeddings[...]
@@ -199,6 +202,17 @@ def bind(params: Params, config: TransformerConfig) -> Transformer:
   dtype = jax.tree.leaves(params)[0].dtype
   graphdef, _ = _abstract_model(config, jnp.dtype(dtype).name)
   return nnx.merge(graphdef, params)
+
+
+def dense_weights(config: TransformerConfig) -> dict[str, tuple[int, int]]:
+  """Every dense projection's weight, by flat name ('layers/0/mlp/down_proj/w'), as the [K, N]
+  matrix it is contracted as (K the product of its input dims)."""
+  out = {}
+  for path, node in nnx.iter_graph(Transformer(config, rngs=None)):
+    if isinstance(node, Dense):
+      name = '/'.join(str(p) for p in path) + '/w'
+      out[name] = (math.prod(node.in_shape), math.prod(node.out_shape))
+  return out
 
 
 def store_weights(params: Params, config: TransformerConfig, numerics: Numerics) -> Params:

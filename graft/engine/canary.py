@@ -20,7 +20,6 @@ without bumping `SPEC_VERSION` (gemma_jax/spec/__init__.py):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import numpy as np
@@ -98,7 +97,7 @@ def _loaded(model: str):
   rng = np.random.default_rng(0)
   params = jax.tree.map(lambda leaf: jnp.asarray(
       (rng.integers(-1024, 1024, leaf.shape) / 16384).astype(np.float32)), loaded.params)
-  return dataclasses.replace(loaded, params=params, weights='canary')
+  return loaded.replace(params=params, weights='canary')
 
 
 def _engine(model: str, dot_library: str | None):

@@ -22,11 +22,9 @@ import platform
 
 import jax
 import jaxlib
-import numpy as np
 
 from gemma_jax import host, sharding
 from gemma_jax.spec import selfcheck
-from gemma_jax.checkpoints import tree
 
 # CPU flags that can change which kernels XLA emits; the rest of /proc/cpuinfo does not matter.
 _ISA_PREFIXES = ('sse', 'ssse', 'avx', 'fma', 'f16c', 'amx', 'bmi', 'vnni', 'neon', 'asimd', 'sve')
@@ -46,23 +44,13 @@ def digest(value) -> str:
   return hashlib.sha256(canonical_json(value).encode()).hexdigest()
 
 
-def params_digest(params) -> str:
-  """SHA-256 over every parameter: name, dtype, shape and raw bytes, in sorted name order."""
-  h = hashlib.sha256()
-  for name, leaf in tree.flatten(params).items():
-    array = np.ascontiguousarray(np.asarray(leaf))
-    h.update(f'{name}|{array.dtype.name}|{array.shape}|'.encode())
-    h.update(array.tobytes())
-  return h.hexdigest()
-
-
 def model_fingerprint(loaded) -> dict:
   """Fingerprint of a `gemma_jax.weights.LoadedModel`: {'sha256', what went into it, and the
   model's name and weights spec (not hashed: two names of the same bytes are one model)}."""
   parts = {
       'config': json.loads(canonical_json(loaded.config)),
       'dtype': loaded.dtype,
-      'params_sha256': params_digest(loaded.params),
+      'params_sha256': loaded.params_sha256,
       'tokenizer_sha256': hashlib.sha256(loaded.tokenizer.model_proto).hexdigest(),
   }
   return {'sha256': digest(parts), **parts, 'model': loaded.config.name,

@@ -329,15 +329,19 @@ class Spec(Pinned):
     weights = engine.projection_weights()
     head_dims = tuple(sorted({cfg.layer_spec(i).head_dim for i in range(cfg.num_layers)}))
     groups = {cfg.num_heads // cfg.layer_spec(i).num_kv_heads for i in range(cfg.num_layers)}
-    rows = row_buckets(self.config.rows_per_call, self.config.min_rows)
+    # The row counts its calls have: by length, a decode step's and a block's (fewer real rows
+    # compute the same chains), and one logits call's; else every bucket.
+    rows = ((1, self.config.rows_per_call) if engine.by_length
+            else row_buckets(self.config.rows_per_call, self.config.min_rows))
     try:
       selfcheck.run(numerics, self.compiler_options, weights=weights, rows=rows,
-                    head_rows=self.head_rows,
+                    head_rows=(HEAD_ROWS,) if engine.by_length else self.head_rows,
                     # (two rows: the relative mode's per-row scores, numerics.row_scores)
                     attention_rows=tuple(sorted({max(r * g, 2) for r in rows for g in groups}
                                                 | {2})),
                     head_dims=head_dims, tile=engine.attention_tile,
-                    kv_heads=max(cfg.layer_spec(i).num_kv_heads for i in range(cfg.num_layers)))
+                    kv_heads=max(cfg.layer_spec(i).num_kv_heads for i in range(cfg.num_layers)),
+                    groups=max(groups), softcap=cfg.attn_logits_softcap)
     except selfcheck.SpecError as e:
       if self.config.dot_library in ('pallas', 'native') or not e.in_dots_only:
         raise
