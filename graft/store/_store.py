@@ -150,10 +150,18 @@ class Store:
     return self._lookup.match(tokens)
 
   def graft(self, tokens, *, whole_blocks: bool = False) -> tuple[Context, Match]:
-    """A fresh context holding the longest stored prefix of `tokens` at its own positions, and
-    the match. A block that fails verification is quarantined and the prefix ends before it
-    (the caller's engine computes the rest). whole_blocks: a prefix that ends inside a block
-    and is followed by more tokens ends at that block's start instead (what a put builds on)."""
+    """The longest stored prefix of `tokens`, grafted. A block that fails verification is
+    quarantined and the prefix ends before it (the caller's engine computes the rest).
+
+    Args:
+      tokens: T token ids from position 0.
+      whole_blocks: a prefix that ends inside a block and is followed by more tokens ends at
+        that block's start instead (what a put builds on).
+
+    Returns:
+      A fresh context of the engine holding the match's rows at their own positions (its KV:
+      the engine's one fixed cache, [B=1, S, K, H] per layer), and the match.
+    """
     return self._lookup.graft(tokens, whole_blocks=whole_blocks)
 
   def read_blocks(self, wanted: list[tuple[dict, bool]]) -> list:
