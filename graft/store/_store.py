@@ -201,8 +201,11 @@ class Store:
   def quarantine(self, key: str, name: str, reason: str, *, kind: Kind | None = None,
                  entry_name: str | None = None, data: bytes | None = None,
                  judged=None) -> None:
-    """Reports a bad entry or object and moves it aside under quarantine/ with its reason
-    (graft/store/index.py: `Index.quarantine`)."""
+    """Reports a bad entry or object `name` of block `key` (as `kind`; default: a bad object
+    or entry, as `name` is one) and moves it aside: a copy and the reason go under quarantine/,
+    the entry `entry_name` is removed if it still holds `judged` (its bytes or decoded entry),
+    and an object is deleted only if it still holds the bytes judged (`data`, when the caller
+    read them)."""
     self._index.quarantine(key, name, reason, kind=kind, entry_name=entry_name, data=data,
                            judged=judged)
 
