@@ -27,6 +27,7 @@ from experiments import common
 from gemma_jax import files
 from graft.store import Store, signing
 from graft.store._store import LEASE_SECONDS
+from graft.store.publish import STEPS, pause_at
 
 FLAGS = flags.FLAGS
 COMMANDS = ('put', 'get', 'ls', 'verify', 'gc', 'stats', 'keygen')
@@ -48,6 +49,12 @@ def define_flags() -> None:
                      f'default {LEASE_SECONDS:g} s. 0: remove every unpublished object (only '
                      'when no put is running).')
   flags.DEFINE_string('output', None, 'keygen: where the private key goes (and OUTPUT.pub).')
+  # Test hooks (tests/test_store.py, graft/faults.py): a writer made to stop inside a put.
+  flags.DEFINE_string('pause_at', None, f'put, for tests: STEP:N ({"|".join(STEPS)}): at the '
+                      'N-th time the put reaches STEP, print the batch\'s object names on stderr '
+                      'and wait to be killed (or for --resume_file).')
+  flags.DEFINE_string('resume_file', None, 'put, for tests: with --pause_at, go on once this '
+                      'file exists.')
   common.define_store_flags()
   common.define_model_flags()
   common.define_engine_flags()
@@ -90,10 +97,12 @@ def main(argv):
   if command == 'put':
     if not FLAGS.input:
       raise app.UsageError('put needs --input=FILE.jsonl')
+    after_step = pause_at(FLAGS.pause_at, FLAGS.resume_file) if FLAGS.pause_at else None
     loaded = common.load_model()
     contexts = read_contexts(FLAGS.input, loaded.tokenizer)  # checked before anything is made
     store = Store(FLAGS.store, common.make_engine(loaded),
-                  host_cache_bytes=FLAGS.host_cache_bytes, create=True, **common.store_args())
+                  host_cache_bytes=FLAGS.host_cache_bytes, create=True, after_step=after_step,
+                  **common.store_args())
     totals = {'tokens': 0, 'reused_tokens': 0, 'blocks_written': 0, 'bytes_written': 0,
               'conflicts': 0}
     for i, tokens in enumerate(contexts):

@@ -77,7 +77,7 @@ from graft import exactness
 from graft.engine import Engine
 from gemma_jax.config import AttentionType
 from graft.store import Store, StoreError, artifact, blocks, signing
-from graft.store._store import PAUSE_ENV, PAUSED
+from graft.store.publish import PAUSED
 from graft.store.artifact import ArtifactError
 from graft.store.kvstore import KvStore, StoreUrlError
 
@@ -531,20 +531,20 @@ def _store_trial(kind: str, world: World, rng, others: dict, scratch: str) -> Ou
     other, seen = world.store(kv), {}
     at = str(rng.choice(['written', 'verified']))  # the step the rebuild or whole gc runs at
 
-    class Beside(Store):
-      def _step(self, step, names):
-        if kind == 'rebuild_beside_put' and step == at:
-          other.rebuild_index()
-        elif kind == 'gc_inside_put' and step == at:
-          other.gc()  # the whole gc between the put's object writes and its publishing
-        elif kind == 'gc_beside_put' and step == 'verified':
-          seen['problems'] = other.verify()  # the put's objects, unpublished
-        elif kind == 'gc_beside_put' and step == 'published':
-          other.verify = lambda: seen['problems']  # ...removed after they are published
-          other.gc()
+    def beside(step, names):  # the put's after_step
+      if kind == 'rebuild_beside_put' and step == at:
+        other.rebuild_index()
+      elif kind == 'gc_inside_put' and step == at:
+        other.gc()  # the whole gc between the put's object writes and its publishing
+      elif kind == 'gc_beside_put' and step == 'verified':
+        seen['problems'] = other.verify()  # the put's objects, unpublished
+      elif kind == 'gc_beside_put' and step == 'published':
+        other.verify = lambda: seen['problems']  # ...removed after they are published
+        other.gc()
 
     try:
-      Beside(kv, engine, trusted_keys=world.trusted, signing_key=world.signing_key).put(context)
+      Store(kv, engine, trusted_keys=world.trusted, signing_key=world.signing_key,
+            after_step=beside).put(context)
     except StoreError as e:  # the put found its own object gone or changed, and said so
       reasons.append(f'put failed: {e}')
     touched, fault = set(), kind.replace('_', ' ')
@@ -649,11 +649,11 @@ def artifact_manifest_trial(world: World, rng, context, query, want, scratch) ->
 
 def _put_process(url: str, path: str, model_args: list[str],
                  pause: str | None = None) -> subprocess.Popen:
-  """`experiments.store put` in another process; pause: its PAUSE_ENV ('STEP:N')."""
+  """`experiments.store put` in another process; pause: its --pause_at ('STEP:N')."""
   return subprocess.Popen([sys.executable, '-m', 'experiments.store', 'put', f'--store={url}',
-                           f'--input={path}', *model_args], cwd=REPO,
-                          env={**os.environ, 'PYTHONPATH': REPO,
-                               **({PAUSE_ENV: pause} if pause else {})},
+                           f'--input={path}', *model_args,
+                           *([f'--pause_at={pause}'] if pause else [])], cwd=REPO,
+                          env={**os.environ, 'PYTHONPATH': REPO},
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

@@ -12,6 +12,10 @@ from graft import faults
 from gemma_jax import weights
 from gemma_jax import digest
 from graft.store import blocks
+from graft.store.index import Index
+from graft.store.maintenance import Maintenance
+from graft.store.publish import Publication
+from graft.store.trust import Trust
 from graft.engine import Engine, EngineConfig
 
 # Kinds that must be refused at least once in a CI-sized run (the others may find nothing to
@@ -94,9 +98,9 @@ def test_the_campaign_catches_a_reader_that_skips_the_leaf_hashes(setup, monkeyp
 def test_the_campaign_catches_a_writer_that_keeps_a_forgery(setup, monkeypatch):
   world, others, scratch = setup
   # A planted bug: the writer keeps what is stored under a taken key without comparing bytes.
-  monkeypatch.setattr(faults.Store, '_publish_over',
-                      lambda self, *a, **k: (self.backing.delete(a[3]), (
-                          False, False, self._entry(a[0], a[2], a[1])['header_sha256']))[1])
+  monkeypatch.setattr(Publication, '_publish_over',
+                      lambda self, *a, **k: (self._backing.delete(a[3]), (
+                          False, False, self._index.entry(a[0], a[2], a[1])['header_sha256']))[1])
   kinds = faults.campaign(world, ['forgery'], trials=6, process_trials=0, seed=6, others=others,
                           scratch=scratch)
   assert kinds['forgery']['silent_wrong'] > 0
@@ -104,8 +108,8 @@ def test_the_campaign_catches_a_writer_that_keeps_a_forgery(setup, monkeypatch):
 
 def test_the_campaign_catches_a_reader_that_ignores_the_parent_header(setup, monkeypatch):
   world, others, scratch = setup
-  monkeypatch.setattr(faults.Store, '_on_parent', lambda self, entry, parent_header: True)
-  monkeypatch.setattr(faults.Store, '_children', lambda self, parent, start: [])
+  monkeypatch.setattr(Trust, 'on_parent', lambda self, entry, parent_header: True)
+  monkeypatch.setattr(Index, 'children', lambda self, parent, start: [])
   kinds = faults.campaign(world, ['forgery_descendants'], trials=6, process_trials=0, seed=7,
                           others=others, scratch=scratch)
   assert kinds['forgery_descendants']['silent_wrong'] > 0
@@ -123,9 +127,9 @@ def test_the_campaign_catches_an_unconditional_delete(setup, monkeypatch):
   world, others, scratch = setup
   # A planted bug: an entry judged bad is deleted whatever it holds by then (and not rebuilt from
   # the sound object, which would heal the loss within the same reader).
-  monkeypatch.setattr(faults.Store, '_delete_entry_if',
-                      lambda self, name, judged: self.backing.delete(name) or True)
-  monkeypatch.setattr(faults.Store, '_rebuild_entry', lambda self, parent, key: None)
+  monkeypatch.setattr(Index, '_delete_entry_if',
+                      lambda self, name, judged: self._backing.delete(name) or True)
+  monkeypatch.setattr(Index, 'rebuild_entry', lambda self, parent, key: None)
   kinds = faults.campaign(world, ['stale_reader'], trials=6, process_trials=0, seed=9,
                           others=others, scratch=scratch)
   assert kinds['stale_reader']['lost'] > 0
@@ -134,7 +138,7 @@ def test_the_campaign_catches_an_unconditional_delete(setup, monkeypatch):
 def test_the_campaign_catches_a_gc_that_ignores_leases(setup, monkeypatch):
   world, others, scratch = setup
   # A planted bug: gc sees no put's lease, so it removes a running put's unpublished objects.
-  monkeypatch.setattr(faults.Store, '_leases', lambda self, lease_seconds: (set(), []))
+  monkeypatch.setattr(Maintenance, '_leases', lambda self, lease_seconds: (set(), []))
   kinds = faults.campaign(world, ['gc_inside_put'], trials=6, process_trials=0, seed=10,
                           others=others, scratch=scratch)
   assert kinds['gc_inside_put']['lost'] > 0

@@ -18,7 +18,7 @@ from graft.store import blocks
 from graft.engine import Engine, EngineConfig
 from graft.store.kvstore import StoreUrlError
 from graft.store import Store, StoreError
-from graft.store._store import PAUSE_ENV, PAUSED, RESUME_ENV
+from graft.store.publish import PAUSED
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 B = 8
@@ -392,13 +392,13 @@ def test_hostile_entries_are_refused_not_followed():
 
 
 def _put_process(url, path, pause=None, resume=None):
-  """`experiments.store put` in another process; pause: its PAUSE_ENV ('STEP:N'); resume: its
-  RESUME_ENV (a file whose creation lets it go on)."""
+  """`experiments.store put` in another process; pause: its --pause_at ('STEP:N'); resume: its
+  --resume_file (a file whose creation lets it go on)."""
   return subprocess.Popen([sys.executable, '-m', 'experiments.store', 'put', f'--store={url}',
-                           f'--input={path}', *TINY_FLAGS], cwd=REPO,
-                          env={**os.environ, 'PYTHONPATH': str(REPO),
-                               **({PAUSE_ENV: pause} if pause else {}),
-                               **({RESUME_ENV: str(resume)} if resume else {})},
+                           f'--input={path}', *TINY_FLAGS,
+                           *([f'--pause_at={pause}'] if pause else []),
+                           *([f'--resume_file={resume}'] if resume else [])], cwd=REPO,
+                          env={**os.environ, 'PYTHONPATH': str(REPO)},
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

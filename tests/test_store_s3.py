@@ -29,7 +29,7 @@ import boto3  # noqa: E402  (moto's own dependency)
 
 from gemma_jax.compare import sha256_bytes  # noqa: E402
 from graft.store import Store  # noqa: E402
-from graft.store._store import PAUSED  # noqa: E402
+from graft.store.publish import PAUSED  # noqa: E402
 from graft.store.kvstore import KvStore  # noqa: E402
 from tests.test_store import (B, _put_process, engine, fresh_logits, grafted_logits,  # noqa: E402
                               object_names, put_from_two_processes, tokens)

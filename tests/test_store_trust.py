@@ -254,36 +254,33 @@ def test_a_stale_reader_never_deletes_an_entry_another_writer_republished(eng):
   assert Store(store.backing, eng).audit(1.0) == []
 
 
-def test_a_rebuild_beside_a_put_costs_the_put_nothing(eng, monkeypatch):
-  store = Store('memory://', eng)
+def test_a_rebuild_beside_a_put_costs_the_put_nothing(eng):
   library = tokens(30, 17)
 
-  def rebuild_now(self, step, names):  # another process rebuilds the index mid-put
+  def rebuild_now(step, names):  # another process rebuilds the index mid-put
     if step == 'verified':
-      Store(self.backing, eng).rebuild_index()
+      Store(store.backing, eng).rebuild_index()
 
-  monkeypatch.setattr(Store, '_step', rebuild_now)
+  store = Store('memory://', eng, after_step=rebuild_now)
   report = store.put(library)
-  monkeypatch.undo()
   assert report['blocks_written'] == len(blocks.chain_keys(store.namespace, library, B))
   reader = Store(store.backing, eng)
   assert reader.verify() == [] and reader.lookup(library).tokens == len(library)
 
 
 def test_gc_beside_a_put_keeps_what_the_put_publishes(eng, monkeypatch):
-  store = Store('memory://', eng)
   library = tokens(30, 18)
-  collector = Store(store.backing, eng)
   seen = {}
 
-  def step(self, step, names):
+  def step(step, names):
     if step == 'verified':  # gc lists the put's objects while they are unpublished...
       seen['problems'] = collector.verify()
     elif step == 'published':  # ...and deletes after the put has published them
       monkeypatch.setattr(collector, 'verify', lambda: seen['problems'])
       collector.gc()
 
-  monkeypatch.setattr(Store, '_step', step)
+  store = Store('memory://', eng, after_step=step)
+  collector = Store(store.backing, eng)
   store.put(library)
   monkeypatch.undo()
   assert any('not published' in p.reason for p in seen['problems'])
@@ -291,21 +288,19 @@ def test_gc_beside_a_put_keeps_what_the_put_publishes(eng, monkeypatch):
   assert reader.verify() == [] and reader.lookup(library).tokens == len(library)
 
 
-def test_gc_inside_a_put_keeps_what_the_put_has_leased_and_not_yet_published(eng, monkeypatch):
-  store = Store('memory://', eng)
+def test_gc_inside_a_put_keeps_what_the_put_has_leased_and_not_yet_published(eng):
   library = tokens(30, 20)
-  collector = Store(store.backing, eng)
   seen = {}
 
-  def step(self, step, names):
+  def step(step, names):
     if step == 'verified':  # gc runs whole between the put's object writes and its publishing
       seen['leases'] = store.backing.list('staging/')
       seen['removed'] = collector.gc()
       seen['kept'] = all(store.backing.read(name) is not None for name in names)
 
-  monkeypatch.setattr(Store, '_step', step)
+  store = Store('memory://', eng, after_step=step)
+  collector = Store(store.backing, eng)
   store.put(library)
-  monkeypatch.undo()
   assert len(seen['leases']) == 1 and seen['removed']['objects'] == 0 and seen['kept']
   assert store.backing.list('staging/') == []  # the put drops its lease once published
   reader = Store(store.backing, eng)

@@ -7,13 +7,18 @@
     store = Store('file:///data/kv/', engine)                        # any kvstore URL
     store.put(tokens); ctx, match = store.graft(tokens)              # longest stored prefix
 
-Modules: artifact (save / load / graft, every hash re-checked), blocks (the block object and
-index entry formats, chain keys), kvstore (TensorStore's kvstore, by URL), and the Store.
+Public modules: artifact (save / load / graft, every hash re-checked), blocks (the block object
+and index entry formats, chain keys), kvstore (TensorStore's kvstore, by URL) and signing
+(writers' Ed25519 keys). The Store's whole public API is in _store.py; it composes private
+parts, each receiving its dependencies in its constructor: reads (object reads, decoding, the
+host tier), trust (signatures, the parent a block was computed on), index (entries, rebuild,
+quarantine), lookup (the longest stored prefix, graft), publish (the put protocol) and
+maintenance (verify, audit, gc), over shared (names, the codec, problems and their kinds).
 """
 
-from graft.store import artifact, blocks, kvstore
-from graft.store._store import Match, Problem, Store, StoreError
+from graft.store import artifact, blocks, kvstore, signing
+from graft.store._store import Kind, Match, Problem, Store, StoreError
 from graft.store.artifact import Artifact, ArtifactError
 
-__all__ = ['Artifact', 'ArtifactError', 'Match', 'Problem', 'Store', 'StoreError', 'artifact',
-           'blocks', 'kvstore']
+__all__ = ['Artifact', 'ArtifactError', 'Kind', 'Match', 'Problem', 'Store', 'StoreError',
+           'artifact', 'blocks', 'kvstore', 'signing']

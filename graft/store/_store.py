@@ -5,7 +5,7 @@
     ctx, match = store.graft(tokens)                   # the longest stored prefix, grafted
     ctx, logits = engine.extend(ctx, tokens[match.tokens:] + query, logits=...)
 
-Content addressing (graft/blocks.py). The unit is the pinned engine's block: B tokens at
+Content addressing (blocks.py). The unit is the pinned engine's block: B tokens at
 sequence indices kB .. kB + B - 1, keyed by a SHA-256 chain over the namespace (model, engine,
 layout, machine), the parent block's key and the block's token ids. Contexts that share a
 prefix share its blocks; a context's last block may be partial. Lookup returns the longest
@@ -13,7 +13,7 @@ stored prefix at token granularity: a query that diverges inside a block still r
 block's first rows, since under the pinned engine a row's bits do not depend on the rows after
 it (tests/test_store.py proves it on every family).
 
-Storage (graft/kvstore.py): TensorStore's kvstore, so the same store runs on local disk, in
+Storage (kvstore.py): TensorStore's kvstore, so the same store runs on local disk, in
 memory or on object stores. Layout under the URL:
 
     store.json                   the namespace and the fingerprints behind it (written once)
@@ -41,51 +41,65 @@ and reason, quarantined (moved aside, its entry removed) and treated as a miss, 
 recomputes and the answer is still exact. `verify` checks a whole store; `gc` drops what no
 index entry reaches.
 
-The Store is one class in rooms, each a module of its own (mixins over the state the Store
-holds): index.py (entries, their batch reads and rebuild), reads.py (object reads, decoding,
-the host tier), publish.py (the publication protocol of put: write, read back, publish,
-leases), trust.py (signatures: which verified blocks a graft may use), maintenance.py (verify,
-audit, quarantine, gc); this module holds the namespace, lookup and graft; shared.py the
-names, errors and results they share.
+The Store is the one place of the public API. It composes parts, each an object of one job that
+receives what it depends on in its constructor (graph: each needs only those before it):
+
+    shared.py       names, Codec (the block formats bound to the namespace), Problems (what
+                    was refused, logged), Kind (what a Problem is), Match, StoreError
+    reads.py        Reads(backing, codec, host, counters): object reads, decoding, host tier
+    trust.py        Trust(backing, problems, signing_key, trusted_keys): signatures, parents
+    index.py        Index(backing, codec, problems, reads): entries, rebuild, quarantine
+    lookup.py       Lookup(engine, codec, index, reads, trust): the longest prefix, graft
+    publish.py      Publication(backing, codec, engine, counters, lookup, index, reads, trust,
+                    after_step): put, read top to bottom (write, read back, publish, leases)
+    maintenance.py  Maintenance(backing, codec, engine, index, reads): verify, audit, gc
 """
 
 from __future__ import annotations
 
 import collections
 import json
+from typing import Callable
 
-import numpy as np
-
-from gemma_jax import kv_state as kvs
-from graft.store import blocks, signing
-from graft.engine.fingerprint import differences
-from graft.store.blocks import BlockError
 from graft.engine import Context, Engine, fingerprint
-from graft.store.kvstore import KvStore
-from graft.store.shared import DESCRIPTION, LEASE_SECONDS, BadBlock, Match, Problem, StoreError
+from graft.engine.fingerprint import differences
+from graft.store import blocks, signing
 from graft.store.index import Index
+from graft.store.kvstore import KvStore
+from graft.store.lookup import Lookup
 from graft.store.maintenance import Maintenance
-from graft.store.publish import PAUSE_ENV, PAUSED, RESUME_ENV, Publication
+from graft.store.publish import Publication
 from graft.store.reads import HostCache, Reads
+from graft.store.shared import (DESCRIPTION, LEASE_SECONDS, Codec, Kind, Match, Problem,
+                                Problems, StoreError)
 from graft.store.trust import Trust
 
-__all__ = ['LEASE_SECONDS', 'PAUSED', 'PAUSE_ENV', 'RESUME_ENV', 'HostCache', 'Match', 'Problem',
-           'Store', 'StoreError']
+__all__ = ['LEASE_SECONDS', 'HostCache', 'Kind', 'Match', 'Problem', 'Store', 'StoreError']
 
 
-class Store(Index, Reads, Trust, Publication, Maintenance):
-  """A store at `url` bound to one namespace: the pinned `engine`'s model and configuration."""
+class Store:
+  """A store at `url` bound to one namespace: the pinned `engine`'s model and configuration.
+
+  Args:
+    url: a kvstore URL, or an open KvStore (another view of the same storage: a memory://
+      store is private to the KvStore that opened it; a wrapper that injects faults).
+    engine: the pinned, byte-exact engine whose KV the store holds.
+    host_cache_bytes: the bound of the host tier (an LRU of verified blocks).
+    create: whether a missing store is created (else StoreError).
+    signing_key: this writer's key; every block it publishes or finds identical is signed.
+    trusted_keys: when given, only blocks signed by one of them are grafted (the rest are
+      misses, reported); when None, every verified block is (the writers are trusted).
+    namespace_salt: a tenant's secret; stores of another salt are another namespace.
+    after_step: called after each step of a put ('written', 'verified', 'published') with the
+      batch's object names: tests pause a writer or run other operations there
+      (graft/store/publish.py's `pause_at`); None in use.
+  """
 
   def __init__(self, url: str | KvStore, engine: Engine, *, host_cache_bytes: int = 1 << 30,
                create: bool = True, signing_key: signing.SigningKey | None = None,
                trusted_keys: tuple[signing.PublicKey, ...] | None = None,
-               namespace_salt: str = ''):
-    """`url` is a kvstore URL, or an open KvStore (another view of the same storage: a memory://
-    store is private to the KvStore that opened it; a wrapper that injects faults).
-    signing_key: this writer's key; every block it publishes or finds identical is signed.
-    trusted_keys: when given, only blocks signed by one of them are grafted (the rest are
-    misses, reported); when None, every verified block is (the writers are trusted).
-    namespace_salt: a tenant's secret; stores of another salt are another namespace."""
+               namespace_salt: str = '',
+               after_step: Callable[[str, list[str]], None] | None = None):
     if not engine.plan.byte_exact:
       raise StoreError('a store holds KV of a byte-exact engine only; this engine is '
                        f'{engine.engine_config.mode!r}')
@@ -96,130 +110,71 @@ class Store(Index, Reads, Trust, Publication, Maintenance):
     self.block_tokens = engine.engine_config.rows_per_call
     self.salt = namespace_salt
     self.namespace = blocks.namespace(engine.model_fingerprint, engine.fingerprint,
-                                      namespace_salt)
-    self.host = HostCache(host_cache_bytes)
+                                      namespace_salt)  # this engine's; the store's may be older
+    self.namespace = _open(self.backing, self.description(), namespace_salt, create)
     self.signing_key, self.trusted_keys = signing_key, trusted_keys
-    self._trusted: dict[str, bool] = {}  # header SHA-256 -> signed by a trusted key
-    self.problems: list[Problem] = []
-    self.counters = collections.Counter()  # reads by tier, bytes, blocks written
-    self._entries: dict[str, dict] = {}  # key -> verified entry (entries are immutable)
-    self._open(create)
+    self.problems = Problems(self.url)  # every entry or object refused, in order
+    self.counters = collections.Counter()  # reads by tier, bytes, blocks written, conflicts
+    codec = Codec(self.namespace, self.block_layout, engine.config.vocab_size,
+                  self.block_tokens)
+    self._reads = Reads(self.backing, codec, HostCache(host_cache_bytes), self.counters)
+    self._trust = Trust(self.backing, self.problems, signing_key, trusted_keys)
+    self._index = Index(self.backing, codec, self.problems, self._reads)
+    self._lookup = Lookup(engine, codec, self._index, self._reads, self._trust)
+    self._publication = Publication(self.backing, codec, engine, self.counters, self._lookup,
+                                    self._index, self._reads, self._trust, after_step)
+    self._maintenance = Maintenance(self.backing, codec, engine, self._index, self._reads)
+
+  @property
+  def host(self) -> HostCache:
+    """The host tier: an LRU of verified blocks (assignable: a cache of capacity 0 turns the
+    tier off)."""
+    return self._reads.host
+
+  @host.setter
+  def host(self, cache: HostCache) -> None:
+    self._reads.host = cache
 
   def description(self) -> dict:
+    """What store.json records: the format, namespace, block tokens and both fingerprints."""
     return {'format': blocks.STORE_FORMAT, 'namespace': self.namespace,
             'block_tokens': self.block_tokens, 'model': self.engine.model_fingerprint,
             'engine': self.engine.fingerprint}
 
-  def _open(self, create: bool) -> None:
-    mine = self.description()
-    data = self.backing.read(DESCRIPTION)
-    if data is None:
-      if not create:
-        raise StoreError(f'no store at {self.url} (no {DESCRIPTION})')
-      if self.backing.write_if_absent(DESCRIPTION, blocks.canonical(mine)):
-        return
-      data = self.backing.read(DESCRIPTION)  # another process created it first
-    try:
-      theirs = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
-      raise StoreError(f'{self.url}{DESCRIPTION} is damaged ({e})') from None
-    if not isinstance(theirs, dict) or theirs.get('format') != blocks.STORE_FORMAT:
-      raise StoreError(f'{self.url} is not a {blocks.STORE_FORMAT} store')
-    for part in ('model', 'engine'):
-      if not fingerprint.hashes_to_its_fields(theirs.get(part)):
-        raise StoreError(f'{self.url}{DESCRIPTION}: its {part} fingerprint does not hash to the '
-                         'fields recorded beside it (altered?)')
-    if blocks.namespace(theirs['model'], theirs['engine'], self.salt) != theirs.get('namespace'):
-      raise StoreError(f'{self.url}{DESCRIPTION} does not hash to its namespace under this '
-                       'salt (another tenant\'s store, or altered)')
-    if theirs['namespace'] == mine['namespace']:
-      return
-    diffs = fingerprint.engine_differences(mine['engine'], theirs['engine'],
-                                           labels=('the store has', 'expected'))
-    if theirs['model']['sha256'] != mine['model']['sha256']:
-      diffs = [d for d in differences(mine['model'], theirs['model'],
-                                      labels=('the store has', 'expected'))
-               if not d.startswith('sha256')] + diffs
-    if diffs:
-      raise StoreError(f'{self.url} was made under another model or engine configuration '
-                       f'(namespace {str(theirs.get("namespace"))[:16]}..): '
-                       + '; '.join(diffs[:8]))
-    # The same model and bits under an older fingerprint (a spec store of an earlier release):
-    # its blocks are this engine's blocks, under the namespace they were written in.
-    self.namespace = theirs['namespace']
+  # Reads ---------------------------------------------------------------------------------------
 
   def lookup(self, tokens) -> Match:
-    """The longest stored prefix of `tokens`, at token granularity."""
-    tokens = [int(t) for t in tokens]
-    keys = blocks.chain_keys(self.namespace, tokens, self.block_tokens)
-    self._entries_many([(keys[i - 1] if i else blocks.ROOT, key, i * self.block_tokens)
-                        for i, key in enumerate(keys)])  # every block's entry, concurrently
-    parent, parent_header, used, matched, rows = blocks.ROOT, blocks.ROOT, [], 0, 0
-    for start in range(0, len(tokens), self.block_tokens):
-      chunk = tokens[start:start + self.block_tokens]
-      entry = self._entry(parent, blocks.block_key(self.namespace, parent, chunk), start)
-      if entry is not None and not self._on_parent(entry, parent_header):
-        entry = None
-      if entry is None:  # the longest common prefix among the stored children
-        best, common = None, 0
-        for child in self._children(parent, start):
-          length = _common_prefix(child['tokens'], chunk)
-          if length > common and child['parent_header_sha256'] == parent_header:
-            best, common = child, length
-        if best is not None:
-          used.append(best)
-          matched, rows = matched + common, common
-        break
-      used.append(entry)
-      matched, rows, parent = matched + len(chunk), len(chunk), entry['key']
-      parent_header = entry['header_sha256']
-      if len(chunk) < self.block_tokens:
-        break
-    return self._trusted_prefix(Match(tokens=matched, entries=tuple(used), rows=rows))
+    """The longest stored prefix of `tokens` (token ids from position 0), at token
+    granularity: a block that fails verification, is not signed by a trusted key or was
+    computed on another version of its parent ends it (reported in `problems`)."""
+    return self._lookup.match(tokens)
 
   def graft(self, tokens, *, whole_blocks: bool = False) -> tuple[Context, Match]:
-    """A fresh context holding the longest stored prefix of `tokens` at its own positions. A
-    block that fails verification is quarantined and the prefix ends before it (the caller's
-    engine computes the rest). whole_blocks: a prefix that ends inside a block and is followed
-    by more tokens ends at that block's start instead (what a put builds on: the rows of a
-    partly matching block belong to another block, which a block computed after them would not
-    name as its parent, so a forgery there would pass into it unrecorded)."""
-    tokens = [int(t) for t in tokens]
-    while True:
-      match = self.lookup(tokens)
-      if whole_blocks and match.tokens % self.block_tokens and match.tokens < len(tokens):
-        entries = match.entries[:-1]
-        match = Match(tokens=match.tokens - match.rows, entries=entries,
-                      rows=len(entries[-1]['tokens']) if entries else 0)
-      if not match.tokens:
-        return self.engine.empty(), match
-      try:
-        rows = self._rows(match)
-      except BadBlock as bad:  # each retry removes one bad block, so this ends
-        self.quarantine_object(bad.entry, bad.reason)
-        continue
-      return self.engine.graft(rows, tokens[:match.tokens]), match
+    """The longest stored prefix of `tokens`, grafted. A block that fails verification is
+    quarantined and the prefix ends before it (the caller's engine computes the rest).
 
-  def _rows(self, match: Match) -> list[kvs.KVRows]:
-    """Each matched block's rows, read as far as the graft attends to them."""
-    n = match.tokens
-    ring = self.engine.local_slots
-    used = [len(e['tokens']) for e in match.entries[:-1]] + [match.rows]
-    # A block wholly behind every ring is read for its global layers only.
-    wanted = [(entry, entry['start'] + rows <= n - ring)
-              for entry, rows in zip(match.entries, used)]
-    out = []
-    for (entry, _), rows, leaves in zip(wanted, used, self.read_blocks(wanted)):
-      if isinstance(leaves, BlockError):
-        raise BadBlock(entry, str(leaves))
-      start = entry['start']
-      k = tuple(leaves.get(f'layer_{i}/k') for i in self.engine.config.cache_layers)
-      v = tuple(leaves.get(f'layer_{i}/v') for i in self.engine.config.cache_layers)
-      positions = np.arange(start, start + len(entry['tokens']), dtype=np.int32)
-      out.append(kvs.KVRows(start, k, v, (positions,) * len(k)).prefix(rows))
-    return out
+    Args:
+      tokens: T token ids from position 0.
+      whole_blocks: a prefix that ends inside a block and is followed by more tokens ends at
+        that block's start instead (what a put builds on).
+
+    Returns:
+      A fresh context of the engine holding the match's rows at their own positions (its KV:
+      the engine's one fixed cache, [B=1, S, K, H] per layer), and the match.
+    """
+    return self._lookup.graft(tokens, whole_blocks=whole_blocks)
+
+  def read_blocks(self, wanted: list[tuple[dict, bool]]) -> list:
+    """Blocks' verified leaves, per (entry, global_only): {'layer_<i>/k', 'layer_<i>/v':
+    [T, K, H] array} (T: the block's tokens), or the BlockError that refused the block."""
+    return self._reads.read_blocks(wanted)
+
+  def entries(self) -> list[dict]:
+    """Every published entry reachable from the root, verified, in (start, key) order."""
+    return self._index.entries()
 
   def stats(self) -> dict:
+    """The store's URL, namespace, objects, bytes and tokens addressable."""
     entries = self.entries()
     objects = sum(e['object_bytes'] for e in entries)
     tokens = sum(len(e['tokens']) for e in entries)
@@ -228,17 +183,103 @@ class Store(Index, Reads, Trust, Publication, Maintenance):
             'bytes_per_token': objects / tokens if tokens else None,
             'block_tokens': self.block_tokens}
 
+  # Writes --------------------------------------------------------------------------------------
+
+  def put(self, tokens, *, recompute: bool = False) -> dict:
+    """Deposits `tokens` (a context from position 0): every block not stored yet is computed
+    and published (graft/store/publish.py); `recompute` computes every block and compares it
+    with what is stored (a stored block that differs is a conflict: replaced, quarantined,
+    reported). Returns what it did: tokens, blocks reused and written, conflicts, bytes,
+    seconds computing and storing."""
+    return self._publication.put(tokens, recompute=recompute)
+
+  def rebuild_index(self) -> int:
+    """Publishes an entry for every verified object that has none (an index lost or damaged
+    can always be rebuilt from the objects' headers); returns how many it wrote."""
+    return self._index.rebuild_index()
+
+  def quarantine(self, key: str, name: str, reason: str, *, kind: Kind | None = None,
+                 entry_name: str | None = None, data: bytes | None = None,
+                 judged=None) -> None:
+    """Reports a bad entry or object `name` of block `key` (as `kind`; default: a bad object
+    or entry, as `name` is one) and moves it aside: a copy and the reason go under quarantine/,
+    the entry `entry_name` is removed if it still holds `judged` (its bytes or decoded entry),
+    and an object is deleted only if it still holds the bytes judged (`data`, when the caller
+    read them)."""
+    self._index.quarantine(key, name, reason, kind=kind, entry_name=entry_name, data=data,
+                           judged=judged)
+
+  def quarantine_object(self, entry: dict, reason: str, judged=None) -> None:
+    """A published block that failed verification: its object, if not sound on its own, and
+    its entry are moved aside; a sound object's entry is rebuilt from it
+    (`Index.quarantine_object`)."""
+    self._index.quarantine_object(entry, reason, judged)
+
+  # Maintenance ---------------------------------------------------------------------------------
+
+  def verify(self) -> list[Problem]:
+    """Reads and checks every entry and object of the store (without changing it): every
+    problem found, named and of a Kind. Unreachable entries, unpublished objects and stray
+    names are listed too."""
+    return self._maintenance.verify()
+
+  def audit(self, fraction: float = 1.0, *, seed: int = 0) -> list[Problem]:
+    """Recomputes a `fraction` of the store's blocks (chosen with `seed`) with this store's
+    engine and compares their bytes: forgeries, and the blocks built on them. Nothing is
+    changed; returns a Problem for each, in chain order."""
+    return self._maintenance.audit(fraction, seed=seed)
+
+  def gc(self, *, lease_seconds: float = LEASE_SECONDS) -> dict:
+    """Removes unpublished objects no live lease holds (a lease older than `lease_seconds` is
+    a dead writer's) and quarantines entries that fail verification, as `verify` finds them
+    (`Maintenance.gc`, which reads the leases after this listing). Returns how many objects
+    and entries it removed."""
+    return self._maintenance.gc(self.verify(), lease_seconds=lease_seconds)
+
   def destroy(self) -> None:
     """Deletes the whole store (every object, entry and its description)."""
     self.backing.delete_all()
-    self._entries.clear()
-    self.host = HostCache(self.host.capacity)
+    self._index.clear()
+    self.host.clear()
 
 
-def _common_prefix(a, b) -> int:
-  n = 0
-  for x, y in zip(a, b):
-    if x != y:
-      break
-    n += 1
-  return n
+def _open(backing: KvStore, mine: dict, salt: str, create: bool) -> str:
+  """The namespace the store at `backing` holds blocks under: `mine` (this engine's
+  description) is written when there is no store and `create`; a store made under the same
+  model and bits keeps its own namespace (an older fingerprint). StoreError names the URL and
+  why otherwise."""
+  url = backing.url
+  data = backing.read(DESCRIPTION)
+  if data is None:
+    if not create:
+      raise StoreError(f'no store at {url} (no {DESCRIPTION})')
+    if backing.write_if_absent(DESCRIPTION, blocks.canonical(mine)):
+      return mine['namespace']
+    data = backing.read(DESCRIPTION)  # another process created it first
+  try:
+    theirs = json.loads(data)
+  except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
+    raise StoreError(f'{url}{DESCRIPTION} is damaged ({e})') from None
+  if not isinstance(theirs, dict) or theirs.get('format') != blocks.STORE_FORMAT:
+    raise StoreError(f'{url} is not a {blocks.STORE_FORMAT} store')
+  for part in ('model', 'engine'):
+    if not fingerprint.hashes_to_its_fields(theirs.get(part)):
+      raise StoreError(f'{url}{DESCRIPTION}: its {part} fingerprint does not hash to the '
+                       'fields recorded beside it (altered?)')
+  if blocks.namespace(theirs['model'], theirs['engine'], salt) != theirs.get('namespace'):
+    raise StoreError(f'{url}{DESCRIPTION} does not hash to its namespace under this '
+                     'salt (another tenant\'s store, or altered)')
+  if theirs['namespace'] == mine['namespace']:
+    return mine['namespace']
+  diffs = fingerprint.engine_differences(mine['engine'], theirs['engine'],
+                                         labels=('the store has', 'expected'))
+  if theirs['model']['sha256'] != mine['model']['sha256']:
+    diffs = [d for d in differences(mine['model'], theirs['model'],
+                                    labels=('the store has', 'expected'))
+             if not d.startswith('sha256')] + diffs
+  if diffs:
+    raise StoreError(f'{url} was made under another model or engine configuration '
+                     f'(namespace {str(theirs.get("namespace"))[:16]}..): ' + '; '.join(diffs[:8]))
+  # The same model and bits under an older fingerprint (a spec store of an earlier release):
+  # its blocks are this engine's blocks, under the namespace they were written in.
+  return theirs['namespace']

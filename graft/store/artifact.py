@@ -70,6 +70,7 @@ class Artifact:
 
   @property
   def start_position(self) -> int:
+    """The position of the first token."""
     return self.next_position - len(self.tokens)
 
 

@@ -83,6 +83,7 @@ def namespace(model_fp: dict, engine_fp: dict, salt: str = '') -> str:
 
 
 def block_key(ns: str, parent: str, tokens) -> str:
+  """A block's key: the SHA-256 over the namespace, its parent's key and its token ids."""
   tokens = np.asarray(tokens, '<i4')
   payload = (KEY_DOMAIN + bytes.fromhex(ns) + bytes.fromhex(parent)
              + struct.pack('<I', len(tokens)) + tokens.tobytes())
@@ -109,6 +110,7 @@ class BlockLayout:
 
   @classmethod
   def of(cls, engine) -> 'BlockLayout':
+    """The layout of `engine`'s blocks: its dtype, rows_per_call and cache-owning layers."""
     layers = []
     for i in engine.config.cache_layers:
       spec = engine.config.layer_spec(i)
@@ -130,11 +132,13 @@ class BlockLayout:
     return out
 
   def global_bytes(self, num_tokens: int) -> int:
+    """Bytes of the global layers' K and V rows of a block of `num_tokens` tokens."""
     itemsize = numpy_dtype(self.dtype).itemsize
     return sum(2 * num_tokens * k * h * itemsize for _, is_global, k, h in self.layers
                if is_global)
 
   def data_bytes(self, num_tokens: int) -> int:
+    """Bytes of every leaf of a block of `num_tokens` tokens."""
     itemsize = numpy_dtype(self.dtype).itemsize
     return sum(2 * num_tokens * k * h * itemsize for _, _, k, h in self.layers)
 
@@ -150,6 +154,7 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 def canonical(value) -> bytes:
+  """`value` as canonical JSON bytes (sorted keys, no spaces): what is hashed and stored."""
   return json.dumps(value, sort_keys=True, separators=(',', ':')).encode()
 
 
@@ -160,8 +165,18 @@ def content_hash(header: dict) -> str:
 
 def hash_leaves(leaves: dict[str, np.ndarray], num_tokens: int,
                 layout: BlockLayout) -> tuple[list[dict], list[memoryview]]:
-  """The described leaves (layout order, with the content hash of BLOCK_FORMAT) and byte views
-  of them: the costly half of encoding a block, independent of its place in the chain."""
+  """The costly half of encoding a block, independent of its place in the chain.
+
+  Args:
+    leaves: {'layer_<i>/k', 'layer_<i>/v': [T, K, H] array in the layout's dtype} for every
+      cache-owning layer i (T = num_tokens); BlockError names a leaf of another shape or dtype.
+    num_tokens: T, the block's tokens.
+    layout: what the block must hold.
+
+  Returns:
+    The described leaves (layout order, with the content hash of BLOCK_FORMAT) and byte views
+    of them, as `encode_block` takes them.
+  """
   hash_name = CONTENT_HASH[BLOCK_FORMAT]
   described, chunks = [], []
   for leaf in layout.leaves(num_tokens):
@@ -277,7 +292,20 @@ def decode_header(header_bytes: bytes, *, ns: str, expected_key: str, layout: Bl
 @_malformed_is_refused('the object')
 def decode_leaves(header: dict, data: bytes, data_offset: int, *, global_only: bool,
                   layout: BlockLayout) -> dict[str, np.ndarray]:
-  """The leaves in `data` (the object's bytes from `data_offset`), each re-hashed."""
+  """The leaves of a block object, each re-hashed against its decoded header.
+
+  Args:
+    header: the object's verified header.
+    data: the object's bytes from `data_offset`: its global layers' rows (global_only), or all
+      its rows.
+    data_offset: where `data` starts in the object (unused: leaf offsets count from `data`).
+    global_only: whether only the global layers were read.
+    layout: what the block must hold.
+
+  Returns:
+    {'layer_<i>/k', 'layer_<i>/v': [T, K, H] array in the layout's dtype} for each layer read
+    (T: the header's tokens); BlockError when a leaf does not hash to its header's hash.
+  """
   dtype = numpy_dtype(layout.dtype)
   hash_name = content_hash(header)
   stop = header['global_bytes'] if global_only else header['data_bytes']
@@ -303,6 +331,8 @@ def _valid_parent_header(value, parent: str) -> bool:
 
 
 def encode_entry(header: dict, object_name: str, object_bytes: int, header_bytes: bytes) -> bytes:
+  """The index entry that publishes object `object_name` (of `object_bytes` bytes) whose
+  header is `header` (decoded) and `header_bytes` (as stored)."""
   return canonical({'format': ENTRY_FORMAT, 'key': header['key'], 'parent': header['parent'],
                     'parent_header_sha256': header['parent_header_sha256'],
                     'start': header['start'], 'tokens': header['tokens'],

@@ -111,6 +111,7 @@ class KvStore:
       future.result()
 
   def write(self, key: str, value: bytes) -> None:
+    """Writes `value` under `key`, whole and atomic."""
     self.write_many([(key, value)])
 
   def write_if_absent_many(self, items) -> list[bool]:
@@ -124,6 +125,7 @@ class KvStore:
     return self.write_if_absent_many([(key, value)])[0]
 
   def delete(self, key: str) -> None:
+    """Deletes `key` (nothing when it does not exist)."""
     self._kv.write(check_key(key), None).result()
 
   def read_versioned(self, key: str) -> tuple[bytes | None, bytes]:

@@ -30,10 +30,13 @@ class SigningKeyError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class PublicKey:
+  """An Ed25519 public key: a writer's name."""
+
   raw: bytes  # 32 bytes
 
   @property
   def hex(self) -> str:
+    """The key as 64 hex digits (as a .pub file and a signature record hold it)."""
     return self.raw.hex()
 
   @property
@@ -43,6 +46,7 @@ class PublicKey:
     return hashlib.sha256(self.raw).hexdigest()[:32]
 
   def verifies(self, message: bytes, signature_hex: str) -> bool:
+    """Whether `signature_hex` is this key's signature of `message`."""
     try:
       ed25519.Ed25519PublicKey.from_public_bytes(self.raw).verify(bytes.fromhex(signature_hex),
                                                                   message)
@@ -53,10 +57,13 @@ class PublicKey:
 
 @dataclasses.dataclass(frozen=True)
 class SigningKey:
+  """A writer's Ed25519 private key."""
+
   private: ed25519.Ed25519PrivateKey
 
   @property
   def public(self) -> PublicKey:
+    """Its public key."""
     return PublicKey(self.private.public_key().public_bytes(serialization.Encoding.Raw,
                                                             serialization.PublicFormat.Raw))
 
@@ -85,6 +92,7 @@ def generate(path: str) -> SigningKey:
 
 
 def load_private(path: str) -> SigningKey:
+  """The private key `generate` wrote at `path` (SigningKeyError naming it and why if not)."""
   try:
     with open(path, 'rb') as f:
       private = serialization.load_pem_private_key(f.read(), password=None)
@@ -98,6 +106,7 @@ def load_private(path: str) -> SigningKey:
 
 
 def load_public(path: str) -> PublicKey:
+  """The public key in a .pub file (SigningKeyError naming it and why if not)."""
   try:
     with open(path) as f:
       text = f.read().strip()
@@ -112,6 +121,7 @@ def load_public(path: str) -> PublicKey:
 
 
 def load_trusted(paths) -> tuple[PublicKey, ...]:
+  """The public keys in the .pub files `paths`: a reader's trust list."""
   return tuple(load_public(p) for p in paths)
 
 

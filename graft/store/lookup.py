@@ -1,0 +1,125 @@
+"""Lookup and graft: the longest stored, trusted prefix of a token sequence, found by content
+(at token granularity), and its rows read as far as the graft attends to them and grafted into
+a fresh context of the engine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gemma_jax import kv_state as kvs
+from graft.engine import Context, Engine
+from graft.store import blocks
+from graft.store.blocks import BlockError
+from graft.store.index import Index
+from graft.store.reads import Reads
+from graft.store.shared import Codec, Match
+from graft.store.trust import Trust
+
+
+class _BadBlock(Exception):
+  """A published block whose object failed verification during a graft."""
+
+  def __init__(self, entry: dict, reason: str):
+    super().__init__(reason)
+    self.entry, self.reason = entry, reason
+
+
+class Lookup:
+  """Finds stored prefixes and grafts them.
+
+  Args:
+    engine: the pinned engine, whose fresh context a graft fills.
+    codec: the formats bound to the store's namespace (its chain keys, its block tokens).
+    index: the published entries (and the quarantine of a block that fails a graft).
+    reads: the object reads.
+    trust: which blocks may be used (signatures, the parent each was computed on).
+  """
+
+  def __init__(self, engine: Engine, codec: Codec, index: Index, reads: Reads, trust: Trust):
+    self._engine, self._codec = engine, codec
+    self._index, self._reads, self._trust = index, reads, trust
+
+  def match(self, tokens) -> Match:
+    """The longest stored prefix of `tokens` (token ids, from position 0), at token
+    granularity, cut before its first block that may not be used."""
+    tokens = [int(t) for t in tokens]
+    ns, block_tokens = self._codec.namespace, self._codec.block_tokens
+    keys = blocks.chain_keys(ns, tokens, block_tokens)
+    self._index.entries_many([(keys[i - 1] if i else blocks.ROOT, key, i * block_tokens)
+                              for i, key in enumerate(keys)])  # every entry, concurrently
+    parent, parent_header, used, matched, rows = blocks.ROOT, blocks.ROOT, [], 0, 0
+    for start in range(0, len(tokens), block_tokens):
+      chunk = tokens[start:start + block_tokens]
+      entry = self._index.entry(parent, blocks.block_key(ns, parent, chunk), start)
+      if entry is not None and not self._trust.on_parent(entry, parent_header):
+        entry = None
+      if entry is None:  # the longest common prefix among the stored children
+        best, common = None, 0
+        for child in self._index.children(parent, start):
+          length = _common_prefix(child['tokens'], chunk)
+          if length > common and child['parent_header_sha256'] == parent_header:
+            best, common = child, length
+        if best is not None:
+          used.append(best)
+          matched, rows = matched + common, common
+        break
+      used.append(entry)
+      matched, rows, parent = matched + len(chunk), len(chunk), entry['key']
+      parent_header = entry['header_sha256']
+      if len(chunk) < block_tokens:
+        break
+    return self._trust.trusted_prefix(Match(tokens=matched, entries=tuple(used), rows=rows))
+
+  def graft(self, tokens, *, whole_blocks: bool = False) -> tuple[Context, Match]:
+    """A fresh context holding the longest stored prefix of `tokens` at its own positions. A
+    block that fails verification is quarantined and the prefix ends before it (the caller's
+    engine computes the rest). whole_blocks: a prefix that ends inside a block and is followed
+    by more tokens ends at that block's start instead (what a put builds on: the rows of a
+    partly matching block belong to another block, which a block computed after them would not
+    name as its parent, so a forgery there would pass into it unrecorded)."""
+    tokens = [int(t) for t in tokens]
+    block_tokens = self._codec.block_tokens
+    while True:
+      match = self.match(tokens)
+      if whole_blocks and match.tokens % block_tokens and match.tokens < len(tokens):
+        entries = match.entries[:-1]
+        match = Match(tokens=match.tokens - match.rows, entries=entries,
+                      rows=len(entries[-1]['tokens']) if entries else 0)
+      if not match.tokens:
+        return self._engine.empty(), match
+      try:
+        rows = self._rows(match)
+      except _BadBlock as bad:  # each retry removes one bad block, so this ends
+        self._index.quarantine_object(bad.entry, bad.reason)
+        continue
+      return self._engine.graft(rows, tokens[:match.tokens]), match
+
+  def _rows(self, match: Match) -> list[kvs.KVRows]:
+    """Each matched block's rows, read as far as the graft attends to them."""
+    n = match.tokens
+    ring = self._engine.local_slots
+    used = [len(e['tokens']) for e in match.entries[:-1]] + [match.rows]
+    # A block wholly behind every ring is read for its global layers only.
+    wanted = [(entry, entry['start'] + rows <= n - ring)
+              for entry, rows in zip(match.entries, used)]
+    layers = self._engine.config.cache_layers
+    out = []
+    for (entry, _), rows, leaves in zip(wanted, used, self._reads.read_blocks(wanted)):
+      if isinstance(leaves, BlockError):
+        raise _BadBlock(entry, str(leaves))
+      start = entry['start']
+      k = tuple(leaves.get(f'layer_{i}/k') for i in layers)
+      v = tuple(leaves.get(f'layer_{i}/v') for i in layers)
+      positions = np.arange(start, start + len(entry['tokens']), dtype=np.int32)
+      out.append(kvs.KVRows(start, k, v, (positions,) * len(k)).prefix(rows))
+    return out
+
+
+def _common_prefix(a, b) -> int:
+  n = 0
+  for x, y in zip(a, b):
+    if x != y:
+      break
+    n += 1
+  return n
