@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma_jax import attention as attention_lib
+from gemma_jax import executables
 from gemma_jax import kv_state as kvs
 from gemma_jax import model
 from gemma_jax import rope
@@ -192,8 +193,9 @@ class Engine:
 
     self._weights_checked = False
     self._head_fn = head
-    self._head = _shared(self, loaded, ('head', config, kernel_platform), lambda: jax.jit(
-        head, compiler_options=self.plan.compiler_options))
+    self._kernel_platform = kernel_platform
+    self._head = _shared(self, loaded, ('head', config, kernel_platform), lambda: self._compiled(
+        'head', jax.jit(head, compiler_options=self.plan.compiler_options)))
     if not abstract:
       self.plan.check_engine(self)
 
@@ -261,9 +263,24 @@ class Engine:
         rows = jnp.minimum(kv.fill[:1], 0) + jnp.arange(count, dtype=jnp.int32)
         return hidden, kv, self._head_fn(params, output_table, hidden, rows, jnp.int32(count))
 
-      self._steps[key] = jax.jit(step, donate_argnums=(4,),
-                                 compiler_options=self.plan.compiler_options)
+      self._steps[key] = self._compiled(
+          'step', jax.jit(step, donate_argnums=(4,), compiler_options=self.plan.compiler_options),
+          tiles=tiles, with_logits=with_logits)
     return self._steps[key]
+
+  def _compiled(self, name: str, jitted, **variant):
+    """`jitted`, its executables saved ahead of time and loaded by later processes
+    (gemma_jax.executables), keyed by everything it closes over; as it is on a mesh (its
+    partitioned kernels hold Python callbacks, which XLA cannot serialize) and for another
+    platform (graft/engine/lowering.py only lowers it)."""
+    if self.mesh is not None or self._kernel_platform is not None:
+      return jitted
+    key = {'engine': self.engine_config, 'model': self.config, 'dtype': self.loaded.dtype,
+           'numerics': self.numerics, 'dot': self.numerics.__dict__.get('dot'),
+           'attention': self._attention_fn, 'compiler_options': self.plan.compiler_options,
+           'output_table': None if self._output_table is None else self._output_table.shape,
+           **variant}
+    return executables.Saved(name, jitted, key, fixed=2)
 
   @property
   def max_rows(self) -> int:

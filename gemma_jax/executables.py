@@ -1,0 +1,135 @@
+"""Executables saved ahead of time: a jitted function compiled once per argument shape, its
+executable serialized under $GEMMA_JAX_CACHE/executables and loaded by later processes.
+
+    step = executables.Saved('step', jax.jit(fn), key={...}, fixed=2)
+    out = step(params, table, tokens, positions, kv)   # compiled, or loaded, once per shape
+
+JAX's persistent compilation cache (gemma_jax/compilation_cache.py) still makes a process trace
+and lower every function before it can look an executable up: seconds of Python for a model's
+step. A saved executable is found by a key computed without tracing, and loaded with XLA's own
+executable serialization (jax.experimental.serialize_executable). The key is a SHA-256 of:
+  - everything that decides the process's code generation and the traced program
+    (gemma_jax.verdicts.process(): the bytes of every source file of gemma_jax and graft/engine,
+    the native kernels' sources among them, the native library's build key where it has one,
+    jax and jaxlib, the backend, device kind and count, the CPU's model and feature flags, the
+    XLA flags, the thread count);
+  - the caller's `key` (what the function closes over: an engine's config, model, numerics);
+  - the function's name and every argument's shape, dtype and sharding, and their structure.
+An edited file, another compiler, CPU or flag is another key, so an old executable is never
+served to new code (tests/test_executables.py). Entries are written atomically (a reader sees
+a whole file or none); one that cannot be read or loaded is compiled again and replaced.
+Loading runs no compiler, so a saved executable is trusted like the native library: it is code
+from this user's cache (docs/security.md).
+
+Each executable obtained is reported as a JAX monitoring event: '/jax/core/compile/...'
+events for what JAX compiles (and its persistent cache hits), LOADED_EVENT for what is loaded
+here, so that `gemma_jax.resources` counts both from events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+
+import jax
+from jax import monitoring
+from jax.experimental import serialize_executable
+
+from gemma_jax import files, verdicts
+from gemma_jax.checkpoints.param_cache import cache_root
+
+ENV = 'GEMMA_JAX_SAVED_EXECUTABLES'  # '0': never save or load (compile in every process)
+LOADED_EVENT = '/gemma_jax/executables/loaded'
+
+
+def directory() -> str:
+  return os.path.join(cache_root(), 'executables')
+
+
+def enabled() -> bool:
+  return os.environ.get(ENV, '1') != '0'
+
+
+def _abstract(args) -> str:
+  """Every argument leaf's shape, dtype and sharding, and the arguments' structure."""
+  leaves, treedef = jax.tree.flatten(args)
+  return repr((str(treedef), [(tuple(getattr(x, 'shape', ())), str(getattr(x, 'dtype', type(x))),
+                               str(getattr(x, 'sharding', None))) for x in leaves]))
+
+
+@contextlib.contextmanager
+def _fresh_compile():
+  """JAX's persistent compilation cache bypassed for one compile: an executable that cache
+  loads cannot be serialized again (XLA:CPU's deserialized executable does not keep the
+  compiled functions a second serialization needs: loading that one fails with 'Function ...
+  not found')."""
+  from jax.experimental.compilation_cache import compilation_cache
+  previous = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update('jax_enable_compilation_cache', previous)
+    compilation_cache.reset_cache()
+
+
+class Saved:
+  """`jitted` (a jax.jit function) compiled once per argument shape, the executable saved and
+  loaded across processes. key: JSON-able, what the function closes over that decides its
+  trace. fixed: the leading arguments whose shapes never change between calls (an engine's
+  weights), left out of the per-call shape lookup."""
+
+  def __init__(self, name: str, jitted, key, fixed: int = 0):
+    self.name, self.jitted, self.fixed = name, jitted, fixed
+    self._key = json.dumps(key, sort_keys=True, default=repr)
+    self._compiled: dict = {}
+
+  def lower(self, *args):
+    """The jitted function's lowering (graft/engine/lowering.py reads it for other platforms)."""
+    return self.jitted.lower(*args)
+
+  def __call__(self, *args):
+    shapes = tuple((getattr(x, 'shape', None), getattr(x, 'dtype', None))
+                   for x in jax.tree.leaves(args[self.fixed:]))
+    compiled = self._compiled.get(shapes)
+    if compiled is None:
+      compiled = self._compiled[shapes] = self._obtain(args)
+    return compiled(*args)
+
+  def _path(self, args) -> str:
+    process = json.dumps(verdicts.process(), sort_keys=True, default=repr)
+    digest = hashlib.sha256('\0'.join((process, self._key, self.name, _abstract(args)))
+                            .encode()).hexdigest()
+    return os.path.join(directory(), f'{self.name}-{digest}.bin')
+
+  def _obtain(self, args):
+    """The executable for these arguments' shapes: loaded where saved, else compiled (and
+    saved)."""
+    if not enabled():
+      return self.jitted.lower(*args).compile()
+    path = self._path(args)
+    try:
+      with open(path, 'rb') as f:
+        serialized, in_tree, out_tree = pickle.load(f)
+      compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+      monitoring.record_event(LOADED_EVENT, name=self.name)
+      return compiled
+    except FileNotFoundError:
+      pass
+    except Exception:  # a damaged or foreign entry: compile again and replace it
+      pass
+    with _fresh_compile():
+      compiled = self.jitted.lower(*args).compile()
+    try:
+      data = pickle.dumps(serialize_executable.serialize(compiled))
+    except (ValueError, NotImplementedError, TypeError, pickle.PicklingError):
+      return compiled  # not serializable (a Python callback, e.g. on a mesh): compiled only
+    try:
+      files.write_bytes(path, data)
+    except OSError:  # a cache that cannot be written only costs the next process a compile
+      pass
+    return compiled
