@@ -29,7 +29,7 @@ from typing import Callable
 from absl import flags, logging
 
 from analysis import results as results_schema
-from gemma_jax import compilation_cache, files, rope, sharding, weights
+from gemma_jax import compilation_cache, files, resources, rope, sharding, weights
 from gemma_jax.config import get_config
 from gemma_jax.attention import IMPLEMENTATIONS
 from graft.engine import PLANS, Engine, EngineConfig, fingerprint, plans
@@ -245,6 +245,7 @@ def write_result(path: str, kind: str, result: dict) -> dict:
   result['config']; returns what was written."""
   tagged = {'schema': results_schema.tag(kind), **result}
   tagged['config'] = {**result.get('config', {}), **provenance()}
+  tagged['resources'] = resources.snapshot()  # what this process cost, up to this write
   files.write_json(path, tagged)
   logging.info('wrote %s', path)
   return tagged
