@@ -28,6 +28,7 @@ here, so that `gemma_jax.resources` counts both from events.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -54,10 +55,22 @@ def enabled() -> bool:
 
 
 def _abstract(args) -> str:
-  """Every argument leaf's shape, dtype and sharding, and the arguments' structure."""
+  """Every argument leaf's shape and dtype, and the arguments' structure (concrete arrays and
+  their jax.ShapeDtypeStruct give the same; a saved function runs on one device, whose count is
+  in the process key)."""
   leaves, treedef = jax.tree.flatten(args)
-  return repr((str(treedef), [(tuple(getattr(x, 'shape', ())), str(getattr(x, 'dtype', type(x))),
-                               str(getattr(x, 'sharding', None))) for x in leaves]))
+  return repr((str(treedef), [(tuple(getattr(x, 'shape', ())), str(getattr(x, 'dtype', type(x))))
+                              for x in leaves]))
+
+
+def _shapes(args) -> tuple:
+  return tuple((tuple(getattr(x, 'shape', ())), str(getattr(x, 'dtype', type(x))))
+               for x in jax.tree.leaves(args))
+
+
+# Loads saved executables in the background (`Saved.preload`): XLA deserializes them in C++,
+# two at a time on two cores.
+_LOADER = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix='load-executable')
 
 
 @contextlib.contextmanager
@@ -87,18 +100,39 @@ class Saved:
     self.name, self.jitted, self.fixed = name, jitted, fixed
     self._key = json.dumps(key, sort_keys=True, default=repr)
     self._compiled: dict = {}
+    self._loading: dict = {}  # shapes -> a future of the saved executable (None: not saved)
 
   def lower(self, *args):
     """The jitted function's lowering (graft/engine/lowering.py reads it for other platforms)."""
     return self.jitted.lower(*args)
 
+  def preload(self, *args) -> None:
+    """Starts loading the executable saved for arguments of these shapes (concrete, or
+    jax.ShapeDtypeStruct), if one is, in the background: a process loads what it will run
+    while it does other work; a call of these shapes waits for it instead of compiling."""
+    shapes = _shapes(args[self.fixed:])
+    if enabled() and shapes not in self._compiled and shapes not in self._loading:
+      self._loading[shapes] = _LOADER.submit(self._load, args)
+
   def __call__(self, *args):
-    shapes = tuple((getattr(x, 'shape', None), getattr(x, 'dtype', None))
-                   for x in jax.tree.leaves(args[self.fixed:]))
+    shapes = _shapes(args[self.fixed:])
     compiled = self._compiled.get(shapes)
     if compiled is None:
-      compiled = self._compiled[shapes] = self._obtain(args)
+      loading = self._loading.pop(shapes, None)
+      compiled = (loading.result() if loading is not None else None) or self._obtain(args)
+      self._compiled[shapes] = compiled
     return compiled(*args)
+
+  def _load(self, args):
+    """The saved executable for these arguments, or None where none is (or it cannot load)."""
+    try:
+      with open(self._path(args), 'rb') as f:
+        serialized, in_tree, out_tree = pickle.load(f)
+      compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+    except Exception:  # none saved, or a damaged or foreign entry: compiled again and replaced
+      return None
+    monitoring.record_event(LOADED_EVENT, name=self.name)
+    return compiled
 
   def _path(self, args) -> str:
     process = json.dumps(verdicts.process(), sort_keys=True, default=repr)
@@ -111,17 +145,10 @@ class Saved:
     saved)."""
     if not enabled():
       return self.jitted.lower(*args).compile()
-    path = self._path(args)
-    try:
-      with open(path, 'rb') as f:
-        serialized, in_tree, out_tree = pickle.load(f)
-      compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
-      monitoring.record_event(LOADED_EVENT, name=self.name)
+    compiled = self._load(args)
+    if compiled is not None:
       return compiled
-    except FileNotFoundError:
-      pass
-    except Exception:  # a damaged or foreign entry: compile again and replace it
-      pass
+    path = self._path(args)
     with _fresh_compile():
       compiled = self.jitted.lower(*args).compile()
     try:

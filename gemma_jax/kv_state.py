@@ -70,9 +70,11 @@ def init_kv_state(config: TransformerConfig, *, batch_size: int, cache_len: int,
     if spec.attention_type is AttentionType.LOCAL and local_cache_len is not None:
       slots = min(cache_len, local_cache_len)
     shape = (batch_size, slots, spec.num_kv_heads, spec.head_dim)
-    layers.append(LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                          positions=jnp.full((batch_size, slots), EMPTY, jnp.int32)))
-  return KVState(layers=tuple(layers), fill=jnp.zeros((batch_size,), jnp.int32))
+    layers.append(LayerKV(k=np.zeros(shape, dtype), v=np.zeros(shape, dtype),
+                          positions=np.full((batch_size, slots), EMPTY, np.int32)))
+  # Made on the host and placed in one call: no XLA computation per shape (jnp.zeros would
+  # compile and dispatch one for every leaf).
+  return jax.device_put(KVState(layers=tuple(layers), fill=np.zeros((batch_size,), np.int32)))
 
 
 def write(layer: LayerKV, k: jax.Array, v: jax.Array, positions: jax.Array,

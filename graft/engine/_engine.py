@@ -197,6 +197,7 @@ class Engine:
     self._head = _shared(self, loaded, ('head', config, kernel_platform), lambda: self._compiled(
         'head', jax.jit(head, compiler_options=self.plan.compiler_options)))
     if not abstract:
+      self._preload()
       self.plan.check_engine(self)
 
   def _place_weights(self) -> dict:
@@ -267,6 +268,26 @@ class Engine:
           'step', jax.jit(step, donate_argnums=(4,), compiler_options=self.plan.compiler_options),
           tiles=tiles, with_logits=with_logits)
     return self._steps[key]
+
+  def _preload(self) -> None:
+    """By length, starts loading the saved executables of the calls every use of an engine
+    makes (a block, a decode step, a logits call) in the background, while the engine is
+    checked and its caller gets on (gemma_jax.executables.Saved.preload)."""
+    if not self.by_length:
+      return
+    rows, i32 = self.max_rows, jnp.int32
+    kv = jax.eval_shape(self.empty_kv)
+    weights = (self._params, self._output_table)
+    for t in (rows, 1):
+      ids = jax.ShapeDtypeStruct((1, t), i32)
+      step = self.step_function(None, with_logits=t == 1)
+      if hasattr(step, 'preload'):
+        step.preload(*weights, ids, ids, kv)
+      if t == rows and hasattr(self._head, 'preload'):
+        self._head.preload(*weights, jax.ShapeDtypeStruct((1, t, self.config.embed_dim),
+                                                          self.dtype),
+                           jax.ShapeDtypeStruct((plans.HEAD_ROWS,), i32),
+                           jax.ShapeDtypeStruct((), i32))
 
   def _compiled(self, name: str, jitted, **variant):
     """`jitted`, its executables saved ahead of time and loaded by later processes
