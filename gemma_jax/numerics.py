@@ -93,12 +93,13 @@ class Numerics:
     return False
 
   def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                k_pos: jax.Array, *, window: int | None, softcap: float | None,
-                tile: int) -> jax.Array | None:
+                k_pos: jax.Array, *, window: int | None, softcap: float | None, tile: int,
+                relative=None) -> jax.Array | None:
     """The tiled attention (gemma_jax.tiled_attention) computed whole by a kernel of this
     numerics, or None where it has none (the tiled attention then computes it with XLA ops).
-    q [B, T, N, H] (scaled), k, v [B, S, K, H], q_pos [B, T], k_pos [B, S] -> [B, T, N, H]."""
-    del q, k, v, q_pos, k_pos, window, softcap, tile
+    q [B, T, N, H] (scaled), k, v [B, S, K, H], q_pos [B, T], k_pos [B, S] -> [B, T, N, H].
+    relative: the relative RoPE mode's scores (gemma_jax.rope.RelativeScores), None for q . k."""
+    del q, k, v, q_pos, k_pos, window, softcap, tile, relative
     return None
 
   def on_mesh(self, mesh) -> 'Numerics':
@@ -389,11 +390,14 @@ class Spec(FixedOrder):
   def runs_by_length(self) -> bool:
     return getattr(self.dot, 'attends', False)
 
-  def attention(self, q, k, v, q_pos, k_pos, *, window, softcap, tile):
+  def attention(self, q, k, v, q_pos, k_pos, *, window, softcap, tile, relative=None):
     if not self.runs_by_length:
       return None
+    if relative is not None:  # the angles' parameters; the kernel makes the offsets' table
+      relative = (_spec_functions().inverse_frequencies(relative.head_dim, relative.base),
+                  relative.rotated_pairs, relative.scale)
     return self.dot.attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, tile=tile,
-                           chunk=self.chunk(q.shape[-1]))
+                           chunk=self.chunk(q.shape[-1]), relative=relative)
 
   def packs(self, k, n):
     return self.dot is not None and k * n > self.small and self.dot.packs(k, n)

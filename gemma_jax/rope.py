@@ -204,6 +204,11 @@ class RelativeScores:
   def for_layer(cls, spec, numerics: Numerics) -> 'RelativeScores':
     return cls(spec.head_dim, spec.rope_base, spec.rope_scale, spec.rotary_fraction, numerics)
 
+  @property
+  def rotated_pairs(self) -> int:
+    """The pairs of a head that turn (the rest have angle 0)."""
+    return num_rotated_pairs(self.head_dim, self.rotary_fraction)
+
   def table(self, size: int):
     return offset_sin_cos(size, self.head_dim, self.numerics, base=self.base, scale=self.scale,
                           rotary_fraction=self.rotary_fraction)

@@ -114,12 +114,13 @@ class TiledAttention:
     if scores is not None and not hasattr(scores, 'tiles'):
       raise ValueError('tiled attention computes the plain q . k or scores with a `tiles` '
                        'method (see gemma_jax.rope.MODES)')
-    if scores is None:  # a kernel of the numerics computing it whole, over the tiles it needs
-      whole = numerics.attention(q.astype(jnp.float32), k.astype(jnp.float32),
-                                 v.astype(jnp.float32), q_pos, k_pos, window=window,
-                                 softcap=softcap, tile=self.tile)
-      if whole is not None:
-        return whole.astype(v.dtype)
+    # A kernel of the numerics computing it whole, over the tiles it needs (plain scores, or
+    # the relative mode's, which it turns inside).
+    whole = numerics.attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                               v.astype(jnp.float32), q_pos, k_pos, window=window,
+                               softcap=softcap, tile=self.tile, relative=scores)
+    if whole is not None:
+      return whole.astype(v.dtype)
     return tiled_attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, tile=self.tile,
                         max_tiles=self.max_tiles, scores=scores, numerics=numerics)
 

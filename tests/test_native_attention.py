@@ -9,6 +9,8 @@ skips must move no bit: the same rows against a cache with more tiles, with garb
 slot no row sees, give the same bits. Equality is of raw bits.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,3 +149,44 @@ def test_a_projection_computes_its_first_rows_only(path, packed):
     got = bits(f(x, w, jnp.int32(rows)))
     r = min(rows, m)
     assert np.array_equal(got[:r], full[:r]) and not got[r:].any(), rows
+
+
+RELATIVE = {
+    # name: (tokens, heads, kv heads, head dim, slots, tile, window, softcap, scale, fraction, ring)
+    'grouped heads': (6, 4, 1, 32, 96, 32, None, None, 1.0, 1.0, False),
+    'window, soft-cap, scale': (9, 2, 2, 16, 64, 16, 20, 30.0, 8.0, 1.0, False),
+    'partial rotary, a ring': (5, 2, 1, 32, 64, 16, 40, None, 1.0, 0.25, True),
+}
+
+
+@pytest.mark.parametrize('path', PATHS)
+@pytest.mark.parametrize('case', list(RELATIVE))
+def test_the_kernel_turns_keys_as_the_relative_mode_does(path, case):
+  """The relative RoPE mode inside the kernel (each key turned back by the angle of its offset
+  from the query, in the kernel's own table of offsets) against the reference, and against the
+  tiled attention's XLA formulation (gemma_jax.rope.RelativeScores over the native tile dots)."""
+  from gemma_jax import rope
+  tokens, heads, kv, h, slots, tile, window, softcap, scale, fraction, ring = RELATIVE[case]
+  base = 10_000.0
+  q = random(7, (1, tokens, heads, h), 0.3)
+  if ring:
+    k, v, k_pos = cache(3, 1, slots, kv, h, 0, ring_start=50)
+    last = 50 + slots - 1
+  else:
+    k, v, k_pos = cache(3, 1, slots, kv, h, slots - 7)
+    last = slots - 8
+  q_pos = np.arange(last - tokens + 1, last + 1, dtype=np.int32)[None]
+  table = interpreter.Interpreter.angles(np.arange(slots), h, base, scale, fraction)
+  want = bits(reference(q, k, v, q_pos, k_pos, k_chunk=256, window=window, softcap=softcap,
+                        tile=tile, relative=table))
+  dot = native_dot.make_native_dot(path)
+  numerics = Spec(dot=dot)
+  scores = rope.RelativeScores(h, base, scale, fraction, numerics)
+  got = jax.jit(lambda *a: numerics.attention(*a, window=window, softcap=softcap, tile=tile,
+                                              relative=scores))(q, k, v, q_pos, k_pos)
+  assert np.array_equal(bits(got), want), path
+  tiled = jax.jit(lambda *a: tiled_attention.tiled_attend(
+      *a[:5], window=window, softcap=softcap, tile=tile,
+      scores=dataclasses.replace(scores, numerics=numerics.with_zero(a[5])),
+      numerics=numerics.with_zero(a[5])))(q, k, v, q_pos, k_pos, jnp.uint32(0))
+  assert np.array_equal(bits(tiled), want)

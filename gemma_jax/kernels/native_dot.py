@@ -135,16 +135,22 @@ class NativeDot:
 
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
              k_pos: jax.Array, *, window: int | None, softcap: float | None, tile: int,
-             chunk: int) -> jax.Array:
+             chunk: int, relative: tuple | None = None) -> jax.Array:
     """The spec's tiled attention whole (csrc/attention.h): q [B, T, N, H] (scaled), the cache's
     k, v [B, S, K, H] (float32), q_pos [B, T], k_pos [B, S] (int32, -1: a padding row, an empty
     slot) -> [B, T, N, H] float32, with `tile` slots per tile and scores over H in chunks of
     `chunk`. Only the tiles some row sees are computed: the work follows the context, the bits
-    do not (gemma_jax.tiled_attention computes the same with XLA ops over the tiles read)."""
+    do not (gemma_jax.tiled_attention computes the same with XLA ops over the tiles read).
+    relative: (inverse frequencies [H/2] float32, rotated pairs, scale) of the relative RoPE
+    mode (gemma_jax.rope.RelativeScores): q and k unrotated, each key turned back by the angle
+    of its offset from the query, inside the kernel; None: q and k rotated already."""
     _check_f32(q, k, v)
+    inverse, rotated, scale = relative if relative is not None else (np.zeros(1), 0, 1.0)
     return self._call('gemma_spec_attend', q.shape, q, k, v, q_pos.astype(jnp.int32),
-                      k_pos.astype(jnp.int32), tile=tile, chunk=chunk, window=window or 0,
-                      softcap=np.float32(softcap or 0.0))
+                      k_pos.astype(jnp.int32), jnp.asarray(inverse, jnp.float32), tile=tile,
+                      chunk=chunk, window=window or 0, softcap=np.float32(softcap or 0.0),
+                      relative=int(relative is not None), rotated=rotated,
+                      rope_scale=np.float32(scale))
 
   def tile_scores(self, q: jax.Array, k: jax.Array, chunk: int) -> jax.Array:
     """q [B, K, R, H] . k [B, K, n, S, H] -> [B, K, n, R, S]: every tile's scores against the

@@ -96,8 +96,11 @@ class Interpreter:
 
   # RoPE ------------------------------------------------------------------------------------------
 
-  def angles(self, positions: np.ndarray, head_dim: int, base: float, scale: float,
+  @staticmethod
+  def angles(positions: np.ndarray, head_dim: int, base: float, scale: float,
              fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """sin, cos [T, H/2] of the RoPE angles at integer positions [T] (the relative mode's table
+    of offsets is this at offsets 0, 1, ...)."""
     angles = O.mul(positions.astype(F32)[:, None], fn.inverse_frequencies(head_dim, base)[None])
     if scale != 1.0:
       angles = O.mul(angles, fn.reciprocal(O, F32(scale)))
@@ -272,14 +275,17 @@ class Interpreter:
 
 def tiled_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
                     k_pos: np.ndarray, *, window: int | None, softcap: float | None, tile: int,
-                    k_chunk: int = 256) -> np.ndarray:
+                    k_chunk: int = 256, relative=None) -> np.ndarray:
   """The spec's tiled attention for slots at any positions (gemma_jax.tiled_attention, and the
   native kernel that computes it whole): q [T, N, H] (scaled), k, v [S, K, H], q_pos [T], k_pos
   [S] (int; -1: a padding row, an empty slot) -> [T, N, H] float32. Slot s is visible to a row
   at p when 0 <= k_pos[s] <= p (and p - k_pos[s] < window); scores over H in chunks, the
   soft-cap, each row's max over what it sees, p = exp(s - max) where visible, then tile after
   tile in slot order the row sum (a pairwise tree) and p . v (one FMA chain over the tile's
-  slots) added where the row saw the tile, and acc * (1 / l)."""
+  slots) added where the row saw the tile, and acc * (1 / l). relative: (sin, cos) [S', H/2]
+  of offsets 0 .. S' - 1 (the relative RoPE mode, gemma_jax.rope.RelativeScores): q and k are
+  unrotated and each row scores every slot's key turned back by the angle of its offset (offset
+  0 where it does not see the slot; an offset past S' reads NaN)."""
   t_len, num_heads, head_dim = q.shape
   num_slots, num_kv = k.shape[:2]
   groups, n = num_heads // num_kv, num_slots // tile
@@ -291,7 +297,12 @@ def tiled_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarr
   out = np.zeros((t_len, num_kv, groups, head_dim), F32)
   for kh in range(num_kv):
     rows = q[:, kh * groups:(kh + 1) * groups].reshape(t_len * groups, head_dim)
-    scores = b32.chunked_dot(rows, k[:, kh].T, k_chunk)  # [R, S]
+    if relative is None:
+      scores = b32.chunked_dot(rows, k[:, kh].T, k_chunk)  # [R, S]
+    else:
+      scores = np.stack([_turned_scores(rows[r], k[:, kh], np.where(visible[r], row_pos[r, 0]
+                                                                    - k_pos[0], 0), *relative,
+                                        k_chunk) for r in range(len(rows))])
     if softcap is not None:
       scores = fn.softcap(O, scores, softcap)
     tile_max = np.where(visible, scores, F32(MASKED)).reshape(-1, n, tile).max(axis=2)
@@ -309,6 +320,19 @@ def tiled_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarr
     out[:, kh] = O.mul(acc, fn.reciprocal(O, np.where(l > 0, l, F32(1.0)).astype(F32))).reshape(
         t_len, groups, head_dim)
   return out.reshape(t_len, num_heads, head_dim)
+
+
+def _turned_scores(row: np.ndarray, keys: np.ndarray, offsets: np.ndarray, sin: np.ndarray,
+                   cos: np.ndarray, k_chunk: int) -> np.ndarray:
+  """row [H] against keys [S, H], each turned back by the angle of its offset [S]."""
+  known = offsets < len(sin)
+  index = np.where(known, offsets, 0)
+  s = np.where(known[:, None], -sin[index], np.nan).astype(F32)
+  c = np.where(known[:, None], cos[index], np.nan).astype(F32)
+  first, second = np.split(keys, 2, axis=-1)
+  turned = np.concatenate([O.sub(O.mul(first, c), O.mul(second, s)),
+                           O.add(O.mul(second, c), O.mul(first, s))], axis=-1)
+  return b32.chunked_dot(row[None], turned.T, k_chunk)[0]
 
 
 def _to_numpy(tree):

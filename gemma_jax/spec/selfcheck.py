@@ -218,13 +218,16 @@ def attention_failures(numerics, compiler_options, *, head_dims, rows, tile: int
 
 
 def fused_attention_failures(numerics, compiler_options, *, head_dims, tile: int,
-                             kv_heads: int, groups: int, softcap: float | None) -> list[str]:
+                             kv_heads: int, groups: int, softcap: float | None,
+                             relative=None) -> list[str]:
   """Attention computed whole by the numerics' kernel (`numerics.attention`, the engine's path
   where its call shapes follow the run-time length) against the spec's tiled algorithm
   (gemma_jax.spec.interpreter.tiled_attention): rows at the end of a context that fills a tile
   and a half of a two-tile cache, with and without a sliding window of half a tile, the model's
-  soft-cap, every head compared."""
-  from gemma_jax.spec.interpreter import tiled_attention
+  soft-cap, every head compared. relative: the model's RoPE (base, scale, rotary fraction) where
+  it runs the relative mode, whose scores the kernel then computes (turning every key)."""
+  from gemma_jax import rope
+  from gemma_jax.spec.interpreter import Interpreter, tiled_attention
   failures = []
   for h in head_dims:
     q = _inputs(h, (1, 5, kv_heads * groups, h))
@@ -232,12 +235,17 @@ def fused_attention_failures(numerics, compiler_options, *, head_dims, tile: int
     fill = tile + tile // 2
     k_pos = np.where(np.arange(2 * tile) < fill, np.arange(2 * tile), -1).astype(np.int32)[None]
     q_pos = np.arange(fill - 5, fill, dtype=np.int32)[None]
+    scores = table = None
+    if relative is not None:
+      scores = rope.RelativeScores(h, *relative, numerics)
+      table = Interpreter.angles(np.arange(2 * tile), h, *relative)
     for window in (None, max(tile // 2, 1)):
       got = jax.jit(lambda *a, w=window: numerics.with_zero(a[5]).attention(
-          *a[:5], window=w, softcap=softcap, tile=tile), compiler_options=compiler_options)(
-              q, k, v, q_pos, k_pos, jnp.uint32(0))
+          *a[:5], window=w, softcap=softcap, tile=tile, relative=scores),
+          compiler_options=compiler_options)(q, k, v, q_pos, k_pos, jnp.uint32(0))
       want = tiled_attention(q[0], k[0], v[0], q_pos[0], k_pos[0], window=window,
-                             softcap=softcap, tile=tile, k_chunk=numerics.k_chunk)
+                             softcap=softcap, tile=tile, k_chunk=numerics.k_chunk,
+                             relative=table)
       failure = _differ(f'attention whole, head dim {h}, tile {tile}, window {window}',
                         to_host(got)[0], want)
       if failure:
@@ -320,14 +328,16 @@ def _rows(m: int) -> np.ndarray:
 
 def run(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...],
         head_rows: tuple[int, ...], attention_rows: tuple[int, ...], head_dims: tuple[int, ...],
-        tile: int, kv_heads: int, groups: int = 1, softcap: float | None = None) -> None:
+        tile: int, kv_heads: int, groups: int = 1, softcap: float | None = None,
+        relative=None) -> None:
   """Raises SpecError naming every probe whose bits differ from the spec's. Attention is probed
   as the engine computes it: its per-tile dots for every row count in attention_rows and, where
   the numerics' kernel computes it whole (`runs_by_length`), that too."""
   whole = numerics.runs_by_length
   key = (numerics, getattr(numerics, 'dot', None), tuple(sorted((compiler_options or {}).items())),
          tuple((n, tuple(w.shape)) for n, w in sorted(weights.items())), rows, head_rows,
-         attention_rows, head_dims, tile, kv_heads, (groups, softcap) if whole else (),
+         attention_rows, head_dims, tile, kv_heads,
+         (groups, softcap, relative) if whole else (),
          jax.device_count(), _xla_flags(), intra_op_threads(),
          os.environ.get(SKIP_UNDERFLOW_ENV))
   failures = _cached(key, lambda: (
@@ -337,7 +347,8 @@ def run(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...],
       + attention_failures(numerics, compiler_options, head_dims=head_dims,
                            rows=attention_rows, tile=tile, kv_heads=kv_heads)
       + (fused_attention_failures(numerics, compiler_options, head_dims=head_dims, tile=tile,
-                                  kv_heads=kv_heads, groups=groups, softcap=softcap)
+                                  kv_heads=kv_heads, groups=groups, softcap=softcap,
+                                  relative=relative)
          if whole else [])))
   if failures:
     raise SpecError('this machine does not compute the written arithmetic (spec self-check, '

@@ -341,7 +341,8 @@ class Spec(Pinned):
                                                 | {2})),
                     head_dims=head_dims, tile=engine.attention_tile,
                     kv_heads=max(cfg.layer_spec(i).num_kv_heads for i in range(cfg.num_layers)),
-                    groups=max(groups), softcap=cfg.attn_logits_softcap)
+                    groups=max(groups), softcap=cfg.attn_logits_softcap,
+                    relative=_relative_rope(cfg))
     except selfcheck.SpecError as e:
       if self.config.dot_library in ('pallas', 'native') or not e.in_dots_only:
         raise
@@ -368,6 +369,15 @@ class Spec(Pinned):
              'canary': canary.EXPECTED.get(version, {}).get(canary.model_for(engine.config))}
     return {'sha256': fingerprint.digest(parts), **parts,
             'made_on': fingerprint.environment()}
+
+
+def _relative_rope(cfg: TransformerConfig) -> tuple | None:
+  """(base, scale, rotary fraction) of the first layer's RoPE where the model runs the relative
+  mode (what the self-check probes the kernel's turned scores with), else None."""
+  if cfg.rope_mode != 'relative':
+    return None
+  spec = cfg.layer_spec(0)
+  return (spec.rope_base, spec.rope_scale, spec.rotary_fraction)
 
 
 def kernel_library() -> str | None:

@@ -29,7 +29,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
+#include <vector>
 
 #include "chains.h"
 
@@ -120,6 +122,46 @@ inline typename V::T Tanh(typename V::T x) {
   return V::select(V::lt(V::abs(x), V::splat(C(0.625))), small, big);
 }
 
+constexpr double kSinP[] = {-1.9515295891e-4, 8.3321608736e-3, -1.6666654611e-1};
+constexpr double kCosP[] = {2.443315711809948e-5, -1.388731625493765e-3, 4.166664568298827e-2};
+constexpr double kPio2Parts[] = {1.5625, 0.00830078125, -4.5299530029296875e-06,
+                                 7.450580596923828e-08, 9.89530235528946e-10,
+                                 2.6147972675971687e-12, -5.1514348342607263e-14};
+
+// The spec's sin and cos of one angle (gemma_jax.spec.functions.sin_cos).
+inline void SinCos(float angle, float* sin, float* cos) {
+  using S = Scalar;
+  const float k = Floor<S>(S::add(S::mul(angle, C(0.63661977236758134)), C(0.5)));
+  float r = angle;
+  for (double part : kPio2Parts) r = S::sub(r, S::mul(k, C(part)));
+  const float z = S::mul(r, r);
+  const float s = S::add(S::mul(S::mul(Horner<S>(kSinP, z), z), r), r);
+  float c = S::mul(S::mul(Horner<S>(kCosP, z), z), z);
+  c = S::add(S::sub(c, S::mul(C(0.5), z)), C(1.0));
+  switch (static_cast<int32_t>(k) & 3) {  // the quadrant picks signs and which is which
+    case 0: *sin = s; *cos = c; break;
+    case 1: *sin = c; *cos = S::neg(s); break;
+    case 2: *sin = S::neg(s); *cos = S::neg(c); break;
+    default: *sin = S::neg(c); *cos = s; break;
+  }
+}
+
+// The relative RoPE mode's table (gemma_jax.rope.RelativeScores): the sin and cos of the float
+// mode's angle of every integer offset d in [0, size) for the `pairs` pairs of a head, the
+// angle of pair i fl(d * inverse[i]), times fl(1 / scale) where scale is not 1, and 0 for pairs
+// at or past `rotated`. Stored by pair, offsets descending (`at`), so that the slots of a tile,
+// whose offsets from one query fall by one per slot, read one run forward.
+struct OffsetTable {
+  int64_t pairs = 0, size = 0;
+  std::vector<float> sin, cos;  // [pairs, size]: entry (i, size - 1 - d)
+  int64_t at(int64_t pair, int64_t d) const { return pair * size + (size - 1 - d); }
+};
+
+// The table of at least `size` offsets for these angles, made once per process and extended as
+// larger offsets are met (a pure function of its key: the same bits whenever it is made).
+std::shared_ptr<const OffsetTable> Offsets(const float* inverse, int64_t pairs,
+                                           int64_t rotated, float scale, int64_t size);
+
 // f(V, i) over i in [0, n): whole vectors, then the tail one lane at a time.
 template <class V, class F>
 inline void Lanes(int64_t n, F f) {
@@ -143,6 +185,10 @@ struct Attend {
   int64_t batch, tokens, heads, kv_heads, head_dim, slots, tile, chunk;
   int64_t window;  // 0: none
   float softcap;   // 0: none
+  // The relative RoPE mode (null: q and k are rotated already, scores are q . k): each slot's
+  // key turned back by the angle of its offset from the query, R(-a(qp - kp)) k (an invisible
+  // slot by offset 0's), then scored.
+  const OffsetTable* offsets;
 };
 
 // Per work item: its rows' scores [rows, S] (then p), p . v of one tile [rows, H], and the
@@ -156,6 +202,8 @@ struct AttendScratch {
   uint8_t* saw;    // [rows, S / tile]
   float* tree;     // [tile]
   float* visible;  // [S]: 1 where the row sees the slot, else 0
+  float* turned;   // [H, tile]: one tile's keys turned for one query position
+  float* gathered; // [2, tile]: one pair's cos and sin of every slot of a tile
 };
 
 inline bool Visible(int32_t qp, int32_t kp, int64_t window) {
@@ -219,6 +267,51 @@ inline bool MaySee(int32_t qlo, int32_t qhi, int32_t klo, int32_t khi, int64_t w
   return window == 0 || static_cast<int64_t>(qlo) - khi < window;
 }
 
+// The keys of one tile (keys_t [H, tile]) turned for a query at position qp, into turned
+// [H, tile]: slot c, at offset d = qp - kp[c] (0 where the row does not see the slot; an offset
+// past the cache's S slots reads NaN, as the XLA formulation does), pair i of its key (k1, k2) =
+// (key[i], key[i + H/2]) with (c, s) the table's cos and sin at d and s' = -s:
+//   turned[i] = k1 c - k2 s',  turned[i + H/2] = k2 c + k1 s'  (each product rounded).
+template <class V>
+inline void TurnTile(const Attend& a, const float* keys_t, const int32_t* kp, int32_t qp,
+                     const AttendScratch& w) {
+  const OffsetTable& table = *a.offsets;
+  const int64_t tile = a.tile, half = a.head_dim / 2;
+  // Every slot visible, one offset apart (a tile the context fills): one run of the table
+  // (which holds at least the cache's S offsets).
+  bool run = Visible(qp, kp[0], a.window) && Visible(qp, kp[tile - 1], a.window) &&
+             static_cast<int64_t>(qp) - kp[0] < a.slots;
+  for (int64_t c = 1; run && c < tile; ++c) run = kp[c] == kp[0] + c;
+  for (int64_t i = 0; i < half; ++i) {
+    const float *cos, *sin;
+    if (run) {  // slot c at offset d0 - c: entries at(i, d0) + c
+      cos = table.cos.data() + table.at(i, qp - kp[0]);
+      sin = table.sin.data() + table.at(i, qp - kp[0]);
+    } else {
+      float* g = w.gathered;
+      for (int64_t c = 0; c < tile; ++c) {
+        const int64_t d = Visible(qp, kp[c], a.window) ? static_cast<int64_t>(qp) - kp[c] : 0;
+        const bool known = d < a.slots;
+        g[c] = known ? table.cos[table.at(i, d)] : std::nanf("");
+        g[tile + c] = known ? table.sin[table.at(i, d)] : std::nanf("");
+      }
+      cos = g;
+      sin = g + tile;
+    }
+    const float* k1 = keys_t + i * tile;
+    const float* k2 = keys_t + (i + half) * tile;
+    float* t1 = w.turned + i * tile;
+    float* t2 = w.turned + (i + half) * tile;
+    Lanes<V>(tile, [&](auto v, int64_t c) {
+      using W = decltype(v);
+      const auto x1 = W::load(k1 + c), x2 = W::load(k2 + c), co = W::load(cos + c);
+      const auto ns = W::neg(W::load(sin + c));
+      W::store(t1 + c, W::sub(W::mul(x1, co), W::mul(x2, ns)));
+      W::store(t2 + c, W::add(W::mul(x2, co), W::mul(x1, ns)));
+    });
+  }
+}
+
 // Rows [r0, r0 + rows) of group g = b K + k (row r: token r / G, query head k G + r % G).
 // tiles: the tiles some of these rows may see, ascending (the others hold nothing they see).
 template <class V>
@@ -234,12 +327,22 @@ inline void AttendRows(const Attend& a, int64_t group, int64_t r0, int64_t rows,
   };
   for (int64_t i = 0; i < rows; ++i)
     std::memcpy(w.q + i * h, a.q + row_of(i).second, sizeof(float) * h);
-  // 1. Scores of every tile these rows may see.
+  // 1. Scores of every tile these rows may see (relative: each token's G rows against the
+  // tile's keys turned for its position; rows come whole tokens at a time).
   for (int64_t j = 0; j < num_tiles; ++j) {
     const int64_t tj = tiles[j];
-    Problem p{w.q, h, a.keys_t + (group * n + tj) * h * tile, tile, w.scores + tj * tile, s_len,
-              rows, h, tile, a.chunk};
-    Panel<V, V::kVectors>(p, 0, rows, 0, tile);
+    const float* keys = a.keys_t + (group * n + tj) * h * tile;
+    if (a.offsets == nullptr) {
+      Problem p{w.q, h, keys, tile, w.scores + tj * tile, s_len, rows, h, tile, a.chunk};
+      Panel<V, V::kVectors>(p, 0, rows, 0, tile);
+      continue;
+    }
+    for (int64_t i = 0; i < rows; i += g) {
+      TurnTile<V>(a, keys, kpos + tj * tile, a.qpos[b * a.tokens + row_of(i).first], w);
+      Problem p{w.q + i * h, h, w.turned, tile, w.scores + i * s_len + tj * tile, s_len,
+                g, h, tile, a.chunk};
+      Panel<V, V::kVectors>(p, 0, g, 0, tile);
+    }
   }
   if (a.softcap != 0.0f) {
     const float cap = a.softcap, inverse = C(1.0) / cap;

@@ -11,11 +11,12 @@
 // bit: outputs are split into items by rows and columns, and each output's chain is the same
 // operations in the same order whoever computes it.
 #include <algorithm>
-#include <climits>
 #include <atomic>
+#include <climits>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -341,8 +342,10 @@ constexpr int64_t kAttendRows = 32;
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                      ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> qpos,
-                     ffi::Buffer<ffi::S32> kpos, ffi::ResultBuffer<ffi::F32> out, int64_t tile,
-                     int64_t chunk, int64_t window, float softcap, int64_t isa, int64_t parts) {
+                     ffi::Buffer<ffi::S32> kpos, ffi::Buffer<ffi::F32> inverse,
+                     ffi::ResultBuffer<ffi::F32> out, int64_t tile, int64_t chunk,
+                     int64_t window, float softcap, int64_t relative, int64_t rotated,
+                     float rope_scale, int64_t isa, int64_t parts) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   auto pd = qpos.dimensions(), sd = kpos.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2 || sd.size() != 2 ||
@@ -354,10 +357,18 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
                 kv = kd[2];
   if (tile < 1 || s_len % tile || chunk < 1 || h % chunk)
     return ffi::Error::InvalidArgument("spec attention: the tile or the chunk does not divide");
+  if (relative && (h % 2 || inverse.element_count() != h / 2 || rotated < 0 || rotated > h / 2))
+    return ffi::Error::InvalidArgument("spec attention: the relative mode's frequencies do not "
+                                       "match the head");
   auto path = Resolve(isa);
   if (path.has_error()) return path.error();
   if (b_len * t_len * heads * h == 0) return ffi::Error::Success();
   const int64_t n = s_len / tile, groups = b_len * kv, rows = t_len * (heads / kv);
+  std::shared_ptr<const gemma_spec::OffsetTable> offsets;
+  if (relative) {
+    FlushScope scope;  // the table's arithmetic is the spec's, in its FP environment
+    offsets = gemma_spec::Offsets(inverse.typed_data(), h / 2, rotated, rope_scale, s_len);
+  }
   const int32_t* qp = qpos.typed_data();
   const int32_t* kp = kpos.typed_data();
   // Each tile's positions, over its non-empty slots (lo > hi: empty).
@@ -377,10 +388,12 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   std::vector<int64_t> tiles;
   std::vector<uint8_t> needed(groups * n, 0);
   const int64_t per_head = heads / kv;
+  // Whole tokens per item: a token's rows share one turned copy of the keys (relative mode).
+  const int64_t per_item = per_head * std::max<int64_t>(1, kAttendRows / per_head);
   for (int64_t group = 0; group < groups; ++group) {
     const int64_t b = group / kv;
-    for (int64_t r0 = 0; r0 < rows; r0 += kAttendRows) {
-      const int64_t count = std::min(kAttendRows, rows - r0);
+    for (int64_t r0 = 0; r0 < rows; r0 += per_item) {
+      const int64_t count = std::min(per_item, rows - r0);
       int32_t qlo = INT32_MAX, qhi = INT32_MIN;
       for (int64_t r = r0; r < r0 + count; ++r) {
         const int32_t p = qp[b * t_len + r / per_head];
@@ -416,20 +429,22 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
     }
   });
   const Attend a{q.typed_data(), kd_ptr, v.typed_data(), qp, kp, kt, out->typed_data(),
-                 b_len, t_len, heads, kv, h, s_len, tile, chunk, window, softcap};
+                 b_len, t_len, heads, kv, h, s_len, tile, chunk, window, softcap,
+                 offsets.get()};
   const AttendFn attend = path->attend;
   ForEach(pool, parts, items.size(), [&](int64_t i) {
     const Item& item = items[i];
     thread_local std::vector<float> floats;
     thread_local std::vector<uint8_t> saw;
     const int64_t r = item.rows;
-    floats.resize(r * s_len + 3 * r * h + 2 * r + tile + s_len);
+    floats.resize(r * s_len + 3 * r * h + 2 * r + tile + s_len + h * tile + 2 * tile);
     saw.resize(r * n);
     float* f = floats.data();
-    float* rest = f + r * s_len + 3 * r * h;  // l, then the tree, then the visible flags
+    float* rest = f + r * s_len + 3 * r * h;  // l, the tree, the visible flags, the turned keys
     const AttendScratch w{f, f + r * s_len, f + r * s_len + r * h, rest,
                           f + r * s_len + 2 * r * h, saw.data(), rest + 2 * r,
-                          rest + 2 * r + tile};
+                          rest + 2 * r + tile, rest + 2 * r + tile + s_len,
+                          rest + 2 * r + tile + s_len + h * tile};
     attend(&a, item.group, item.r0, item.rows, tiles.data() + item.first_tile, item.num_tiles,
            &w);
   });
@@ -475,13 +490,48 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaSpecAttend, Attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("tile")
                                   .Attr<int64_t>("chunk")
                                   .Attr<int64_t>("window")
                                   .Attr<float>("softcap")
+                                  .Attr<int64_t>("relative")
+                                  .Attr<int64_t>("rotated")
+                                  .Attr<float>("rope_scale")
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("parts"));
+
+namespace gemma_spec {
+
+std::shared_ptr<const OffsetTable> Offsets(const float* inverse, int64_t pairs,
+                                           int64_t rotated, float scale, int64_t size) {
+  static std::mutex mu;
+  static std::map<std::string, std::shared_ptr<const OffsetTable>> made;
+  std::string key(reinterpret_cast<const char*>(inverse), sizeof(float) * pairs);
+  key.append(reinterpret_cast<const char*>(&scale), sizeof(scale));
+  key += ':' + std::to_string(rotated);
+  std::lock_guard<std::mutex> lock(mu);
+  auto& table = made[key];
+  if (table && table->size >= size) return table;
+  auto grown = std::make_shared<OffsetTable>();
+  grown->pairs = pairs;
+  grown->size = std::max(size, table ? 2 * table->size : size);
+  grown->sin.resize(pairs * grown->size);
+  grown->cos.resize(pairs * grown->size);
+  const float inverse_scale = C(1.0) / scale;
+  for (int64_t i = 0; i < pairs; ++i)
+    for (int64_t d = 0; d < grown->size; ++d) {
+      float angle = Scalar::mul(static_cast<float>(d), inverse[i]);
+      if (scale != 1.0f) angle = Scalar::mul(angle, inverse_scale);
+      if (i >= rotated) angle = 0.0f;
+      SinCos(angle, &grown->sin[grown->at(i, d)], &grown->cos[grown->at(i, d)]);
+    }
+  table = grown;
+  return table;
+}
+
+}  // namespace gemma_spec
 
 // The path `isa` resolves to on this CPU (0: the best), or -1 where it cannot run here.
 extern "C" int64_t gemma_spec_resolve(int64_t isa) {

@@ -1,0 +1,94 @@
+"""Executables saved ahead of time (gemma_jax/executables.py): a second process loads what the
+first compiled and computes the same bits; an edit of the source is never served an executable
+of the code before it; a damaged entry is compiled again. Each process is a fresh Python on a
+copy of the repository, its own $GEMMA_JAX_CACHE, and reports what it compiled and loaded from
+JAX's monitoring events (gemma_jax.resources)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = '''
+import collections, hashlib, json
+import numpy as np
+from jax import monitoring
+from gemma_jax import executables, resources, weights
+loads = collections.Counter()
+monitoring.register_event_listener(
+    lambda event, **kw: event == executables.LOADED_EVENT and loads.update([kw['name']]))
+from graft.engine import Engine, EngineConfig
+loaded = weights.load('tiny_gemma3', 'random:0', 'float32')
+engine = Engine(loaded, EngineConfig(mode='spec', rows_per_call=16, attention_tile=16,
+                                     cache_len=64))
+ctx, logits = engine.prefill(list(range(3, 23)), logits='all')
+decoded = engine.decode(ctx, 3)
+digest = hashlib.sha256(np.ascontiguousarray(logits).tobytes()).hexdigest()
+print(json.dumps({'logits': digest, 'decode': decoded.logits_sha256, 'loads': loads,
+                  **resources.snapshot()}))
+'''
+
+
+@pytest.fixture(scope='module')
+def tree(tmp_path_factory):
+  """A copy of the code (what a process traces), so that a test can edit it."""
+  root = tmp_path_factory.mktemp('repo')
+  for name in ('gemma_jax', 'graft', 'analysis', 'experiments'):
+    shutil.copytree(os.path.join(REPO, name), root / name,
+                    ignore=shutil.ignore_patterns('__pycache__'))
+  return root
+
+
+def run(tree, cache) -> dict:
+  # JAX's compilation cache is the suite's: the checks' probes load from it (the engine's
+  # functions never do: gemma_jax.executables compiles them afresh to save them).
+  from gemma_jax import compilation_cache
+  env = {**os.environ, 'PYTHONPATH': str(tree), 'GEMMA_JAX_CACHE': str(cache),
+         compilation_cache.ENV: compilation_cache.directory()}
+  done = subprocess.run([sys.executable, '-c', SCRIPT], cwd=tree, capture_output=True, text=True,
+                        env=env, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compiles(report: dict) -> int:
+  """The engine functions' executables a process compiled (its own engine's and, where its
+  checks ran, the canary's)."""
+  return sum(report['executables_by_function'].get(name, 0) for name in ('step', 'head'))
+
+
+def loads(report: dict) -> int:
+  return sum(report['loads'].values())
+
+
+def test_saved_executables_are_loaded_and_an_edit_is_compiled_again(tree, tmp_path):
+  cache = tmp_path / 'cache'
+  first = run(tree, cache)
+  saved = set(os.listdir(cache / 'executables'))
+  # A block, a decode step and a logits call (and the canary's, the checks running here).
+  assert compiles(first) >= 3 and loads(first) == 0 and len(saved) == compiles(first)
+
+  again = run(tree, cache)
+  assert compiles(again) == 0 and loads(again) == 3  # the checks' verdicts are kept
+  assert (again['logits'], again['decode']) == (first['logits'], first['decode'])
+
+  # An edit anywhere in the traced code (a comment here: the key is its bytes) is a new key.
+  model = tree / 'gemma_jax' / 'model.py'
+  model.write_text(model.read_text() + '\n# an edit\n')
+  edited = run(tree, cache)
+  assert loads(edited) == 0 and compiles(edited) >= 3  # never an old executable
+  assert not saved & (set(os.listdir(cache / 'executables')) - saved)
+  assert (edited['logits'], edited['decode']) == (first['logits'], first['decode'])
+
+  # A damaged entry is compiled again (and replaced), never a failure.
+  for name in set(os.listdir(cache / 'executables')) - saved:
+    path = cache / 'executables' / name
+    path.write_bytes(path.read_bytes()[:100])
+  damaged = run(tree, cache)
+  assert loads(damaged) == 0 and compiles(damaged) == 3
+  assert (damaged['logits'], damaged['decode']) == (first['logits'], first['decode'])
