@@ -33,9 +33,10 @@ using gemma_spec::Problem;
 using PanelFn = void (*)(const Problem*, int64_t, int64_t, int64_t, int64_t);
 using StreamFn = void (*)(const Problem*, int64_t, int64_t, int64_t, int64_t, float*);
 
-#define GEMMA_SPEC_DECLARE(isa)                                                    \
-  void gemma_spec_panel_##isa(const Problem*, int64_t, int64_t, int64_t, int64_t); \
-  void gemma_spec_stream_##isa(const Problem*, int64_t, int64_t, int64_t, int64_t, float*);
+#define GEMMA_SPEC_DECLARE(isa)                                                             \
+  void gemma_spec_panel_##isa(const Problem*, int64_t, int64_t, int64_t, int64_t);          \
+  void gemma_spec_stream_##isa(const Problem*, int64_t, int64_t, int64_t, int64_t, float*); \
+  int64_t gemma_spec_calls_##isa();
 extern "C" {
 GEMMA_SPEC_DECLARE(portable)
 #if defined(__x86_64__)
@@ -340,4 +341,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmaSpecValues, Values,
 extern "C" int64_t gemma_spec_resolve(int64_t isa) {
   if (isa == kAuto) return Best();
   return isa >= kPortable && isa <= kNeon && Supported(isa) ? isa : -1;
+}
+
+// The work items path `isa` (1 portable, 2 avx2, 3 avx512, 4 neon) has run in this process,
+// counted by the path's own code (isa.cc); -1 for a path this library was not built with.
+extern "C" int64_t gemma_spec_path_calls(int64_t isa) {
+  switch (isa) {
+    case kPortable:
+      return gemma_spec_calls_portable();
+#if defined(__x86_64__)
+    case kAvx2:
+      return gemma_spec_calls_avx2();
+    case kAvx512:
+      return gemma_spec_calls_avx512();
+#endif
+#if defined(__aarch64__)
+    case kNeon:
+      return gemma_spec_calls_neon();
+#endif
+    default:
+      return -1;
+  }
 }
