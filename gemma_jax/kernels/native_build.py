@@ -9,8 +9,11 @@ editable change of a .py file), and a machine without a compiler still installs 
 Eigen path. The library is cached under $GEMMA_JAX_CACHE/native/<key>, the key a SHA-256 of
 everything that goes into it: the sources, the compiler's identity (its --version), the flags,
 the jaxlib version and the machine architecture. A changed source or compiler is a new key, so
-a stale library is never loaded. Concurrent first uses (test workers) each compile into a
-staging folder and the first rename wins.
+a stale library is never loaded. The compiler's --version is run once per compiler install and
+kept under $GEMMA_JAX_CACHE/native/compilers, named by the compiler's path, size and
+modification time (`compiler_identity`), so a process whose library is built runs no compiler.
+Concurrent first uses (test workers) each compile into a staging folder and the first rename
+wins.
 
 One object per instruction-set path (isa.cc, with its flags), all linked into one library; the
 kernel picks a path per call from the CPU (ffi.cc). Every object is compiled with
@@ -27,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 
+from gemma_jax import files
 from gemma_jax.checkpoints.param_cache import cache_root
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'csrc')
@@ -69,6 +73,31 @@ def _include_dir() -> str:
   return jax.ffi.include_dir()
 
 
+def compiler_identity(cxx: str | None = None) -> str:
+  """The compiler's `--version` output (`cxx`, default `compiler()`), run once per compiler
+  install: kept in a file named by the compiler's path as found, its real path, size and
+  modification time, so an upgrade (a new binary) runs it again."""
+  cxx = cxx or compiler()
+  real = os.path.realpath(cxx)
+  stat = os.stat(real)
+  name = hashlib.sha256(repr((cxx, real, stat.st_size, stat.st_mtime_ns)).encode()).hexdigest()
+  path = os.path.join(cache_root(), 'native', 'compilers', name[:32])
+  try:
+    with open(path) as f:
+      return f.read()
+  except OSError:
+    pass
+  done = subprocess.run([cxx, '--version'], capture_output=True, text=True)
+  if done.returncode or not done.stdout:
+    raise BuildError(f'{cxx} --version failed (exit {done.returncode}): the native spec kernels '
+                     'need a working C++17 compiler; use --dot_library=eigen')
+  try:
+    files.write_text(path, done.stdout)
+  except OSError:  # a cache that cannot be written only costs the next process the run
+    pass
+  return done.stdout
+
+
 def build_key() -> str:
   """The SHA-256 of everything the library is made of (see the module doc)."""
   import jaxlib
@@ -77,7 +106,7 @@ def build_key() -> str:
   for name in SOURCES:
     with open(os.path.join(SOURCE_DIR, name), 'rb') as f:
       h.update(name.encode() + b'\0' + f.read() + b'\0')
-  version = subprocess.run([cxx, '--version'], capture_output=True, text=True).stdout
+  version = compiler_identity(cxx)
   arch = _architecture()
   h.update(repr((version, COMMON_FLAGS, PATHS[arch], jaxlib.__version__, arch)).encode())
   return h.hexdigest()
