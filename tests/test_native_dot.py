@@ -206,3 +206,31 @@ def test_the_build_is_keyed_by_its_sources(tmp_path, monkeypatch):
   monkeypatch.setattr(native_build, 'SOURCE_DIR', str(source))
   assert native_build.build_key() != before
 
+def test_a_killed_build_or_a_folder_without_its_library_is_built_over(tmp_path, monkeypatch):
+  """What a killed build leaves (a staging folder; a key's folder with objects and no library)
+  breaks no later run: the library is built into place and kept."""
+  monkeypatch.setenv('GEMMA_JAX_CACHE', str(tmp_path))
+  built = []
+
+  def compile_(directory):  # a stand-in for the compiler: the build itself is tested above
+    built.append(directory)
+    with open(os.path.join(directory, native_build.LIBRARY), 'wb') as f:
+      f.write(b'the library')
+
+  monkeypatch.setattr(native_build, '_compile', compile_)
+  target = tmp_path / 'native' / native_build.build_key()[:32]
+  leftover = tmp_path / 'native' / '.build-killed'
+  leftover.mkdir(parents=True)
+  (leftover / native_build.LIBRARY).write_bytes(b'half written')
+  target.mkdir()
+  (target / 'ffi.o').write_bytes(b'an object')
+  native_build.library.cache_clear()
+  try:
+    path = native_build.library()
+    assert path == str(target / native_build.LIBRARY) and len(built) == 1
+    assert open(path, 'rb').read() == b'the library' and os.listdir(target) == [
+        native_build.LIBRARY]
+    native_build.library.cache_clear()
+    assert native_build.library() == path and len(built) == 1  # kept: not built again
+  finally:
+    native_build.library.cache_clear()

@@ -13,7 +13,8 @@ a stale library is never loaded. The compiler's --version is run once per compil
 kept under $GEMMA_JAX_CACHE/native/compilers, named by the compiler's path, size and
 modification time (`compiler_identity`), so a process whose library is built runs no compiler.
 Concurrent first uses (test workers) each compile into a staging folder and the first rename
-wins.
+wins; a staging folder left by a killed build, or a key's folder without its library, is
+rebuilt over.
 
 One object per instruction-set path (isa.cc, with its flags), all linked into one library; the
 kernel picks a path per call from the CPU (ffi.cc). Every object is compiled with
@@ -45,8 +46,9 @@ PATHS = {
 }
 
 
-class BuildError(RuntimeError):
-  """The native kernels cannot be built here; the message names what is missing."""
+class BuildError(ValueError):
+  """The native kernels cannot be built here; the message names what is missing (a ValueError:
+  an entry point says it in one line, experiments/common.py)."""
 
 
 def compiler() -> str:
@@ -147,11 +149,23 @@ def library() -> str:
   staging = tempfile.mkdtemp(prefix='.build-', dir=os.path.dirname(target))
   try:
     _compile(staging)
-    try:
-      os.rename(staging, target)
-    except OSError:
-      if not os.path.exists(path):  # not another process's finished build
-        raise
+    for _ in range(2):
+      try:
+        os.rename(staging, target)
+        break
+      except OSError:
+        if os.path.exists(path):  # another process's finished build
+          break
+        # The key's folder without its library (a build interrupted, a file removed): moved
+        # aside, then replaced.
+        stale = tempfile.mkdtemp(prefix='.stale-', dir=os.path.dirname(target))
+        try:
+          os.rename(target, os.path.join(stale, 'old'))
+        except FileNotFoundError:
+          pass
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+      raise BuildError(f'the native spec kernels could not be put in place at {target}')
   finally:
     shutil.rmtree(staging, ignore_errors=True)
   return path
