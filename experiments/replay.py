@@ -38,7 +38,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_string('manifest', None, 'Manifest JSON to replay.', required=True)
-  flags.DEFINE_integer('limit', 0, 'Replay only the first N samples (0: all).')
+  flags.DEFINE_integer('limit', 0, 'Replay only the first N samples (0: all).', lower_bound=0)
   flags.DEFINE_enum('dot_library', None, list(DOT_LIBRARIES),
                     "A spec manifest's engine with another dot library (default: the "
                     "manifest's; 'pallas': the spec dot kernel, how a GPU follows the spec).")
