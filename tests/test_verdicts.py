@@ -4,6 +4,8 @@ XLA flags, a steering variable) runs the check again, GEMMA_JAX_RECHECK runs it 
 failure is never kept, and the suite keeps verdicts of its own (tests/conftest.py)."""
 
 import os
+import pathlib
+import platform
 import shutil
 import stat
 import subprocess
@@ -13,13 +15,14 @@ import types
 
 import jax
 import jaxlib
-import platform
 import pytest
 
 from gemma_jax import host, sharding, verdicts
 from gemma_jax.checkpoints.param_cache import cache_root
 from gemma_jax.kernels import native_build
 from gemma_jax.spec import selfcheck
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -182,8 +185,8 @@ def test_the_suite_keeps_verdicts_of_its_own(tmp_path, monkeypatch):
   shared = os.path.join(cache_root(), '')
   assert not os.path.join(folder, '').startswith(shared)
   child = subprocess.run([sys.executable, '-c', 'from gemma_jax import verdicts\n'
-                          'print(verdicts.directory())'], env=os.environ, capture_output=True,
-                         text=True, timeout=120)
+                          'print(verdicts.directory())'], cwd=REPO, capture_output=True,
+                         env={**os.environ, 'PYTHONPATH': str(REPO)}, text=True, timeout=120)
   assert child.stdout.strip() == folder, child.stderr[-2000:]
   # A pass recorded in a cache's own folder (as any process outside the suite keeps them) ...
   monkeypatch.delenv(verdicts.RECHECK_ENV, raising=False)
