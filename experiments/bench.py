@@ -63,10 +63,12 @@ def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_list('systems', list(OURS) + list(peers.NAMES),
                     f'Systems to measure: any of {", ".join(SYSTEMS)}.')
-  flags.DEFINE_integer('prompt_tokens', 2000, 'Prompt length for prefill throughput.')
-  flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps for decode throughput.')
-  flags.DEFINE_integer('library_tokens', 2048, 'Library length for time to first token.')
-  flags.DEFINE_integer('query_tokens', 64, 'Query length for time to first token.')
+  flags.DEFINE_integer('prompt_tokens', 2000, 'Prompt length for prefill throughput.',
+                       lower_bound=1)
+  flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps for decode throughput.', lower_bound=1)
+  flags.DEFINE_integer('library_tokens', 2048, 'Library length for time to first token.',
+                       lower_bound=1)
+  flags.DEFINE_integer('query_tokens', 64, 'Query length for time to first token.', lower_bound=1)
   flags.DEFINE_list('batch_slots', [], 'Also measure the spec engine\'s decode with N contexts '
                     'per call (Engine.generate_batch) for each N listed, e.g. 1,2,4,8.')
   flags.DEFINE_bool('start', True, 'Also time a fresh process to its first logits, on an empty '
@@ -74,7 +76,8 @@ def define_flags() -> None:
                     'logits: start_phases_s), ours and llama.cpp\'s on the same GGUF.')
   flags.DEFINE_bool('start_only', False, 'Time only the fresh processes (--start), not '
                     'throughput: a quick run of the start phases.')
-  flags.DEFINE_integer('repeats', 3, 'Timed repetitions (after one warm-up); medians reported.')
+  flags.DEFINE_integer('repeats', 3, 'Timed repetitions (after one warm-up); medians reported.',
+                       lower_bound=1)
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
   common.define_model_flags()
   common.define_engine_flags(cache_len=common.GRAFT_CACHE_LEN)

@@ -51,9 +51,11 @@ _OUTPUT_PATHS = ('results/', 'manifests/', 'figures/')
 
 def run(main) -> None:
   """absl's app.run for an entry point, with the project's error convention: an expected
-  failure (bad input, a refused artifact or store, a machine that does not compute the spec:
-  ValueError and its kinds, a missing file) prints one line `error: ...` and exits with status 2;
-  --verbose shows the traceback instead. A traceback without --verbose is a bug."""
+  failure (bad input, a refused artifact or store, a machine that does not compute the spec or
+  cannot build its kernels: ValueError and its kinds, a missing file) prints one line
+  `error: ...` and exits with status 2, as does a flag's impossible value (each integer flag
+  declares its bounds); --verbose shows the traceback instead. A traceback without --verbose is a
+  bug."""
   if 'verbose' not in FLAGS:
     flags.DEFINE_bool('verbose', False, 'Show the traceback of an expected failure.')
   if 'compilation_cache' not in FLAGS:
@@ -72,8 +74,15 @@ def run(main) -> None:
       print(f'error: {message}', file=sys.stderr)
       sys.exit(2)
 
+  def parse(argv):  # a flag's bad value (a bound, an enum, a required flag) is a usage error
+    try:
+      return FLAGS(argv)
+    except flags.Error as e:
+      print(f'error: {" ".join(str(e).split())}', file=sys.stderr)
+      sys.exit(2)
+
   from absl import app
-  app.run(guarded)
+  app.run(guarded, flags_parser=parse)
 
 
 def define_model_flags(model: str = 'gemma3_270m', weights_spec: str = 'embedded') -> None:
@@ -103,11 +112,13 @@ def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096
                     "Attention implementation (default: the engine mode's, tiled for pinned).")
   flags.DEFINE_integer('rows_per_call', None,
                        'pinned: the most token rows per transformer call (default 256); '
-                       'blocked: the rows of every call (default 16).')
+                       'blocked: the rows of every call (default 16).', lower_bound=1)
   flags.DEFINE_alias('block_size', 'rows_per_call')
-  flags.DEFINE_integer('cache_len', cache_len, 'KV slots: the most tokens a context holds.')
+  flags.DEFINE_integer('cache_len', cache_len, 'KV slots: the most tokens a context holds'
+                       + (' (0: as many as the run needs).' if cache_len == 0 else '.'),
+                       lower_bound=0 if cache_len == 0 else 1)
   flags.DEFINE_integer('attention_tile', None, 'KV tile of the tiled or Pallas attention '
-                       '(default: the implementation\'s, 256 for tiled).')
+                       '(default: the implementation\'s, 256 for tiled).', lower_bound=1)
   flags.DEFINE_string('mesh', '', "Devices to run on: '' (one), or a mesh such as model:4 or "
                       'model:2,data:2 (on a CPU host the device count is set from it).')
   flags.DEFINE_enum('mesh_layout', 'gather', list(sharding.LAYOUTS),
@@ -116,8 +127,10 @@ def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096
   flags.DEFINE_string('coordinator', None, 'host:port of the jax.distributed coordination '
                       'service (process 0 runs it): this process joins a run of several, and '
                       '--mesh spans every process\'s devices.')
-  flags.DEFINE_integer('num_processes', 1, 'Processes of a jax.distributed run (--coordinator).')
-  flags.DEFINE_integer('process_id', 0, 'This process\'s index in a jax.distributed run.')
+  flags.DEFINE_integer('num_processes', 1, 'Processes of a jax.distributed run (--coordinator).',
+                       lower_bound=1)
+  flags.DEFINE_integer('process_id', 0, 'This process\'s index in a jax.distributed run.',
+                       lower_bound=0)
   flags.DEFINE_enum('dot_library', None, list(DOT_LIBRARIES),
                     "What computes the fixed-order engines' dots: eigen, ynn (XLA's default) or, "
                     "for the spec engine, native (its own CPU kernels) or pallas (the spec dot "

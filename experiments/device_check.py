@@ -34,10 +34,12 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  flags.DEFINE_integer('samples', 10, 'Graft-exactness samples per attention implementation.')
+  flags.DEFINE_integer('samples', 10, 'Graft-exactness samples per attention implementation.',
+                       lower_bound=1)
   flags.DEFINE_string('output', None, 'Result JSON (default results/device_<kind>.json).')
   flags.DEFINE_string('manifest_dir', 'manifests', 'Where the run\'s manifests go.')
-  flags.DEFINE_integer('mesh_samples', 4, 'Samples per mesh on a host of several devices.')
+  flags.DEFINE_integer('mesh_samples', 4, 'Samples per mesh on a host of several devices.',
+                       lower_bound=1)
 
 
 def mesh_plan(devices: int) -> str | None:

@@ -45,8 +45,8 @@ PROCESSES = 2
 
 
 def define_flags() -> None:
-  flags.DEFINE_integer('samples', 4, 'Samples drawn from real text.')
-  flags.DEFINE_integer('seed', 0, 'Seed of the samples.')
+  flags.DEFINE_integer('samples', 4, 'Samples drawn from real text.', lower_bound=1)
+  flags.DEFINE_integer('seed', 0, 'Seed of the samples.', lower_bound=0)
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model).')
   flags.DEFINE_string('rows_output', None, 'Internal: where a worker process writes its rows.')
   common.define_model_flags()

@@ -81,12 +81,14 @@ def define_flags() -> None:
                       'another architecture (--qemu=qemu-aarch64 --cpu=max), a Python of that '
                       'architecture with this project\'s dependencies, its libraries under '
                       '$QEMU_LD_PREFIX (docs/determinism.md, "aarch64").')
-  flags.DEFINE_integer('tokens', 60, 'Tokens of each tiny model\'s spec_check (windows are 8).')
+  flags.DEFINE_integer('tokens', 60, 'Tokens of each tiny model\'s spec_check (windows are 8).',
+                       lower_bound=1)
   flags.DEFINE_integer('replay_limit', 0, 'Records of the CI manifest to replay with each dot '
                        'library (0: none; one record of the 270M took 7 min on the native kernels '
-                       'under EPYC-Rome, and did not finish in 70 min on the Pallas kernel).')
+                       'under EPYC-Rome, and did not finish in 70 min on the Pallas kernel).',
+                       lower_bound=0)
   flags.DEFINE_integer('step_timeout', 7200, 'Seconds a step may take before it is recorded as '
-                       'timed out.')
+                       'timed out.', lower_bound=1)
   flags.DEFINE_string('probe_only', None, 'Run only the probe, with XLA dumping to this folder, '
                       'and write it there as probe.json (what the check runs here and emulated).')
   flags.DEFINE_string('output', None, 'Result JSON (default results/emulated_<cpu>.json).')

@@ -41,17 +41,19 @@ def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_string('store', None, 'Where trial stores go (a file:// URL of a directory; '
                       'default: a temporary directory). In-process kinds use memory:// stores.')
-  flags.DEFINE_integer('trials', 100, 'Trials per in-process kind.')
-  flags.DEFINE_integer('process_trials', 8, 'Trials per kind that starts processes.')
+  flags.DEFINE_integer('trials', 100, 'Trials per in-process kind.', lower_bound=1)
+  flags.DEFINE_integer('process_trials', 8, 'Trials per kind that starts processes.', lower_bound=1)
   flags.DEFINE_bool('signed', False, 'The golden store is written by an honest writer\'s key '
                     'and every reader trusts only it (forgeries are then misses).')
-  flags.DEFINE_integer('seed', 0, 'Seed of the contexts and of every fault\'s place.')
+  flags.DEFINE_integer('seed', 0, 'Seed of the contexts and of every fault\'s place.',
+                       lower_bound=0)
   flags.DEFINE_list('kinds', list(KINDS), f'Fault kinds: any of {", ".join(KINDS)}.')
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
   common.define_model_flags('tiny_gemma3', 'random:0')  # tiny: thousands of trials in minutes
-  flags.DEFINE_integer('rows_per_call', 8, 'Token rows per call of the pinned engine.')
+  flags.DEFINE_integer('rows_per_call', 8, 'Token rows per call of the pinned engine.',
+                       lower_bound=1)
   flags.DEFINE_alias('block_size', 'rows_per_call')
-  flags.DEFINE_integer('cache_len', 512, 'KV slots.')
+  flags.DEFINE_integer('cache_len', 512, 'KV slots.', lower_bound=1)
 
 
 def main(argv):

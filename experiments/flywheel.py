@@ -75,26 +75,28 @@ def define_flags() -> None:
   flags.DEFINE_string('store', None, 'Store URL (default: a temporary file:// store).')
   flags.DEFINE_string('tasks', None, 'JSONL of {"id", "problem", "answer"} tasks.')
   flags.DEFINE_string('task_set', None, f'A generated set instead: {", ".join(tasks_lib.FAMILIES)}.')
-  flags.DEFINE_integer('tasks_n', 100, 'Tasks of a generated set.')
+  flags.DEFINE_integer('tasks_n', 100, 'Tasks of a generated set.', lower_bound=1)
   flags.DEFINE_string('heldout', None, 'JSONL of held-out problems (default: generated, disjoint).')
-  flags.DEFINE_integer('heldout_n', 100, 'Held-out problems of a generated set.')
+  flags.DEFINE_integer('heldout_n', 100, 'Held-out problems of a generated set.', lower_bound=1)
   flags.DEFINE_string('solutions', None, 'JSONL of {"id", "solution"}; `generated`; or `none` '
                       '(only the model\'s own verified attempts enter the library).')
   flags.DEFINE_float('temperature', 0.7, 'Sampling temperature of the base attempts.')
-  flags.DEFINE_integer('seed', 0, 'Seed of the generated sets and of the sampler.')
+  flags.DEFINE_integer('seed', 0, 'Seed of the generated sets and of the sampler.', lower_bound=0)
   flags.DEFINE_integer('budget', 64, 'Decode tokens a recurring problem may spend in all, over '
-                       'its base attempts.')
+                       'its base attempts.', lower_bound=1)
   flags.DEFINE_integer('attempt_tokens', 40, 'Decode tokens of one attempt (a worked solution '
-                       'and its answer line), and of every greedy answer.')
+                       'and its answer line), and of every greedy answer.', lower_bound=1)
   flags.DEFINE_integer('attempt_slots', None, 'Base attempts of a problem decoded together, one '
                        'per engine batch slot (each gets the bits it gets alone; the record is '
                        'the one-at-a-time protocol\'s, and the manifest replays unbatched). '
-                       'Default: 8 on an engine with batch slots (spec, pinned), else 1.')
-  flags.DEFINE_integer('k', 3, 'Entries retrieved for a held-out problem.')
-  flags.DEFINE_integer('shots', 3, 'Solved examples in the base few-shot header.')
-  flags.DEFINE_integer('sample_exact', 10, 'Grafted answers checked against fresh (per phase).')
+                       'Default: 8 on an engine with batch slots (spec, pinned), else 1.',
+                       lower_bound=1)
+  flags.DEFINE_integer('k', 3, 'Entries retrieved for a held-out problem.', lower_bound=1)
+  flags.DEFINE_integer('shots', 3, 'Solved examples in the base few-shot header.', lower_bound=0)
+  flags.DEFINE_integer('sample_exact', 10, 'Grafted answers checked against fresh (per phase).',
+                       lower_bound=0)
   flags.DEFINE_integer('rounds', 2, 'Held-out rounds; after each but the last the library grows '
-                       'by that round\'s verified answers.')
+                       'by that round\'s verified answers.', lower_bound=1)
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the task set).')
   flags.DEFINE_string('manifest', None, 'Also write a replayable manifest here.')
   common.define_model_flags()
@@ -148,8 +150,6 @@ def load_sets(tokenizer) -> tuple[list, list, dict, list]:
 
 def main(argv):
   del argv
-  if FLAGS.rounds < 1:
-    raise ValueError(f'--rounds={FLAGS.rounds}: at least one held-out round')
   settings = Settings(budget=FLAGS.budget, attempt_tokens=FLAGS.attempt_tokens,
                       temperature=FLAGS.temperature, seed=FLAGS.seed, k=FLAGS.k,
                       sample_exact=FLAGS.sample_exact,

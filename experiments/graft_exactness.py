@@ -55,14 +55,16 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_integer('samples', 50, 'Samples to draw from real text (ignored with --input).')
-  flags.DEFINE_integer('seed', 0, 'Seed of the sample generator.')
+  flags.DEFINE_integer('samples', 50, 'Samples to draw from real text (ignored with --input).',
+                       lower_bound=1)
+  flags.DEFINE_integer('seed', 0, 'Seed of the sample generator.', lower_bound=0)
   flags.DEFINE_string('input', None, 'JSONL of {"library": text, "query": text} pairs.')
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the config).')
   flags.DEFINE_string('manifest', None, 'Also write a replayable manifest here.')
   flags.DEFINE_integer('batch_slots', 1, 'Samples served together, one per batch slot of every '
                        'call (pinned engine).', lower_bound=1)
-  flags.DEFINE_integer('continuation_tokens', 32, 'Greedy tokens compared after the query.')
+  flags.DEFINE_integer('continuation_tokens', 32, 'Greedy tokens compared after the query.',
+                       lower_bound=0)
   flags.DEFINE_string('artifact_dir', None, 'Where artifacts go (default: a temporary directory).')
   flags.DEFINE_enum('source', 'artifact', ['artifact', 'store'],
                     'Where grafts come from: an artifact per sample, or the knowledge store.')
@@ -74,7 +76,7 @@ def define_flags() -> None:
                     '--rope=relative).')
   flags.DEFINE_integer('preceded_up_to', 512, 'With --offsets, also graft the library after δ '
                        'other tokens (another sample\'s text) for every δ up to this: a change of '
-                       'content, not of position (0: none).')
+                       'content, not of position (0: none).', lower_bound=0)
   common.define_model_flags()
   common.define_rope_flag()
   common.define_store_flags()

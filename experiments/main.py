@@ -43,7 +43,7 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_integer('exactness_samples', 6, 'Graft exactness samples in step 3.')
+  flags.DEFINE_integer('exactness_samples', 6, 'Graft exactness samples in step 3.', lower_bound=1)
   flags.DEFINE_string('replay_manifest', 'manifests/ci_gemma3_270m_float32.json',
                       'Manifest replayed in step 4 (a glob: the one made on a machine like '
                       'this one).')

@@ -38,11 +38,11 @@ def define_flags() -> None:
   flags.DEFINE_list('meshes', ['', 'model:2', 'model:4'], "Meshes ('' is one device; axes of "
                     "one mesh joined by '+': model:2+data:2).")
   flags.DEFINE_list('layouts', list(sharding.LAYOUTS), 'Layouts to run on every mesh.')
-  flags.DEFINE_integer('samples', 4, 'Samples drawn from real text.')
-  flags.DEFINE_integer('seed', 0, 'Seed of the samples.')
+  flags.DEFINE_integer('samples', 4, 'Samples drawn from real text.', lower_bound=1)
+  flags.DEFINE_integer('seed', 0, 'Seed of the samples.', lower_bound=0)
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model).')
   common.define_model_flags()
-  flags.DEFINE_integer('cache_len', 2304, 'KV slots.')
+  flags.DEFINE_integer('cache_len', 2304, 'KV slots.', lower_bound=1)
   flags.DEFINE_enum('engine', 'pinned', ['pinned', 'spec'], 'The byte-exact engine to run '
                     '(spec: the gather layout only).')
 

@@ -77,10 +77,12 @@ def define_flags() -> None:
   flags.DEFINE_list('methods', list(shift.METHODS), f'Any of {", ".join(shift.METHODS)}.')
   common.define_rope_flag()
   flags.DEFINE_integer('library_tokens', 600, 'Library length L (600 crosses the 512-token '
-                       'window of Gemma 3).')
-  flags.DEFINE_integer('query_tokens', 32, 'Query length Q.')
-  flags.DEFINE_integer('seed', 0, 'Seed choosing where in the text the library starts.')
-  flags.DEFINE_integer('negative_base', 64, 'Base position of the library for negative offsets.')
+                       'window of Gemma 3).', lower_bound=1)
+  flags.DEFINE_integer('query_tokens', 32, 'Query length Q.', lower_bound=1)
+  flags.DEFINE_integer('seed', 0, 'Seed choosing where in the text the library starts.',
+                       lower_bound=0)
+  flags.DEFINE_integer('negative_base', 64, 'Base position of the library for negative offsets.',
+                       lower_bound=0)
   flags.DEFINE_list('overrides', [], 'TransformerConfig fields to replace, name=value (e.g. '
                     'num_layers=10,num_kv_shared_layers=5): a custom model built from --model.')
   flags.DEFINE_string('model_label', None, 'Name of the model in rows and the default output '

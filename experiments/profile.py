@@ -29,9 +29,10 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_integer('prompt_tokens', 2000, 'Prompt length of the profiled prefill.')
-  flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps of the profiled decode.')
-  flags.DEFINE_integer('repeats', 3, 'Repetitions of each ceiling measurement.')
+  flags.DEFINE_integer('prompt_tokens', 2000, 'Prompt length of the profiled prefill.',
+                       lower_bound=1)
+  flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps of the profiled decode.', lower_bound=1)
+  flags.DEFINE_integer('repeats', 3, 'Repetitions of each ceiling measurement.', lower_bound=1)
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model, dtype and '
                       'engine).')
   common.define_model_flags()

@@ -15,7 +15,8 @@ if any hash differs.
 A manifest of the spec engine replays on any machine whose spec self-check passes (its bits are
 the written arithmetic's; where the self-check refuses only the recorded dot library's dots, as
 on CPUs with AVX2 and no AVX-512, it replays on the spec dot kernel unless --dot_library is
-given); one of the pinned or blocked engine only on a machine of the kind it was made on (its
+given; one made on the native kernels replays on Eigen's dots where they cannot be built, as
+on a machine without a C++ compiler, saying so in one line); one of the pinned or blocked engine only on a machine of the kind it was made on (its
 recorded environment: their bits depend on the CPU model). A glob for --manifest picks a spec
 manifest first, else one made on a machine like this one (`select`).
 """
@@ -37,7 +38,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_string('manifest', None, 'Manifest JSON to replay.', required=True)
-  flags.DEFINE_integer('limit', 0, 'Replay only the first N samples (0: all).')
+  flags.DEFINE_integer('limit', 0, 'Replay only the first N samples (0: all).', lower_bound=0)
   flags.DEFINE_enum('dot_library', None, list(DOT_LIBRARIES),
                     "A spec manifest's engine with another dot library (default: the "
                     "manifest's; 'pallas': the spec dot kernel, how a GPU follows the spec).")

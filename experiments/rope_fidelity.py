@@ -37,11 +37,14 @@ MODES = ('float', 'relative')
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_integer('samples', 8, 'Library + query texts of the exactness experiments.')
-  flags.DEFINE_integer('seed', 0, 'Seed of the sample draw.')
-  flags.DEFINE_integer('continuation_tokens', 64, 'Greedy tokens compared after each text.')
-  flags.DEFINE_integer('ppl_texts', 8, 'Corpus passages whose perplexity is measured.')
-  flags.DEFINE_integer('ppl_tokens', 512, 'Tokens per perplexity passage.')
+  flags.DEFINE_integer('samples', 8, 'Library + query texts of the exactness experiments.',
+                       lower_bound=1)
+  flags.DEFINE_integer('seed', 0, 'Seed of the sample draw.', lower_bound=0)
+  flags.DEFINE_integer('continuation_tokens', 64, 'Greedy tokens compared after each text.',
+                       lower_bound=1)
+  flags.DEFINE_integer('ppl_texts', 8, 'Corpus passages whose perplexity is measured.',
+                       lower_bound=0)
+  flags.DEFINE_integer('ppl_tokens', 512, 'Tokens per perplexity passage.', lower_bound=2)
   flags.DEFINE_string('output', None, 'Results JSON (default results/rope_fidelity_<model>_'
                       '<dtype>.json).')
   common.define_model_flags()

@@ -22,16 +22,16 @@ def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_string('output', 'results/rope_float.json', 'Where to write the JSON result.')
   flags.DEFINE_integer('positions', 131_072, 'Largest position of the log grid (Gemma 3 4B+ '
-                       'and Gemma 4 contexts reach 131,072).')
+                       'and Gemma 4 contexts reach 131,072).', lower_bound=1)
   flags.DEFINE_list('dtypes', ['float32', 'bfloat16'], f'Activation dtypes: '
                     f'{sorted(rope_float.DTYPES)}.')
   flags.DEFINE_list('head_dims', ['256'], 'Head dims of the local/global/global-scale-8 layer '
                     'types (Gemma 4 global always uses 512).')
   flags.DEFINE_list('offsets', [str(d) for d in rope_float.DEFAULT_OFFSETS], 'Shift offsets δ.')
   flags.DEFINE_integer('grid_points', 40, 'Points of the log position grid (powers of two '
-                       'added).')
-  flags.DEFINE_integer('vectors', 4, 'Random vectors per position.')
-  flags.DEFINE_integer('seed', 0, 'Seed of the random vectors.')
+                       'added).', lower_bound=1)
+  flags.DEFINE_integer('vectors', 4, 'Random vectors per position.', lower_bound=1)
+  flags.DEFINE_integer('seed', 0, 'Seed of the random vectors.', lower_bound=0)
   flags.DEFINE_enum('execution', 'jit', ['jit', 'eager'], 'Run apply_rope jitted (as the model '
                     'does) or eagerly (op by op).')
   flags.DEFINE_list('sweep_results', [], 'Optional position-sweep JSON files whose per-layer '

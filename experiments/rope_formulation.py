@@ -33,10 +33,10 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  flags.DEFINE_integer('rows', 256, 'Query rows (tokens x query heads per KV head).')
-  flags.DEFINE_integer('slots', 512, 'Key slots.')
-  flags.DEFINE_integer('head_dim', 256, 'Head dimension H.')
-  flags.DEFINE_integer('repeats', 7, 'Timed calls per formulation.')
+  flags.DEFINE_integer('rows', 256, 'Query rows (tokens x query heads per KV head).', lower_bound=1)
+  flags.DEFINE_integer('slots', 512, 'Key slots.', lower_bound=1)
+  flags.DEFINE_integer('head_dim', 256, 'Head dimension H.', lower_bound=2)
+  flags.DEFINE_integer('repeats', 7, 'Timed calls per formulation.', lower_bound=1)
   flags.DEFINE_string('output', None, 'Results JSON (default results/rope_formulation.json).')
 
 

@@ -26,10 +26,10 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  flags.DEFINE_integer('tokens', 64, 'Tokens to compute.')
+  flags.DEFINE_integer('tokens', 64, 'Tokens to compute.', lower_bound=1)
   flags.DEFINE_list('splits', None, 'Where the split run cuts the tokens (default: a third, two '
                     "thirds and the model's sliding window, where they lie inside).")
-  flags.DEFINE_integer('seed', 0, 'Seed of the token ids for random weights.')
+  flags.DEFINE_integer('seed', 0, 'Seed of the token ids for random weights.', lower_bound=0)
   flags.DEFINE_string('output', None, 'Results JSON (default: results/spec_check_<model>_<dtype>'
                       '.json).')
   common.define_model_flags()

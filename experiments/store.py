@@ -40,7 +40,8 @@ def define_flags() -> None:
   flags.DEFINE_bool('recompute_put', False, 'put: compute every block and compare it with what '
                     'is stored (conflicts replaced and reported).')
   flags.DEFINE_string('text', None, 'get: the text whose longest stored prefix to find.')
-  flags.DEFINE_integer('host_cache_bytes', 1 << 30, 'Bound of the host LRU of verified blocks.')
+  flags.DEFINE_integer('host_cache_bytes', 1 << 30, 'Bound of the host LRU of verified blocks.',
+                       lower_bound=0)
   flags.DEFINE_float('recompute', 0.0, 'verify: also recompute this fraction of the blocks (1.0: '
                      'every one) with this engine and compare bytes: forgeries and what was '
                      'built on them.')

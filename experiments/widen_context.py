@@ -52,15 +52,20 @@ def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_string('store', None, 'Store URL (default: a file:// store in a temporary '
                       'directory).')
-  flags.DEFINE_integer('ratio', 100, 'Deposit until addressable tokens >= ratio x cache_len.')
-  flags.DEFINE_integer('target_tokens', 0, 'Deposit at least this many tokens (0: by --ratio).')
-  flags.DEFINE_integer('library_tokens', 2048, 'Tokens per deposited library.')
-  flags.DEFINE_integer('queries', 48, 'Queries served from the store.')
-  flags.DEFINE_integer('query_tokens', 16, 'Tokens per query.')
-  flags.DEFINE_integer('sampled', 8, 'Served queries checked against a fresh computation.')
-  flags.DEFINE_integer('misses', 3, 'Queries on libraries that were never deposited.')
-  flags.DEFINE_integer('seed', 0, 'Seed of the query stream.')
-  flags.DEFINE_integer('host_cache_bytes', 1 << 30, 'Bound of the store\'s host LRU.')
+  flags.DEFINE_integer('ratio', 100, 'Deposit until addressable tokens >= ratio x cache_len.',
+                       lower_bound=1)
+  flags.DEFINE_integer('target_tokens', 0, 'Deposit at least this many tokens (0: by --ratio).',
+                       lower_bound=0)
+  flags.DEFINE_integer('library_tokens', 2048, 'Tokens per deposited library.', lower_bound=1)
+  flags.DEFINE_integer('queries', 48, 'Queries served from the store.', lower_bound=1)
+  flags.DEFINE_integer('query_tokens', 16, 'Tokens per query.', lower_bound=1)
+  flags.DEFINE_integer('sampled', 8, 'Served queries checked against a fresh computation.',
+                       lower_bound=0)
+  flags.DEFINE_integer('misses', 3, 'Queries on libraries that were never deposited.',
+                       lower_bound=0)
+  flags.DEFINE_integer('seed', 0, 'Seed of the query stream.', lower_bound=0)
+  flags.DEFINE_integer('host_cache_bytes', 1 << 30, 'Bound of the store\'s host LRU.',
+                       lower_bound=0)
   flags.DEFINE_bool('keep_store', False, 'Keep the store afterwards (default: delete it).')
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
   common.define_model_flags()

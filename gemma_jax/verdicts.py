@@ -1,13 +1,14 @@
 """Passed checks kept across processes, for the exact process configuration they checked.
 
-The spec engine's self-check and canary (gemma_jax.spec.selfcheck, graft.engine.canary) take
-seconds of every process's start, and their verdict is a function of what they ran on: the code,
-the native kernel library, the CPU and its flags, jax and jaxlib, the XLA flags, the device and
-thread counts, and the environment variables that steer the kernels. A pass is recorded under
-$GEMMA_JAX_CACHE/verdicts/<SHA-256 of all of that and the check's own key>, and a later process
-whose every one of them is the same skips the check. A failure is never recorded (it is run
-again, and refuses again). Any edit of a file of gemma_jax, graft/engine or the kernels' C++
-changes the key, so an edit is never vouched for by an old verdict; GEMMA_JAX_RECHECK=1 runs
+The spec engine's self-check and canary (gemma_jax.spec.selfcheck, graft.engine.canary) take seconds
+of every process's start, and their verdict is a function of what they ran on: the code, the native
+kernel library (its build key) and the compiler that builds it, the CPU and its flags, jax and
+jaxlib, the XLA flags, the device and thread counts, and the environment variables that steer the
+kernels. A pass is recorded under $GEMMA_JAX_CACHE/verdicts/<SHA-256 of all of that and the check's
+own key> ($GEMMA_JAX_VERDICTS instead where set: the test suite keeps its own, tests/conftest.py),
+and a later process whose every one of them is the same skips the check. A failure is never recorded
+(it is run again, and refuses again). Any edit of a file of gemma_jax, graft/engine or the kernels'
+C++ changes the key, so an edit is never vouched for by an old verdict; GEMMA_JAX_RECHECK=1 runs
 every check regardless. docs/security.md says what this trusts.
 """
 
@@ -23,6 +24,7 @@ from gemma_jax import files, host
 from gemma_jax.checkpoints.param_cache import cache_root
 
 RECHECK_ENV = 'GEMMA_JAX_RECHECK'
+DIRECTORY_ENV = 'GEMMA_JAX_VERDICTS'  # where verdicts are kept, instead of the cache's
 # Environment variables that steer what a check runs (the kernels' instruction set, the
 # emulator's flush rule).
 _STEERING = ('GEMMA_JAX_NATIVE_ISA', 'GEMMA_JAX_SELFCHECK_EMULATED', 'XLA_FLAGS')
@@ -32,7 +34,7 @@ _CODE = ('gemma_jax', os.path.join('graft', 'engine'), os.path.join('graft', 'sp
 
 
 def directory() -> str:
-  return os.path.join(cache_root(), 'verdicts')
+  return os.environ.get(DIRECTORY_ENV) or os.path.join(cache_root(), 'verdicts')
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,7 +66,21 @@ def process() -> dict:
           'cpu': {k: cpuinfo.get(k) for k in ('vendor_id', 'cpu family', 'model', 'stepping',
                                               'microcode', 'flags', 'Features', 'CPU part')},
           'xla_flags': sharding.xla_flags(), 'intra_op_threads': selfcheck.intra_op_threads(),
-          'env': {k: os.environ.get(k) for k in _STEERING}}
+          'env': {k: os.environ.get(k) for k in _STEERING}, **native()}
+
+
+def native() -> dict:
+  """The native kernel library this process builds or loads (its build key: sources, flags,
+  compiler version, jaxlib, architecture) and the compiler's identity (its real path and
+  --version, run once per compiler install: gemma_jax.kernels.native_build); None for both
+  where none can be built."""
+  from gemma_jax.kernels import native_build
+  try:
+    cxx = native_build.compiler()
+    return {'compiler': [os.path.realpath(cxx), native_build.compiler_identity(cxx)],
+            'native_build': native_build.build_key()}
+  except native_build.BuildError:
+    return {'compiler': None, 'native_build': None}
 
 
 def _path(kind: str, key: str) -> str:

@@ -88,6 +88,14 @@ def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Eng
     engine_config = dataclasses.replace(
         engine_config, xla_flags=sharding.xla_flags(),
         dot_library=dot_library or engine_config.dot_library)
+    unavailable = (not dot_library and engine_config.dot_library == 'native'
+                   and plans.native_unavailable())
+    if unavailable:
+      # The spec's bits do not follow the dot library: Eigen's dots replay it where the
+      # self-check passes them (and the engine is refused, naming why, where it does not).
+      logging.warning("the manifest's dots ran on the native kernels, which this machine "
+                      "cannot build (%s): replaying on Eigen's", unavailable.rstrip('.'))
+      engine_config = dataclasses.replace(engine_config, dot_library='eigen')
   elif dot_library:
     raise ValueError(f'dot library {dot_library!r}: only a spec manifest replays with another '
                      'dot library (the others\' bits follow it)')
@@ -110,10 +118,13 @@ def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Eng
     made_on = manifest['engine_fingerprint'].get('made_on', {})
     logging.info('a spec manifest made on %s %s; this machine passed the spec self-check',
                  made_on.get('cpu_model'), made_on.get('device_kind'))
-    if engine.fingerprint['sha256'] != manifest['engine_fingerprint']['sha256']:
-      logging.warning('the engine fingerprint differs from the manifest: %s', '; '.join(
-          d for d in differences(engine.fingerprint, manifest['engine_fingerprint'], labels=_LABELS)
-          if not d.startswith(('made_on', 'sha256'))))
+    # What decides the bits, a field the manifest predates read as the value it stood for
+    # (fingerprint.engine_differences): quiet unless something differs.
+    differing = fingerprint.engine_differences(engine.fingerprint,
+                                               manifest['engine_fingerprint'], labels=_LABELS)
+    if differing:
+      logging.warning('the engine fingerprint differs from the manifest: %s',
+                      '; '.join(differing))
     return engine, writer
   environment = differences(engine.fingerprint['environment'],
                             manifest['engine_fingerprint'].get('environment'), labels=_LABELS)

@@ -7,6 +7,12 @@ crashes inside compilation (seen as a segfault in tests/test_graft_exact.py afte
 before it). Each module's compiled executables are released when it ends; a worker of a parallel
 run goes through many modules.
 
+The suite keeps its own verdicts (gemma_jax/verdicts.py): $GEMMA_JAX_VERDICTS names a fresh folder
+for the session (shared by its xdist workers and every subprocess a test starts, and removed at
+its end), so a check a test expects to run or to refuse is never answered by a pass another
+process recorded before the session. The parameter cache, the native library and the compilation
+cache stay shared under $GEMMA_JAX_CACHE: they are expensive, and keyed by what they hold.
+
 The report at the end of a run gives each module's test time, how much of it was XLA
 compiling in the test's own process (subprocesses count in the time only) and how far it raised
 its process's peak resident memory: most of this suite's time on a CPU is compiling, which the
@@ -16,14 +22,20 @@ that runs out of memory is killed and fails the run.
 
 import collections
 import gc
+import os
 import resource
+import shutil
+import tempfile
 
 import jax
 import pytest
 from jax import monitoring
 
+from gemma_jax import verdicts
+
 _COMPILE = {'seconds': 0.0}
 _START = pytest.StashKey[float]()
+_VERDICTS = pytest.StashKey[str]()
 
 
 def _on_duration(event: str, seconds: float, **_) -> None:
@@ -32,6 +44,21 @@ def _on_duration(event: str, seconds: float, **_) -> None:
 
 
 monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+def pytest_configure(config):
+  """The session's own verdict folder: made by the controlling process (an xdist worker
+  inherits its environment, and with it the folder)."""
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    return
+  config.stash[_VERDICTS] = os.environ[verdicts.DIRECTORY_ENV] = tempfile.mkdtemp(
+      prefix='gemma-jax-verdicts-')
+
+
+def pytest_unconfigure(config):
+  folder = config.stash.get(_VERDICTS, None)
+  if folder:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope='module')

@@ -48,6 +48,57 @@ def test_generate_refuses_an_empty_prompt_and_an_unknown_model():
   assert unknown.returncode != 0 and "unknown model config 'gemma9_1t'" in unknown.stderr
 
 
+ENTRY_POINTS = sorted(p.stem for p in (REPO / 'experiments').glob('*.py')
+                      if 'common.run(main)' in p.read_text())
+
+
+def _defined_flags(module_name):
+  """The flags an entry point defines (its define_flags()), in a FlagValues of their own."""
+  import importlib
+  import inspect
+  from absl import flags
+  fresh = flags.FlagValues()
+  saved = {'FLAGS': flags.FLAGS}
+  flags.FLAGS = fresh
+  for name in dir(flags):  # every definer and validator that takes flag_values: onto `fresh`
+    function = getattr(flags, name)
+    if (callable(function) and not inspect.isclass(function) and name[0] != '_'
+        and 'flag_values' in getattr(inspect.signature(function), 'parameters', {})):
+      saved[name] = function
+      setattr(flags, name, lambda *a, _f=function, **k: _f(*a, **{'flag_values': fresh, **k}))
+  try:
+    importlib.import_module(f'experiments.{module_name}').define_flags()
+  finally:
+    for name, function in saved.items():
+      setattr(flags, name, function)
+  return fresh
+
+
+@pytest.mark.parametrize('module', ENTRY_POINTS)
+def test_every_integer_flag_declares_its_bound(module):
+  """Counts, lengths, sizes, budgets, seeds: an impossible value (here -3) is refused as the
+  flags are read, a one-line usage error (experiments/common.py), never run."""
+  from absl import flags
+  source = (REPO / 'experiments' / f'{module}.py').read_text()
+  if 'def define_flags' not in source:
+    assert 'DEFINE_integer' not in source, f'{module} defines integer flags outside define_flags'
+    return
+  defined = _defined_flags(module)
+  integers = [name for name in defined if isinstance(defined[name].parser, flags.IntegerParser)]
+  assert integers or 'DEFINE_integer' not in source
+  for name in integers:
+    parser = defined[name].parser
+    assert parser.lower_bound is not None, f'--{name} of experiments.{module} has no lower bound'
+    with pytest.raises(ValueError):
+      parser.parse('-3')
+
+
+def test_an_impossible_flag_value_is_a_one_line_usage_error():
+  out = run('generate', *TINY, '--prompt=hello', '--max_new_tokens=-3', check=False)
+  assert out.returncode == 2 and not out.stdout, (out.stdout, out.stderr[-2000:])
+  assert out.stderr.strip() == 'error: flag --max_new_tokens=-3: -3 is not a positive integer'
+
+
 def test_logits_writes_ids_last_logits_and_argmax(tmp_path):
   texts = tmp_path / 'in.jsonl'
   texts.write_text('\n'.join(json.dumps({'text': t}) for t in ['abc def', 'zebra']) + '\n')

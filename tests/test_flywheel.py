@@ -305,8 +305,8 @@ def test_a_solution_that_fails_verification_is_rejected_and_counted(tmp_path):
 
 @pytest.mark.parametrize('flags, message', [
     (['--budget=8', '--attempt_tokens=16'], 'smaller than one attempt'),
-    (['--attempt_tokens=0'], 'at least one decode token'),
-    (['--rounds=0'], 'at least one held-out round'),
+    (['--attempt_tokens=0'], 'flag --attempt_tokens=0: 0 is not a positive integer'),
+    (['--rounds=0'], 'flag --rounds=0: 0 is not a positive integer'),
 ])
 def test_bad_budgets_are_refused_in_one_line_before_the_model_loads(tmp_path, flags, message):
   output = tmp_path / 'fw.json'
@@ -363,16 +363,53 @@ def test_a_recurring_problem_is_recalled_from_its_own_entry(engine):
   assert asked.graft_exact is True and 0 < len(asked.tokens) <= 6
 
 
-def test_a_recall_stops_at_the_end_of_its_answer_line():
-  # A recurring problem's prompt (library.RECALL) ends with the cue "Answer:":
-  # the answer's stop rule and verdict read the cue and the decoded text together.
+def _scripted_sampler(monkeypatch, script):
+  """The engine's sampler replaced by one that writes `script`, token by token, in every decode
+  (each decode and each batch slot has its own generator, and so its own place in the script):
+  the model on random weights never writes an answer line, so a stop rule could never fire."""
+  from graft.engine import _engine
+  places = {}
+
+  def sample(logits, temperature, rng):
+    places[rng] = places.get(rng, -1) + 1
+    return script[min(places[rng], len(script) - 1)]
+
+  monkeypatch.setattr(_engine, 'sample', sample)
+
+
+def test_a_recall_stops_at_the_end_of_its_answer_line(engine, monkeypatch):
+  """A recurring problem's prompt ends with the cue "Answer:" (library.RECALL): its answer, as
+  the flywheel asks it (ask_library with recall), is decoded by the engine under the stop rule of
+  an answer continuing that cue, so the decode ends with the answer's line, as the README's
+  decode tokens per recurring answer count it. The same holds for a base attempt (no cue: a
+  stated answer's line), alone and in batch slots."""
   from graft.knowledge import flywheel
   from graft.knowledge.library import RECALL, RECALL_CUE
   assert RECALL.endswith(RECALL_CUE)
-  asker = flywheel.Asker.__new__(flywheel.Asker)
-  asker.tokenizer = weights.embedded_tokenizer()
+  asker = flywheel.Asker(engine)
   encode = lambda text: asker.tokenizer.encode(text, add_bos=False)  # noqa: E731
+  # The rule itself: the cue and the decoded text are read together.
   assert asker.stopper(RECALL_CUE)(encode(' 86\n'))
   assert not asker.stopper(RECALL_CUE)(encode(' 86'))  # the line may go on
   assert not asker.stopper()(encode(' 86\n'))  # no statement without the cue
-  assert verifiers.verify('86', 'integer', RECALL_CUE + ' 86\n').correct
+  # Through the decode: a recall that writes its answer line, then goes on.
+  library = Library(Store('memory://', engine))
+  task, entry = _task('What is 1 + 2?', '3'), _entry(3, 'What is 1 + 2?')
+  library.add(entry, task)
+  answer, more = encode(' 3\n'), encode('Problem: What is 2 + 2?\nSolution: 4 and 4 more')
+  _scripted_sampler(monkeypatch, answer + more)
+  asked = flywheel.ask_library(asker, library, [entry], task, len(answer + more), check=True,
+                               recall=True)
+  assert asked.cue == RECALL_CUE and asked.tokens == answer, asker.tokenizer.decode(asked.tokens)
+  assert asked.verdict.correct and asked.graft_exact is True
+  # A base attempt states its answer and goes on: it stops at the end of the statement's line,
+  # decoded alone or three attempts at a time.
+  answer = encode(' 1 + 2 = 3. The answer is 3.\n')
+  _scripted_sampler(monkeypatch, answer + more)
+  header_tokens = [2, 17, 33, 9]
+  header = (engine.prefill(header_tokens, logits='none')[0], header_tokens)
+  for slots in (1, 3):
+    settings = flywheel.Settings(budget=3 * len(answer + more), attempt_tokens=len(answer + more),
+                                 temperature=1.0, attempt_slots=slots)
+    asked, _ = flywheel.ask_base(asker, header, task, settings)
+    assert [a.tokens for a in asked] == [answer] and asked[0].verdict.correct, slots

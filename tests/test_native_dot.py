@@ -9,6 +9,12 @@ remainders below one vector; chunks of the contraction that are and are not mult
 4-term unroll). Special values: ties at the rounding midpoint, signed zeros, subnormal inputs
 (read as zero) and results (flushed), and the edge just below 2^-126 where IEEE's two tininess
 rules part. Equality is of raw bits.
+
+Every path gives the same bits, so no output tells which path ran: each test also reads the
+paths' own work counters (native_dot.path_calls) and requires that the path asked for, and only
+it, ran. The work split is crossed as well: row-streaming widths of one 64-column panel and of
+several, a last item narrower than the rest, more items than parts in uneven shares, and more
+parts than items.
 """
 
 import os
@@ -24,7 +30,8 @@ from gemma_jax.kernels import native_build, native_dot
 from gemma_jax.spec import binary32 as b32
 
 PATHS = native_dot.available_paths()
-PARTS = (1, 2, 4)
+# Work items at once: one, even and uneven shares, and more than some calls have items.
+PARTS = (1, 2, 3, 4, 8)
 
 
 def bits(x):
@@ -44,15 +51,33 @@ def random(seed, shape, scale=1.0):
   return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 
 
+def on_path(path, compute):
+  """compute()'s result as a NumPy array, after checking that the kernels' work ran on `path`
+  and on no other path (every path gives the same bits: only their counters tell)."""
+  before = native_dot.path_calls()
+  out = np.asarray(compute())
+  after = native_dot.path_calls()
+  ran = {p: after[p] - before[p] for p in after if after[p] != before[p]}
+  assert set(ran) == {path}, f'asked for the {path} path, the work ran on {ran}'
+  return out
+
+
+# Matmul shapes (M, K, N, chunk). At most 16 rows stream B row by row in column items whose
+# width (a multiple of 64) follows the rows and the parts: 2 x 1000 streams 256 columns per item
+# on one part (3 whole items and one of 232), 128 on two to four; 16 x 1100 streams 256 at the
+# 16-row limit. More rows are cut into 64 x 128 items: 200 x 130 is 4 x 2 items, shared unevenly
+# by 3 parts. 3 x 100 (2 items) and 17 x 65 (1 item) have fewer items than 4 and 8 parts.
 @pytest.mark.parametrize('path', PATHS)
 @pytest.mark.parametrize('m,k,n,chunk', [(1, 640, 130, 160), (3, 96, 7, 32), (8, 256, 64, 256),
-                                         (17, 48, 200, 24), (70, 30, 65, 10), (5, 6, 1, 6)])
+                                         (17, 48, 200, 24), (70, 30, 65, 10), (5, 6, 1, 6),
+                                         (2, 96, 1000, 32), (16, 40, 1100, 40), (200, 24, 130, 8),
+                                         (3, 32, 100, 16), (17, 64, 65, 32)])
 def test_every_path_and_split_gives_the_chain(path, m, k, n, chunk):
   x, w = random(m + k, (m, k)), random(n + k, (k, n))
   want = bits(chunked(x, w, chunk))
   for parts in PARTS:
     dot = native_dot.make_native_dot(path, parts)
-    got = jax.jit(lambda a, b: dot.matmul(a, b, chunk))(x, w)
+    got = on_path(path, lambda: jax.jit(lambda a, b: dot.matmul(a, b, chunk))(x, w))
     assert np.array_equal(bits(got), want), (path, parts)
 
 
@@ -64,7 +89,8 @@ def test_packed_panels_give_the_same_bits(path, m):
   want = bits(chunked(x, w, chunk))
   for parts in PARTS:
     dot = native_dot.make_native_dot(path, parts)
-    got = jax.jit(lambda a, b: dot.matmul_packed(a, native_dot.pack(b), chunk))(x, w)
+    got = on_path(path, lambda: jax.jit(
+        lambda a, b: dot.matmul_packed(a, native_dot.pack(b), chunk))(x, w))
     assert np.array_equal(bits(got), want), (path, parts)
 
 
@@ -79,8 +105,8 @@ def test_attention_tile_dots_give_the_chain(path):
                       for j in range(kv)] for i in range(b)])
   for parts in PARTS:
     dot = native_dot.make_native_dot(path, parts)
-    scores = jax.jit(lambda a, c: dot.tile_scores(a, c, 16))(q, keys)
-    values = jax.jit(dot.tile_values)(p, v)
+    scores = on_path(path, lambda: jax.jit(lambda a, c: dot.tile_scores(a, c, 16))(q, keys))
+    values = on_path(path, lambda: jax.jit(dot.tile_values)(p, v))
     assert np.array_equal(bits(scores), bits(want_s)), (path, parts)
     assert np.array_equal(bits(values), bits(want_v)), (path, parts)
 
@@ -120,7 +146,8 @@ def test_edges_of_rounding_and_flushing(path):
   xs = np.array([x for x, _ in EDGES.values()], np.float32)
   ws = np.array([w for _, w in EDGES.values()], np.float32).T
   want = b32.dot(b32.flush(xs), b32.flush(ws))
-  got = jax.jit(lambda a, b: native_dot.make_native_dot(path).matmul(a, b, xs.shape[1]))(xs, ws)
+  got = on_path(path, lambda: jax.jit(
+      lambda a, b: native_dot.make_native_dot(path).matmul(a, b, xs.shape[1]))(xs, ws))
   diagonal = np.diagonal(np.asarray(got)), np.diagonal(want)
   assert np.array_equal(bits(diagonal[0]), bits(diagonal[1])), dict(zip(EDGES, zip(*map(
       lambda d: [hex(v) for v in bits(d).view(np.uint32)], diagonal))))
@@ -142,8 +169,16 @@ def test_a_path_this_cpu_lacks_is_refused_by_name():
 
 
 def test_the_variable_and_xlas_cap_choose_the_path(monkeypatch):
+  x, w = random(1, (4, 32)), random(2, (32, 70))
+  monkeypatch.delenv(native_dot.ISA_VARIABLE, raising=False)
+  monkeypatch.delenv('XLA_FLAGS', raising=False)
+  dot = native_dot.make_native_dot()
+  assert dot.isa == PATHS[-1]  # the best this CPU has (the paths run in ISAS order)
+  on_path(PATHS[-1], lambda: jax.jit(lambda a, b: dot.matmul(a, b, 32))(x, w))
   monkeypatch.setenv(native_dot.ISA_VARIABLE, 'portable')
-  assert native_dot.make_native_dot().isa == 'portable'
+  dot = native_dot.make_native_dot()
+  assert dot.isa == 'portable'
+  on_path('portable', lambda: jax.jit(lambda a, b: dot.matmul(a, b, 32))(x, w))
   monkeypatch.delenv(native_dot.ISA_VARIABLE)
   monkeypatch.setenv('XLA_FLAGS', '--xla_cpu_max_isa=SSE4_2')
   assert native_dot.default_isa() == 'portable'
@@ -170,3 +205,32 @@ def test_the_build_is_keyed_by_its_sources(tmp_path, monkeypatch):
     f.write('\n// an edit\n')
   monkeypatch.setattr(native_build, 'SOURCE_DIR', str(source))
   assert native_build.build_key() != before
+
+def test_a_killed_build_or_a_folder_without_its_library_is_built_over(tmp_path, monkeypatch):
+  """What a killed build leaves (a staging folder; a key's folder with objects and no library)
+  breaks no later run: the library is built into place and kept."""
+  monkeypatch.setenv('GEMMA_JAX_CACHE', str(tmp_path))
+  built = []
+
+  def compile_(directory):  # a stand-in for the compiler: the build itself is tested above
+    built.append(directory)
+    with open(os.path.join(directory, native_build.LIBRARY), 'wb') as f:
+      f.write(b'the library')
+
+  monkeypatch.setattr(native_build, '_compile', compile_)
+  target = tmp_path / 'native' / native_build.build_key()[:32]
+  leftover = tmp_path / 'native' / '.build-killed'
+  leftover.mkdir(parents=True)
+  (leftover / native_build.LIBRARY).write_bytes(b'half written')
+  target.mkdir()
+  (target / 'ffi.o').write_bytes(b'an object')
+  native_build.library.cache_clear()
+  try:
+    path = native_build.library()
+    assert path == str(target / native_build.LIBRARY) and len(built) == 1
+    assert open(path, 'rb').read() == b'the library' and os.listdir(target) == [
+        native_build.LIBRARY]
+    native_build.library.cache_clear()
+    assert native_build.library() == path and len(built) == 1  # kept: not built again
+  finally:
+    native_build.library.cache_clear()

@@ -210,6 +210,23 @@ def test_the_self_check_catches_a_dot_of_another_order(monkeypatch):
   selfcheck._RESULTS.clear()
 
 
+@pytest.mark.parametrize('m', [1, 8, 40])
+def test_the_eigen_fallback_computes_the_interpreters_chained_projection(m):
+  """--dot_library=eigen, what a machine without a C++ compiler runs: a projection over more
+  terms than one chunk (1024 terms, four chunks of 256) is XLA's own dot per chunk, the chunk
+  results added in chunk order, bit for bit the interpreter's (the tiny configs' projections
+  are too small to be chunked, so the engine tests never cross this)."""
+  k, n = 1024, 160
+  spec = Spec(k_chunk=256)  # dot=None: XLA's own dots
+  assert k * n > spec.small and spec.chunk(k) == 256
+  rng = np.random.default_rng(m)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = (rng.standard_normal((k, n)) / 16).astype(np.float32)
+  got = jax.jit(spec.matmul, compiler_options=EIGEN)(x, w)
+  want = b32.matmul(x, w, k_chunk=spec.k_chunk, small=spec.small)
+  assert np.array_equal(bits(got), bits(want)), f'{np.mean(bits(got) != bits(want)):.1%} differ'
+
+
 def test_a_refused_engine_names_the_spec_dot_kernel(monkeypatch):
   # An engine refused for its dots (here: attention's scores summed in reverse) says what
   # computes them as FMA chains by construction.

@@ -9,8 +9,12 @@ editable change of a .py file), and a machine without a compiler still installs 
 Eigen path. The library is cached under $GEMMA_JAX_CACHE/native/<key>, the key a SHA-256 of
 everything that goes into it: the sources, the compiler's identity (its --version), the flags,
 the jaxlib version and the machine architecture. A changed source or compiler is a new key, so
-a stale library is never loaded. Concurrent first uses (test workers) each compile into a
-staging folder and the first rename wins.
+a stale library is never loaded. The compiler's --version is run once per compiler install and
+kept under $GEMMA_JAX_CACHE/native/compilers, named by the compiler's path, size and
+modification time (`compiler_identity`), so a process whose library is built runs no compiler.
+Concurrent first uses (test workers) each compile into a staging folder and the first rename
+wins; a staging folder left by a killed build, or a key's folder without its library, is
+rebuilt over.
 
 One object per instruction-set path (isa.cc, with its flags), all linked into one library; the
 kernel picks a path per call from the CPU (ffi.cc). Every object is compiled with
@@ -27,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 
+from gemma_jax import files
 from gemma_jax.checkpoints.param_cache import cache_root
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'csrc')
@@ -41,8 +46,9 @@ PATHS = {
 }
 
 
-class BuildError(RuntimeError):
-  """The native kernels cannot be built here; the message names what is missing."""
+class BuildError(ValueError):
+  """The native kernels cannot be built here; the message names what is missing (a ValueError:
+  an entry point says it in one line, experiments/common.py)."""
 
 
 def compiler() -> str:
@@ -69,6 +75,31 @@ def _include_dir() -> str:
   return jax.ffi.include_dir()
 
 
+def compiler_identity(cxx: str | None = None) -> str:
+  """The compiler's `--version` output (`cxx`, default `compiler()`), run once per compiler
+  install: kept in a file named by the compiler's path as found, its real path, size and
+  modification time, so an upgrade (a new binary) runs it again."""
+  cxx = cxx or compiler()
+  real = os.path.realpath(cxx)
+  stat = os.stat(real)
+  name = hashlib.sha256(repr((cxx, real, stat.st_size, stat.st_mtime_ns)).encode()).hexdigest()
+  path = os.path.join(cache_root(), 'native', 'compilers', name[:32])
+  try:
+    with open(path) as f:
+      return f.read()
+  except OSError:
+    pass
+  done = subprocess.run([cxx, '--version'], capture_output=True, text=True)
+  if done.returncode or not done.stdout:
+    raise BuildError(f'{cxx} --version failed (exit {done.returncode}): the native spec kernels '
+                     'need a working C++17 compiler; use --dot_library=eigen')
+  try:
+    files.write_text(path, done.stdout)
+  except OSError:  # a cache that cannot be written only costs the next process the run
+    pass
+  return done.stdout
+
+
 def build_key() -> str:
   """The SHA-256 of everything the library is made of (see the module doc)."""
   import jaxlib
@@ -77,7 +108,7 @@ def build_key() -> str:
   for name in SOURCES:
     with open(os.path.join(SOURCE_DIR, name), 'rb') as f:
       h.update(name.encode() + b'\0' + f.read() + b'\0')
-  version = subprocess.run([cxx, '--version'], capture_output=True, text=True).stdout
+  version = compiler_identity(cxx)
   arch = _architecture()
   h.update(repr((version, COMMON_FLAGS, PATHS[arch], jaxlib.__version__, arch)).encode())
   return h.hexdigest()
@@ -118,11 +149,23 @@ def library() -> str:
   staging = tempfile.mkdtemp(prefix='.build-', dir=os.path.dirname(target))
   try:
     _compile(staging)
-    try:
-      os.rename(staging, target)
-    except OSError:
-      if not os.path.exists(path):  # not another process's finished build
-        raise
+    for _ in range(2):
+      try:
+        os.rename(staging, target)
+        break
+      except OSError:
+        if os.path.exists(path):  # another process's finished build
+          break
+        # The key's folder without its library (a build interrupted, a file removed): moved
+        # aside, then replaced.
+        stale = tempfile.mkdtemp(prefix='.stale-', dir=os.path.dirname(target))
+        try:
+          os.rename(target, os.path.join(stale, 'old'))
+        except FileNotFoundError:
+          pass
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+      raise BuildError(f'the native spec kernels could not be put in place at {target}')
   finally:
     shutil.rmtree(staging, ignore_errors=True)
   return path

@@ -50,8 +50,9 @@ def _library() -> ctypes.CDLL:
   lib = ctypes.cdll.LoadLibrary(native_build.library())
   for target, symbol in _TARGETS.items():
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform='cpu')
-  lib.gemma_spec_resolve.restype = ctypes.c_int64
-  lib.gemma_spec_resolve.argtypes = [ctypes.c_int64]
+  for name in ('gemma_spec_resolve', 'gemma_spec_path_calls'):
+    getattr(lib, name).restype = ctypes.c_int64
+    getattr(lib, name).argtypes = [ctypes.c_int64]
   return lib
 
 
@@ -69,6 +70,14 @@ def available_paths() -> tuple[str, ...]:
   """The paths this CPU runs (portable always)."""
   lib = _library()
   return tuple(name for i, name in enumerate(ISAS) if i and lib.gemma_spec_resolve(i) == i)
+
+
+def path_calls() -> dict[str, int]:
+  """Work items each path this library has (portable, and avx2 and avx512 or neon) has run in
+  this process, as counted by the path's own code: which path a request ran on (no bit tells)."""
+  lib = _library()
+  counts = {name: lib.gemma_spec_path_calls(i) for i, name in enumerate(ISAS) if i}
+  return {name: count for name, count in counts.items() if count >= 0}
 
 
 def default_isa() -> str:

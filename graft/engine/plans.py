@@ -383,18 +383,27 @@ def _relative_rope(cfg: TransformerConfig) -> tuple | None:
 def kernel_library() -> str | None:
   """The dot library whose contractions are the spec's chains by construction on this process's
   backend: 'native' (our CPU kernels) on a CPU, 'pallas' on an accelerator; None on a CPU where
-  the native kernels cannot be built (said once, in one line: Eigen's dots then run, with the
-  self-check deciding)."""
+  the native kernels cannot be built (no compiler, or a build that fails; said once, in one
+  line: Eigen's dots then run, with the self-check deciding)."""
   import jax
   if jax.default_backend() != 'cpu':
     return 'pallas'
-  from gemma_jax.kernels import native_build
-  try:
-    native_build.compiler()
-  except native_build.BuildError as e:
-    _warn_once(str(e))
+  reason = native_unavailable()
+  if reason:
+    _warn_once(reason)
     return None
   return 'native'
+
+
+def native_unavailable() -> str | None:
+  """Why the native kernels cannot be built (or found built) here, in one line; None where they
+  can (building them on first use: gemma_jax.kernels.native_build)."""
+  from gemma_jax.kernels import native_build
+  try:
+    native_build.library()
+  except native_build.BuildError as e:
+    return str(e)
+  return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,11 +41,12 @@ using StreamFn = void (*)(const Problem*, int64_t, int64_t, int64_t, int64_t, fl
 using AttendFn = void (*)(const Attend*, int64_t, int64_t, int64_t, const int64_t*, int64_t,
                           const AttendScratch*);
 
-#define GEMMA_SPEC_DECLARE(isa)                                                    \
-  void gemma_spec_panel_##isa(const Problem*, int64_t, int64_t, int64_t, int64_t); \
+#define GEMMA_SPEC_DECLARE(isa)                                                             \
+  void gemma_spec_panel_##isa(const Problem*, int64_t, int64_t, int64_t, int64_t);          \
   void gemma_spec_stream_##isa(const Problem*, int64_t, int64_t, int64_t, int64_t, float*); \
-  void gemma_spec_attend_##isa(const Attend*, int64_t, int64_t, int64_t, const int64_t*,   \
-                               int64_t, const AttendScratch*);
+  void gemma_spec_attend_##isa(const Attend*, int64_t, int64_t, int64_t, const int64_t*,    \
+                               int64_t, const AttendScratch*);                              \
+  int64_t gemma_spec_calls_##isa();
 extern "C" {
 GEMMA_SPEC_DECLARE(portable)
 #if defined(__x86_64__)
@@ -537,4 +538,25 @@ std::shared_ptr<const OffsetTable> Offsets(const float* inverse, int64_t pairs,
 extern "C" int64_t gemma_spec_resolve(int64_t isa) {
   if (isa == kAuto) return Best();
   return isa >= kPortable && isa <= kNeon && Supported(isa) ? isa : -1;
+}
+
+// The work items path `isa` (1 portable, 2 avx2, 3 avx512, 4 neon) has run in this process,
+// counted by the path's own code (isa.cc); -1 for a path this library was not built with.
+extern "C" int64_t gemma_spec_path_calls(int64_t isa) {
+  switch (isa) {
+    case kPortable:
+      return gemma_spec_calls_portable();
+#if defined(__x86_64__)
+    case kAvx2:
+      return gemma_spec_calls_avx2();
+    case kAvx512:
+      return gemma_spec_calls_avx512();
+#endif
+#if defined(__aarch64__)
+    case kNeon:
+      return gemma_spec_calls_neon();
+#endif
+    default:
+      return -1;
+  }
 }

@@ -6,6 +6,7 @@
 //                              rounded by definition; a software routine on an x86 without FMA)
 // Each path exports gemma_spec_panel_<isa> and gemma_spec_stream_<isa> (chains.h). Every build uses -ffp-contract=off and no fast-math:
 // the only fused operations are the FMAs written here.
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -133,19 +134,30 @@ struct V : gemma_spec::Scalar {
 #error "define GEMMA_SPEC_ISA_<avx512|avx2|neon|portable>=1"
 #endif
 
+// Work items this path has run in this process (gemma_spec_path_calls in ffi.cc): what tells a
+// test which path a request ran on, since every path gives the same bits.
+static std::atomic<int64_t> calls{0};
+
+extern "C" int64_t GEMMA_SPEC_CAT(gemma_spec_calls_, GEMMA_SPEC_NAME)() {
+  return calls.load(std::memory_order_relaxed);
+}
+
 extern "C" void GEMMA_SPEC_CAT(gemma_spec_panel_, GEMMA_SPEC_NAME)(
     const gemma_spec::Problem* p, int64_t row0, int64_t rows, int64_t col0, int64_t width) {
+  calls.fetch_add(1, std::memory_order_relaxed);
   gemma_spec::Panel<V, V::kVectors>(*p, row0, rows, col0, width);
 }
 
 extern "C" void GEMMA_SPEC_CAT(gemma_spec_stream_, GEMMA_SPEC_NAME)(
     const gemma_spec::Problem* p, int64_t row0, int64_t rows, int64_t col0, int64_t width,
     float* part) {
+  calls.fetch_add(1, std::memory_order_relaxed);
   gemma_spec::Stream<V>(*p, row0, rows, col0, width, part);
 }
 
 extern "C" void GEMMA_SPEC_CAT(gemma_spec_attend_, GEMMA_SPEC_NAME)(
     const gemma_spec::Attend* a, int64_t group, int64_t r0, int64_t rows, const int64_t* tiles,
     int64_t num_tiles, const gemma_spec::AttendScratch* w) {
+  calls.fetch_add(1, std::memory_order_relaxed);
   gemma_spec::AttendRows<V>(*a, group, r0, rows, tiles, num_tiles, *w);
 }
