@@ -13,11 +13,11 @@ recomputes every record (graft/replay.py) and exits with status 1, listing the d
 if any hash differs.
 
 A manifest of the spec engine replays on any machine whose spec self-check passes (its bits are
-the written arithmetic's; where the self-check refuses only the recorded dot library's dots, as
-on CPUs with AVX2 and no AVX-512, it replays on the spec dot kernel unless --dot_library is
-given; one made on the native kernels replays on Eigen's dots where they cannot be built, as
-on a machine without a C++ compiler, saying so in one line); one of the pinned or blocked engine only on a machine of the kind it was made on (its
-recorded environment: their bits depend on the CPU model). A glob for --manifest picks a spec
+the written arithmetic's), on this machine's kernels whatever dots it was made on (the dot
+library decides no bit): the native ones on a CPU, Eigen's where they cannot be built (a
+machine without a C++ compiler, said in one line), or --dot_library where given. One of the
+pinned or blocked engine replays only on a machine of the kind it was made on (its recorded
+environment: their bits depend on the CPU model). A glob for --manifest picks a spec
 manifest first, else one made on a machine like this one (`select`).
 """
 

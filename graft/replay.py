@@ -16,10 +16,10 @@ import glob
 import json
 import tempfile
 
+import jax
 from absl import logging
 
 from gemma_jax import sharding, weights
-from gemma_jax.spec.selfcheck import SpecError
 from graft import exactness
 from graft.engine import Engine, EngineConfig, fingerprint, plans
 from graft.knowledge.flywheel import Asker  # the decoding a flywheel run used
@@ -76,39 +76,20 @@ def select(pattern: str) -> str:
 def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Engine]:
   """Two separately constructed engines of the manifest's model and configuration, after
   checking that this machine loads the same model. A spec manifest's engine runs under this
-  process's XLA_FLAGS and, if given, another `dot_library` (neither decides a bit there: the
-  self-check says whether this machine computes the spec under them). Where none is given and
-  the self-check refuses only the recorded library's dots, it runs on the kernels that compute
-  the spec's chains by construction (graft.engine.plans.kernel_library: 'native' on a CPU)."""
+  process's XLA_FLAGS and on this machine's kernels (`kernels_here`), or on `dot_library` where
+  one is asked for: neither decides a bit there (the self-check says whether this machine
+  computes the spec under them), so the dots it was made on do not matter."""
   config = manifest['config']
   loaded = weights.load(config['model'], config['weights'], config['dtype'])
   # Manifests made before the config was named EngineConfig hold it under 'pinned'.
   engine_config = EngineConfig.from_dict(config.get('engine_config') or config['pinned'])
   if machine_independent(manifest):
-    engine_config = dataclasses.replace(
-        engine_config, xla_flags=sharding.xla_flags(),
-        dot_library=dot_library or engine_config.dot_library)
-    unavailable = (not dot_library and engine_config.dot_library == 'native'
-                   and plans.native_unavailable())
-    if unavailable:
-      # The spec's bits do not follow the dot library: Eigen's dots replay it where the
-      # self-check passes them (and the engine is refused, naming why, where it does not).
-      logging.warning("the manifest's dots ran on the native kernels, which this machine "
-                      "cannot build (%s): replaying on Eigen's", unavailable.rstrip('.'))
-      engine_config = dataclasses.replace(engine_config, dot_library='eigen')
+    engine_config = dataclasses.replace(engine_config, xla_flags=sharding.xla_flags(),
+                                        dot_library=dot_library or kernels_here())
   elif dot_library:
     raise ValueError(f'dot library {dot_library!r}: only a spec manifest replays with another '
                      'dot library (the others\' bits follow it)')
-  try:
-    engine = Engine(loaded, engine_config)
-  except SpecError as e:
-    kernels = plans.kernel_library()
-    if (dot_library or kernels is None or engine_config.dot_library in ('native', 'pallas')
-        or not e.in_dots_only):
-      raise
-    logging.warning('%s: replaying with the %s kernels instead', e, kernels)
-    engine_config = dataclasses.replace(engine_config, dot_library=kernels)
-    engine = Engine(loaded, engine_config)
+  engine = Engine(loaded, engine_config)
   writer = Engine(loaded, engine_config)
   if engine.model_fingerprint['sha256'] != manifest['model_fingerprint']['sha256']:
     raise ValueError('this machine loads a different model than the manifest was made with: '
@@ -131,6 +112,21 @@ def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Eng
   if environment:
     logging.warning('engine environment differs from the manifest: %s', '; '.join(environment))
   return engine, writer
+
+
+def kernels_here() -> str:
+  """The dot library a spec manifest replays on here: the spec's own kernels (the native ones on
+  a CPU, whose executables every other spec engine of this process shares; the Pallas kernel on
+  an accelerator), or Eigen's dots where the native kernels cannot be built (said in one line;
+  the self-check then decides)."""
+  if jax.default_backend() != 'cpu':
+    return 'pallas'
+  reason = plans.native_unavailable()
+  if reason:
+    logging.warning("this machine cannot build the native kernels (%s): replaying on Eigen's "
+                    'dots', reason.rstrip('.'))
+    return 'eigen'
+  return 'native'
 
 
 def records(manifest: dict) -> list[dict]:
