@@ -63,8 +63,10 @@ def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_list('systems', list(OURS) + list(peers.NAMES),
                     f'Systems to measure: any of {", ".join(SYSTEMS)}.')
-  flags.DEFINE_integer('prompt_tokens', 2000, 'Prompt length for prefill throughput.',
-                       lower_bound=1)
+  flags.DEFINE_multi_integer('prompt_tokens', [2000], 'Prompt lengths for prefill throughput '
+                             '(repeat the flag for several: --prompt_tokens=512 '
+                             '--prompt_tokens=2048); prefill_tok_s is the first\'s, '
+                             'prefill_tok_s_by_length every one\'s.', lower_bound=1)
   flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps for decode throughput.', lower_bound=1)
   flags.DEFINE_integer('library_tokens', 2048, 'Library length for time to first token.',
                        lower_bound=1)
@@ -79,24 +81,33 @@ def define_flags() -> None:
   flags.DEFINE_integer('repeats', 3, 'Timed repetitions (after one warm-up); medians reported.',
                        lower_bound=1)
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
+  flags.DEFINE_string('baseline', None, 'Also measure our systems as the code at this git '
+                      'revision does (a worktree of it, its own bench in a subprocess on this '
+                      "run's workload, without start or graft timings): rows named "
+                      'NAME@REVISION and their ratios, side by side in this run.')
   common.define_model_flags()
   common.define_engine_flags(cache_len=common.GRAFT_CACHE_LEN)
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-  prompt: list[int]  # prefill
+  prompts: list[list[int]]  # prefill, one prompt per --prompt_tokens length
   decode_prompt: list[int]  # the 32 tokens decode continues from
   library: list[int]  # time to first token: library + query
   query: list[int]
   decode_tokens: int
   repeats: int
 
+  @property
+  def prompt(self) -> list[int]:
+    """The first prefill prompt (what the peers' prefill measures)."""
+    return self.prompts[0]
+
 
 def workload(tokenizer) -> Workload:
   """Token ids from real text (experiments/samples.py), the same for every system."""
   text = tokenizer.encode(samples.corpus_text())
-  return Workload(prompt=text[:FLAGS.prompt_tokens], decode_prompt=text[:32],
+  return Workload(prompts=[text[:n] for n in FLAGS.prompt_tokens], decode_prompt=text[:32],
                   library=text[:FLAGS.library_tokens],
                   query=text[FLAGS.library_tokens:FLAGS.library_tokens + FLAGS.query_tokens],
                   decode_tokens=FLAGS.decode_tokens, repeats=FLAGS.repeats)
@@ -195,8 +206,9 @@ def measure_peer_start(name: str, repeats: int) -> dict:
 
 
 def measure_ours(engine, work: Workload) -> dict:
-  prefill = common.median_seconds(lambda: engine.prefill(work.prompt, logits='last'),
-                                  work.repeats)
+  prefill = {len(prompt): len(prompt) / common.median_seconds(
+      lambda prompt=prompt: engine.prefill(prompt, logits='last'), work.repeats)
+             for prompt in work.prompts}
   ctx, _ = engine.prefill(work.decode_prompt, logits='last')
   decode = common.median_seconds(
       lambda: engine.generate(ctx, work.decode_tokens + 1, stop_at_eos=False), work.repeats)
@@ -216,7 +228,7 @@ def measure_ours(engine, work: Workload) -> dict:
         lambda: orbax_util.restore(os.path.join(path, artifact.STATE)), work.repeats)
   median = lambda key: sorted(r[key] for r in runs)[len(runs) // 2]
   split = {key: median(key) for key in runs[0]}
-  return {'prefill_tok_s': len(work.prompt) / prefill,
+  return {'prefill_tok_s': prefill[len(work.prompts[0])], 'prefill_tok_s_by_length': prefill,
           # generate(n + 1) makes n extend calls after the first token.
           'decode_tok_s': work.decode_tokens / decode,
           'ttft_recompute_s': recompute, 'ttft_graft_s': split['total_s'],
@@ -253,6 +265,52 @@ def measure_batches(engine, work: Workload, slots: list[int]) -> list[dict]:
                  'speedup_vs_one_stream': n * one / many})
     logging.info('batch of %d: %.1f decode tok/s (%.2fx one stream)', n,
                  rows[-1]['decode_tok_s'], rows[-1]['speedup_vs_one_stream'])
+  return rows
+
+
+def _ratios(row: dict, other: dict, name: str) -> dict:
+  """{name}_prefill_tok_s (and at each prompt length), {name}_decode_tok_s: row / other."""
+  out = {f'{name}_decode_tok_s': row['decode_tok_s'] / other['decode_tok_s'],
+         f'{name}_prefill_tok_s': row['prefill_tok_s'] / other['prefill_tok_s']}
+  for length, speed in row.get('prefill_tok_s_by_length', {}).items():
+    theirs = other.get('prefill_tok_s_by_length', {}).get(length)
+    if theirs:
+      out[f'{name}_prefill_tok_s_{length}'] = speed / theirs
+  return out
+
+
+def baseline_rows(revision: str, systems: list[str], work: Workload) -> list[dict]:
+  """`systems` (ours) as the code at git `revision` measures them, on this run's workload: its
+  own bench, run in a subprocess from a temporary worktree of the revision (throughput only:
+  no start or graft timings beyond what it always measures). Rows named NAME@REVISION."""
+  with tempfile.TemporaryDirectory() as scratch:
+    tree, output = os.path.join(scratch, 'tree'), os.path.join(scratch, 'baseline.json')
+    subprocess.run(['git', 'worktree', 'add', '--detach', tree, revision], cwd=common.REPO,
+                   check=True, capture_output=True)
+    try:
+      # The revision's own flags: one prompt length (--prompt_tokens took one value then).
+      measured = []
+      for prompt in work.prompts:
+        command = [sys.executable, '-m', 'experiments.bench', f'--systems={",".join(systems)}',
+                   '--nostart', f'--prompt_tokens={len(prompt)}',
+                   f'--decode_tokens={work.decode_tokens}',
+                   f'--library_tokens={len(work.library)}', f'--query_tokens={len(work.query)}',
+                   f'--repeats={work.repeats}', f'--model={FLAGS.model}',
+                   f'--weights={FLAGS.weights}', f'--dtype={FLAGS.dtype}',
+                   f'--cache_len={FLAGS.cache_len}', f'--output={output}']
+        logging.info('measuring %s at %s (prompt of %d tokens)', systems, revision, len(prompt))
+        subprocess.run(command, cwd=tree, env={**os.environ, 'PYTHONPATH': tree}, check=True,
+                       capture_output=True, text=True)
+        with open(output) as f:
+          measured.append(json.load(f)['systems'])
+    finally:
+      subprocess.run(['git', 'worktree', 'remove', '--force', tree], cwd=common.REPO,
+                     capture_output=True)
+  rows = []
+  for i, row in enumerate(measured[0]):
+    by_length = {len(p): run[i]['prefill_tok_s'] for p, run in zip(work.prompts, measured)}
+    rows.append({**row, 'name': f"{row['name']}@{revision}", 'prefill_tok_s_by_length': by_length,
+                 'skipped': row.get('skipped')})
   return rows
 
 
@@ -298,9 +356,14 @@ def main(argv):
                       ('spec_relative', 'spec'), ('pinned_relative', 'pinned'),
                       ('default_relative', 'default')):
     if f'ours_{ours}' in by_name and f'ours_{other}' in by_name:
-      for what in ('prefill_tok_s', 'decode_tok_s'):
-        ratios[f'{ours}_vs_{other}_{what}'] = (by_name[f'ours_{ours}'][what]
-                                               / by_name[f'ours_{other}'][what])
+      ratios.update(_ratios(by_name[f'ours_{ours}'], by_name[f'ours_{other}'],
+                            f'{ours}_vs_{other}'))
+  if FLAGS.baseline:
+    for row in baseline_rows(FLAGS.baseline, [n for n in FLAGS.systems if n in OURS], work):
+      rows.append(row)
+      by_name[row['name']] = row
+      ratios.update(_ratios(by_name[row['name'].split('@')[0]], row,
+                            f"{row['name'].split('@')[0].removeprefix('ours_')}_vs_baseline"))
   # Prefill FLOPs per token of the --prompt_tokens prompt with last-position logits; decode
   # reads every weight once per token (gemma_jax/cost.py).
   flops_per_token = cost.prefill_flops(loaded.config, len(work.prompt)) / len(work.prompt)
@@ -314,7 +377,8 @@ def main(argv):
       ratios[f'{name}_vs_hf_prefill'] = row['prefill_tok_s'] / by_name['hf_transformers'][
           'prefill_tok_s']
   config = {**common.model_config_json(), 'systems': list(FLAGS.systems),
-            'prompt_tokens': len(work.prompt), 'decode_tokens': work.decode_tokens,
+            'prompt_tokens': [len(p) for p in work.prompts], 'baseline': FLAGS.baseline,
+            'decode_tokens': work.decode_tokens,
             'library_tokens': len(work.library), 'query_tokens': len(work.query),
             'repeats': work.repeats, 'batch_slots': [int(n) for n in FLAGS.batch_slots],
             'prefill_flops_per_token': flops_per_token,
