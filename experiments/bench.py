@@ -41,7 +41,7 @@ from absl import app, flags, logging
 
 from experiments import ceilings, common, peers, samples
 from gemma_jax import compilation_cache as compilation_cache_module
-from gemma_jax import cost, verdicts
+from gemma_jax import cost, executables, verdicts
 from gemma_jax.checkpoints import orbax_util
 from graft.store import artifact
 from graft import shift
@@ -173,15 +173,18 @@ def _medians(runs: list[dict]) -> dict:
 
 def measure_start(mode: str, dot_library: str | None, repeats: int) -> dict:
   """A fresh process (`experiments.generate`, one new token) to its first logits: cold (each run
-  on an empty compilation cache, every check run again: GEMMA_JAX_RECHECK) and warm (on the
-  cache the first cold run left, with its kept verdicts); medians of `repeats`, per phase
+  on an empty compilation cache and no saved executables, every check run again:
+  GEMMA_JAX_RECHECK) and warm (on what the first cold run left, with its kept verdicts); medians
+  of `repeats`, per phase
   (START_PHASES). Weights come from the parameter cache in both."""
   command = [sys.executable, '-m', 'experiments.generate', '--max_new_tokens=1',
              f'--model={FLAGS.model}', f'--weights={FLAGS.weights}', f'--dtype={FLAGS.dtype}',
              f'--engine={mode}'] + ([f'--dot_library={dot_library}'] if dot_library else [])
   with tempfile.TemporaryDirectory() as scratch:
-    env = lambda i, **more: {**os.environ, compilation_cache_module.ENV: os.path.join(
-        scratch, str(i)), **more}
+    env = lambda i, **more: {**os.environ,
+                             compilation_cache_module.ENV: os.path.join(scratch, str(i), 'xla'),
+                             executables.ENV: os.path.join(scratch, str(i), 'executables'),
+                             **more}
     cold = [process_phases(command, env(i, **{verdicts.RECHECK_ENV: '1'}))
             for i in range(repeats)]
     warm = [process_phases(command, env(0)) for _ in range(repeats)]

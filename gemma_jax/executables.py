@@ -42,12 +42,15 @@ from jax.experimental import serialize_executable
 from gemma_jax import files, verdicts
 from gemma_jax.checkpoints.param_cache import cache_root
 
-ENV = 'GEMMA_JAX_SAVED_EXECUTABLES'  # '0': never save or load (compile in every process)
+# '0': never save or load (compile in every process); a directory: keep them there (bench's
+# cold starts use an empty one); unset or '1': $GEMMA_JAX_CACHE/executables.
+ENV = 'GEMMA_JAX_SAVED_EXECUTABLES'
 LOADED_EVENT = '/gemma_jax/executables/loaded'
 
 
 def directory() -> str:
-  return os.path.join(cache_root(), 'executables')
+  value = os.environ.get(ENV, '1')
+  return value if value not in ('', '0', '1') else os.path.join(cache_root(), 'executables')
 
 
 def enabled() -> bool:
