@@ -29,11 +29,12 @@ here, so that `gemma_jax.resources` counts both from events.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
 import json
 import os
 import pickle
+import threading
+import uuid
 
 import jax
 from jax import monitoring
@@ -76,21 +77,33 @@ def _shapes(args) -> tuple:
 _LOADER = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix='load-executable')
 
 
-@contextlib.contextmanager
-def _fresh_compile():
-  """JAX's persistent compilation cache bypassed for one compile: an executable that cache
-  loads cannot be serialized again (XLA:CPU's deserialized executable does not keep the
-  compiled functions a second serialization needs: loading that one fails with 'Function ...
-  not found')."""
-  from jax.experimental.compilation_cache import compilation_cache
-  previous = jax.config.jax_enable_compilation_cache
-  jax.config.update('jax_enable_compilation_cache', False)
-  compilation_cache.reset_cache()
-  try:
-    yield
-  finally:
-    jax.config.update('jax_enable_compilation_cache', previous)
-    compilation_cache.reset_cache()
+# Per thread: how many executables JAX's persistent compilation cache served it (its hits event
+# fires in the compiling thread).
+_served = threading.local()
+
+
+def _on_event(event: str, **kwargs) -> None:
+  del kwargs
+  if event == '/jax/compilation_cache/cache_hits':
+    _served.hits = getattr(_served, 'hits', 0) + 1
+
+
+monitoring.register_event_listener(_on_event)
+
+
+def _compile(jitted, args):
+  """jitted compiled for args, as a fresh compile: where JAX's persistent compilation cache
+  served it, compiled again with an option that moves nothing but the cache key (an executable
+  that cache loads cannot be serialized again: XLA:CPU's deserialized executable does not keep
+  the compiled functions a second serialization needs, and loading that fails with 'Function
+  ... not found')."""
+  lowered = jitted.lower(*args)
+  before = getattr(_served, 'hits', 0)
+  compiled = lowered.compile()
+  if getattr(_served, 'hits', 0) != before:
+    compiled = lowered.compile(compiler_options={
+        'xla_cpu_collective_call_warn_stuck_seconds': 1 + uuid.uuid4().int % (1 << 30)})
+  return compiled
 
 
 class Saved:
@@ -109,13 +122,14 @@ class Saved:
     """The jitted function's lowering (graft/engine/lowering.py reads it for other platforms)."""
     return self.jitted.lower(*args)
 
-  def preload(self, *args) -> None:
+  def preload(self, *args, compile: bool = False) -> None:
     """Starts loading the executable saved for arguments of these shapes (concrete, or
     jax.ShapeDtypeStruct), if one is, in the background: a process loads what it will run
-    while it does other work; a call of these shapes waits for it instead of compiling."""
+    while it does other work; a call of these shapes waits for it instead of compiling. With
+    `compile`, one that is not saved is compiled (and saved) there too."""
     shapes = _shapes(args[self.fixed:])
     if enabled() and shapes not in self._compiled and shapes not in self._loading:
-      self._loading[shapes] = _LOADER.submit(self._load, args)
+      self._loading[shapes] = _LOADER.submit(self._obtain if compile else self._load, args)
 
   def __call__(self, *args):
     shapes = _shapes(args[self.fixed:])
@@ -152,8 +166,7 @@ class Saved:
     if compiled is not None:
       return compiled
     path = self._path(args)
-    with _fresh_compile():
-      compiled = self.jitted.lower(*args).compile()
+    compiled = _compile(self.jitted, args)
     try:
       data = pickle.dumps(serialize_executable.serialize(compiled))
     except (ValueError, NotImplementedError, TypeError, pickle.PicklingError):

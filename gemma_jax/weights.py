@@ -166,7 +166,9 @@ def _load_embedded(config: TransformerConfig) -> param_cache.Entry:
                             pack=_pack(config))
 
 
-def _tokenizer_for(config: TransformerConfig, directory: str | None) -> Tokenizer:
+def tokenizer_for(config: TransformerConfig, directory: str | None = None) -> Tokenizer:
+  """The tokenizer of a model config: the checkpoint directory's tokenizer.model where there is
+  one, the embedded model's for its vocabulary, else a synthetic one of the vocabulary's size."""
   if directory and os.path.isfile(os.path.join(directory, 'tokenizer.model')):
     return Tokenizer.from_file(os.path.join(directory, 'tokenizer.model'))
   if config.vocab_size == get_config(EMBEDDED_CONFIG).vocab_size:
@@ -186,9 +188,9 @@ def _load_path(config: TransformerConfig, path: str):
   directory = path if os.path.isdir(path) else os.path.dirname(path)
   if path.endswith('.safetensors') or (
       os.path.isdir(path) and any(f.endswith('.safetensors') for f in os.listdir(path))):
-    return safetensors_io.load_safetensors(path, config), _tokenizer_for(config, directory)
+    return safetensors_io.load_safetensors(path, config), tokenizer_for(config, directory)
   if os.path.isdir(path):
-    return orbax_io.load_orbax(path, config), _tokenizer_for(config, directory)
+    return orbax_io.load_orbax(path, config), tokenizer_for(config, directory)
   raise ValueError(f'cannot tell the format of {path}: expected a .gguf file, .safetensors, '
                    'or an Orbax checkpoint directory')
 
@@ -211,7 +213,7 @@ def load(model_name: str | TransformerConfig, weights: str = 'embedded',
       raise ValueError(f'--weights={weights}: the seed after "random:" must be a non-negative '
                        'integer')
     params = model.init_params(config, int(seed), jnp.float32)
-    tokenizer = _tokenizer_for(config, None)
+    tokenizer = tokenizer_for(config, None)
   else:
     params, tokenizer = _load_path(config, weights)
   params = _as_jax(params, dtype)

@@ -34,19 +34,20 @@ def test_the_spec_fingerprint_binds_the_canary_not_the_source():
 
 
 def test_a_planted_bit_change_is_refused_by_the_canary_not_the_self_check(monkeypatch):
-  # exp's last coefficient (1/2) moved by one ulp (3% of exp's results move), in the functions
-  # both the engine and the interpreter use: the self-check compares the two and cannot see
-  # it; the canary does. (Its first coefficient moved by one ulp moves no result of 100,000:
-  # such a change keeps stores, as it should.)
+  # tanh's last coefficient moved by one ulp, in the functions both the engine (XLA's GELU, on
+  # a family without attention's soft-cap) and the interpreter use: the self-check compares the
+  # two and cannot see it (the engine is built past it: the refusal is the canary's, not a
+  # SpecError); the canary does. (The native attention kernel's exp and tanh take their
+  # constants from the same file, compiled in: a change there is an edit of functions.py, a new
+  # kernel build, and the canary's to catch.)
   import numpy as np
-  moved = float(np.nextafter(np.float32(functions.EXP_P[-1]), np.float32(1)))
-  monkeypatch.setattr(functions, 'EXP_P', functions.EXP_P[:-1] + (moved,))
+  moved = float(np.nextafter(np.float32(functions.TANH_P[-1]), np.float32(1)))
+  monkeypatch.setattr(functions, 'TANH_P', functions.TANH_P[:-1] + (moved,))
   monkeypatch.setattr(selfcheck, '_RESULTS', {})
   monkeypatch.setenv(verdicts.RECHECK_ENV, '1')  # a patch in memory is no edit of the files
   canary.check.cache_clear()
   try:
-    loaded = weights.load('tiny_gemma2', 'random:0', 'float32')
-    Engine(loaded, EngineConfig(rows_per_call=8, cache_len=64), canary=False)  # self-check passes
+    loaded = weights.load('tiny_gemma3', 'random:0', 'float32')
     with pytest.raises(canary.CanaryError, match=f'spec version {SPEC_VERSION} defines.*without '
                        'a new SPEC_VERSION'):
       Engine(loaded, EngineConfig(rows_per_call=8, cache_len=64))

@@ -100,6 +100,28 @@ def compiler_identity(cxx: str | None = None) -> str:
   return done.stdout
 
 
+def constants_header() -> str:
+  """constants.h: the written arithmetic's constants the kernels use (exp's, tanh's, sin's and
+  cos's), generated from gemma_jax/spec/functions.py, their one home. Each is written as the
+  exact decimal of the binary64 that Python holds; the kernels round it to binary32 as NumPy
+  does (attention.h `C`)."""
+  from gemma_jax.spec import functions as fn
+  values = {'kExpLo': fn.EXP_LO, 'kExpHi': fn.EXP_HI, 'kLog2e': fn.LOG2E, 'kLn2Hi': fn.LN2_HI,
+            'kLn2Lo': fn.LN2_LO, 'kExpP': fn.EXP_P, 'kTanhSmall': fn.TANH_SMALL,
+            'kTanhP': fn.TANH_P, 'kTwoOverPi': fn.TWO_OVER_PI, 'kPio2Parts': fn.PIO2_PARTS,
+            'kSinP': fn.SIN_P, 'kCosP': fn.COS_P}
+  lines = ['// Generated from gemma_jax/spec/functions.py by gemma_jax/kernels/native_build.py.',
+           '#ifndef GEMMA_SPEC_CONSTANTS_H_', '#define GEMMA_SPEC_CONSTANTS_H_',
+           'namespace gemma_spec {']
+  for name, value in values.items():
+    if isinstance(value, tuple):
+      lines.append(f'constexpr double {name}[] = {{{", ".join(repr(float(v)) for v in value)}}};')
+    else:
+      lines.append(f'constexpr double {name} = {float(value)!r};')
+  lines += ['}  // namespace gemma_spec', '#endif  // GEMMA_SPEC_CONSTANTS_H_', '']
+  return '\n'.join(lines)
+
+
 def build_key() -> str:
   """The SHA-256 of everything the library is made of (see the module doc)."""
   import jaxlib
@@ -108,6 +130,7 @@ def build_key() -> str:
   for name in SOURCES:
     with open(os.path.join(SOURCE_DIR, name), 'rb') as f:
       h.update(name.encode() + b'\0' + f.read() + b'\0')
+  h.update(b'constants.h\0' + constants_header().encode() + b'\0')
   version = compiler_identity(cxx)
   arch = _architecture()
   h.update(repr((version, COMMON_FLAGS, PATHS[arch], jaxlib.__version__, arch)).encode())
@@ -124,7 +147,9 @@ def _run(command: list[str]) -> None:
 
 def _compile(directory: str) -> None:
   cxx, include, arch = compiler(), _include_dir(), _architecture()
-  common = [*COMMON_FLAGS, '-isystem', include, f'-I{SOURCE_DIR}']
+  with open(os.path.join(directory, 'constants.h'), 'w') as f:
+    f.write(constants_header())
+  common = [*COMMON_FLAGS, '-isystem', include, f'-I{SOURCE_DIR}', f'-I{directory}']
   objects = []
   for name, flags in PATHS[arch].items():
     obj = os.path.join(directory, f'isa_{name}.o')

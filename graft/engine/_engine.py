@@ -121,8 +121,8 @@ class Engine:
     """kernel_platform: the platform the attention kernel is built for ('cpu', 'gpu', 'tpu';
     None: the default backend's). Naming one this host does not have gives an engine whose
     functions lower for that platform (graft/engine/lowering.py) but do not run. canary: whether
-    a spec engine's build runs the canary (graft/engine/canary.py; False only for the canary's
-    own engine)."""
+    a spec engine's build runs its checks, the self-check and the canary (graft/engine/canary.py;
+    False only for the canary's own engine, whose digest is its check)."""
     config = config or EngineConfig()
     if sharding.xla_flags() != config.xla_flags:
       raise ValueError(f'the engine config needs XLA_FLAGS={config.xla_flags!r} but the process '
@@ -270,24 +270,26 @@ class Engine:
     return self._steps[key]
 
   def _preload(self) -> None:
-    """By length, starts loading the saved executables of the calls every use of an engine
-    makes (a block, a decode step, a logits call) in the background, while the engine is
-    checked and its caller gets on (gemma_jax.executables.Saved.preload)."""
+    """By length, starts obtaining the executables of the calls every use of an engine makes in
+    the background, while the engine is checked and its caller gets on
+    (gemma_jax.executables.Saved.preload): a block and a logits call, loaded or compiled, and a
+    decode step, loaded where saved."""
     if not self.by_length:
       return
     rows, i32 = self.max_rows, jnp.int32
     kv = jax.eval_shape(self.empty_kv)
     weights = (self._params, self._output_table)
-    for t in (rows, 1):
-      ids = jax.ShapeDtypeStruct((1, t), i32)
-      step = self.step_function(None, with_logits=t == 1)
-      if hasattr(step, 'preload'):
-        step.preload(*weights, ids, ids, kv)
-      if t == rows and hasattr(self._head, 'preload'):
-        self._head.preload(*weights, jax.ShapeDtypeStruct((1, t, self.config.embed_dim),
-                                                          self.dtype),
-                           jax.ShapeDtypeStruct((plans.HEAD_ROWS,), i32),
-                           jax.ShapeDtypeStruct((), i32))
+    block, decode = (jax.ShapeDtypeStruct((1, t), i32) for t in (rows, 1))
+    functions = [(self.step_function(None), (*weights, block, block, kv), True),
+                 (self._head, (*weights, jax.ShapeDtypeStruct((1, rows, self.config.embed_dim),
+                                                              self.dtype),
+                               jax.ShapeDtypeStruct((plans.HEAD_ROWS,), i32),
+                               jax.ShapeDtypeStruct((), i32)), True),
+                 (self.step_function(None, with_logits=True), (*weights, decode, decode, kv),
+                  False)]
+    for function, args, compile in functions:
+      if hasattr(function, 'preload'):
+        function.preload(*args, compile=compile)
 
   def _compiled(self, name: str, jitted, **variant):
     """`jitted`, its executables saved ahead of time and loaded by later processes

@@ -29,7 +29,6 @@ from gemma_jax.config import Family
 
 # The family's tiny model (gemma_jax.config), with weights of its own (`_loaded`).
 MODELS = {Family.GEMMA2: 'tiny_gemma2', Family.GEMMA3: 'tiny_gemma3', Family.GEMMA4: 'tiny_gemma4'}
-WEIGHTS = 'random:0'  # the tiny model's config and tokenizer come with these; its weights do not
 # 8-row calls, 8-slot tiles and a 32-term chunk: the tiny model's contractions are chained over
 # chunks, attention crosses tiles and wraps the local ring.
 ENGINE = {'mode': 'spec', 'rows_per_call': 8, 'cache_len': 64, 'attention_tile': 8,
@@ -92,12 +91,16 @@ def _loaded(model: str):
   whose bits follow the CPU's instruction set)."""
   import jax
   import jax.numpy as jnp
-  from gemma_jax import weights
-  loaded = weights.load(model, WEIGHTS, 'float32')  # its config and tokenizer
-  rng = np.random.default_rng(0)
+  from gemma_jax import model as gmodel, weights
+  from gemma_jax.config import get_config
+  config = get_config(model)
+  rng = np.random.default_rng(0)  # drawn leaf by leaf in the tree's order, from its shapes
   params = jax.tree.map(lambda leaf: jnp.asarray(
-      (rng.integers(-1024, 1024, leaf.shape) / 16384).astype(np.float32)), loaded.params)
-  return loaded.replace(params=params, weights='canary')
+      (rng.integers(-1024, 1024, leaf.shape) / 16384).astype(np.float32)),
+      gmodel.abstract_params(config))
+  return weights.LoadedModel(config=config, params=params,
+                             tokenizer=weights.tokenizer_for(config), weights='canary',
+                             dtype='float32')
 
 
 def _engine(model: str, dot_library: str | None):

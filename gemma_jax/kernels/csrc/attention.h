@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "chains.h"
+#include "constants.h"  // generated from gemma_jax/spec/functions.py (native_build.py)
 
 namespace gemma_spec {
 
@@ -94,18 +95,14 @@ inline typename V::T Horner(const double (&c)[N], typename V::T x) {
   return p;
 }
 
-constexpr double kExpP[] = {1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
-                            1.6666665459e-1, 5.0000001201e-1};
-constexpr double kTanhP[] = {-5.70498872745e-3, 2.06390887954e-2, -5.37397155531e-2,
-                             1.33314422036e-1, -3.33332819422e-1};
 
 // The spec's exp (gemma_jax.spec.functions.exp).
 template <class V>
 inline typename V::T Exp(typename V::T x) {
-  x = V::max(V::min(x, V::splat(C(88.0))), V::splat(C(-87.0)));
-  const auto n = Floor<V>(V::add(V::mul(x, V::splat(C(1.44269504088896341))), V::splat(C(0.5))));
-  auto r = V::sub(x, V::mul(n, V::splat(C(0.693359375))));
-  r = V::sub(r, V::mul(n, V::splat(C(-2.12194440e-4))));
+  x = V::max(V::min(x, V::splat(C(kExpHi))), V::splat(C(kExpLo)));
+  const auto n = Floor<V>(V::add(V::mul(x, V::splat(C(kLog2e))), V::splat(C(0.5))));
+  auto r = V::sub(x, V::mul(n, V::splat(C(kLn2Hi))));
+  r = V::sub(r, V::mul(n, V::splat(C(kLn2Lo))));
   auto y = V::mul(Horner<V>(kExpP, r), V::mul(r, r));
   y = V::add(V::add(y, r), V::splat(C(1.0)));
   return V::mul(y, V::pow2(n));
@@ -119,19 +116,13 @@ inline typename V::T Tanh(typename V::T x) {
   const auto e = Exp<V>(V::add(V::abs(x), V::abs(x)));
   auto big = V::sub(V::splat(C(1.0)), V::div(V::splat(C(2.0)), V::add(e, V::splat(C(1.0)))));
   big = V::select(V::lt(x, V::splat(C(0.0))), V::neg(big), big);
-  return V::select(V::lt(V::abs(x), V::splat(C(0.625))), small, big);
+  return V::select(V::lt(V::abs(x), V::splat(C(kTanhSmall))), small, big);
 }
-
-constexpr double kSinP[] = {-1.9515295891e-4, 8.3321608736e-3, -1.6666654611e-1};
-constexpr double kCosP[] = {2.443315711809948e-5, -1.388731625493765e-3, 4.166664568298827e-2};
-constexpr double kPio2Parts[] = {1.5625, 0.00830078125, -4.5299530029296875e-06,
-                                 7.450580596923828e-08, 9.89530235528946e-10,
-                                 2.6147972675971687e-12, -5.1514348342607263e-14};
 
 // The spec's sin and cos of one angle (gemma_jax.spec.functions.sin_cos).
 inline void SinCos(float angle, float* sin, float* cos) {
   using S = Scalar;
-  const float k = Floor<S>(S::add(S::mul(angle, C(0.63661977236758134)), C(0.5)));
+  const float k = Floor<S>(S::add(S::mul(angle, C(kTwoOverPi)), C(0.5)));
   float r = angle;
   for (double part : kPio2Parts) r = S::sub(r, S::mul(k, C(part)));
   const float z = S::mul(r, r);
