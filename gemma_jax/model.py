@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemma_jax import kv_state as kvs
+from gemma_jax import sharding
 from gemma_jax.attention import AttendFn, Attention, attend
 from gemma_jax.config import TransformerConfig
 from gemma_jax.layers import Dense, FeedForward, RMSNorm, init_param
@@ -61,6 +62,8 @@ class Embedder(nnx.Module):
     table = self.input_embedding[...]
     if table.ndim == 3:  # stored as the output table's column panels [V / P, D, P]: gathered
       rows = table[tokens // table.shape[2], :, tokens % table.shape[2]]  # [B, T, D]
+    elif table.shape == (self.config.embed_dim, self.config.vocab_size):  # as the [D, V] table
+      rows = sharding.table_rows(table, tokens, numerics.mesh)
     else:
       rows = table[tokens]
     # sqrt(D) is rounded to the activation dtype first, as the reference does (in bfloat16,

@@ -32,6 +32,7 @@ import math
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -146,6 +147,33 @@ def param_shardings(params, mesh: Mesh, layout: str = 'split'):
 def shard_params(params, mesh: Mesh, layout: str = 'split'):
   """Places params on `mesh` (which must have a 'model' axis) by `partition_spec`."""
   return jax.tree.map(jax.device_put, params, param_shardings(params, mesh, layout))
+
+
+def vocabulary_sharding(mesh: Mesh, vocab: int) -> NamedSharding:
+  """The output table [D, V]'s sharding on a mesh: its columns (the vocabulary) split over the
+  'model' axis where it divides them (each device holds its share, and the logits' columns are
+  computed where they are: no contraction is split), else whole on every device."""
+  return NamedSharding(mesh, P(None, 'model') if vocab % mesh.shape['model'] == 0 else P())
+
+
+def table_rows(table: jax.Array, tokens: jax.Array, mesh: Mesh | None) -> jax.Array:
+  """The embedding rows of `tokens` [B, T] from the output table [D, V] (the embedding's one
+  copy, transposed) -> [B, T, D], exactly: each device takes the rows its share of the
+  vocabulary holds and gives -0 for the others, and the shares are added over 'model' (x + -0
+  is x for every x, -0 included, so the sum is the owner's value whatever the order)."""
+  if mesh is None or mesh.shape['model'] == 1 or table.shape[1] % mesh.shape['model']:
+    return jnp.moveaxis(jnp.take(table, tokens, axis=1), 0, -1)
+
+  def local(share, ids):  # share [D, V / n], ids [B, T]
+    width = share.shape[1]
+    mine = ids - jax.lax.axis_index('model') * width
+    inside = (mine >= 0) & (mine < width)
+    rows = jnp.take(share, jnp.clip(mine, 0, width - 1), axis=1)  # [D, B, T]
+    return jax.lax.psum(jnp.where(inside[None], rows, -0.0), 'model')
+
+  rows = jax.shard_map(local, mesh=mesh, in_specs=(P(None, 'model'), P()), out_specs=P(),
+                       check_vma=False)(table, tokens)
+  return jnp.moveaxis(rows, 0, -1)
 
 
 def kv_shardings(kv, mesh: Mesh):

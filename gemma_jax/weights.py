@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,12 @@ class LoadedModel:
     """Raises param_cache.CacheEntryError where the mapped parameters do not match their
     recorded hashes (waiting for the background hash to finish); nothing for other sources."""
     if self.stored is not None:
-      self.stored.check()
+      try:
+        self.stored.check()
+      except param_cache.CacheEntryError:
+        if _MAPPED.get(self.config) is self:  # the next load maps the rebuilt entry
+          del _MAPPED[self.config]
+        raise
 
 
 def _as_jax(params, dtype: str):
@@ -195,16 +201,26 @@ def _load_path(config: TransformerConfig, path: str):
                    'or an Orbax checkpoint directory')
 
 
+# config -> the embedded model mapped from the parameter cache, while anything holds it: a second
+# load (a replay's engines beside the job's) shares the mapping, its weights and executables.
+_MAPPED: 'weakref.WeakValueDictionary' = weakref.WeakValueDictionary()
+
+
 def load(model_name: str | TransformerConfig, weights: str = 'embedded',
          dtype: str = 'float32') -> LoadedModel:
   config = get_config(model_name) if isinstance(model_name, str) else model_name
   if dtype not in DTYPES:
     raise ValueError(f'unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}')
   if weights == 'embedded':
-    entry = _load_embedded(config)
     if dtype == 'float32':  # mapped, not read: each weight's one copy is the page cache's
-      return LoadedModel(config=config, params=None, tokenizer=entry.tokenizer, weights=weights,
-                         dtype=dtype, stored=entry)
+      mapped = _MAPPED.get(config)  # one mapping per process while it is in use
+      if mapped is None:
+        entry = _load_embedded(config)
+        mapped = _MAPPED[config] = LoadedModel(config=config, params=None,
+                                               tokenizer=entry.tokenizer, weights=weights,
+                                               dtype=dtype, stored=entry)
+      return mapped
+    entry = _load_embedded(config)
     entry.check()
     params, tokenizer = entry.canonical(), entry.tokenizer
   elif weights.startswith('random:'):

@@ -70,8 +70,9 @@ def test_saved_executables_are_loaded_and_an_edit_is_compiled_again(tree, tmp_pa
   cache = tmp_path / 'cache'
   first = run(tree, cache)
   saved = set(os.listdir(cache / 'executables'))
-  # A block, a decode step and a logits call (and the canary's, the checks running here).
-  assert compiles(first) >= 3 and loads(first) == 0 and len(saved) == compiles(first)
+  # A block, a decode step and a logits call (and the canary's, the checks running here; one
+  # that JAX's own cache served is compiled again, fresh, to be saved: gemma_jax.executables).
+  assert compiles(first) >= 3 and loads(first) == 0 and len(saved) >= 3
 
   again = run(tree, cache)
   assert compiles(again) == 0 and loads(again) == 3  # the checks' verdicts are kept

@@ -119,3 +119,35 @@ def test_a_damaged_or_older_parameter_cache_entry_is_rebuilt_never_used(tmp_path
   leaf.write_bytes(leaf.read_bytes()[:-4])
   param_cache.cached('key', build, root=str(tmp_path))
   assert calls == [1, 1, 1]
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_the_mapped_parameter_cache_is_refused_before_any_logits(tmp_path):
+  """The embedded model's cache entry is mapped, not read, and hashed in the background: a copy
+  of it with one byte of one weight flipped builds an engine (nothing has been computed from it
+  yet), but its first computation is refused before a context or logits leave the engine, and
+  the entry is moved aside to be rebuilt."""
+  from graft.engine import Engine, EngineConfig
+  loaded = weights.load('gemma3_270m', 'embedded', 'float32')
+  source = loaded.stored.directory
+  copy = tmp_path / 'entry'
+  flipped = 'layers.3.mlp.down_proj.w'
+  for directory, _, names in os.walk(source):
+    for name in names:
+      path = os.path.join(directory, name)
+      target = copy / os.path.relpath(path, source)
+      target.parent.mkdir(parents=True, exist_ok=True)
+      if flipped in path:  # the one file changed is a copy; the rest link to the entry
+        data = bytearray(open(path, 'rb').read())
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+      else:
+        os.link(path, target)
+  entry = param_cache.map_entry(str(copy))
+  damaged = weights.LoadedModel(loaded.config, None, loaded.tokenizer, 'embedded', 'float32',
+                                stored=entry)
+  engine = Engine(damaged, EngineConfig(cache_len=512))
+  with pytest.raises(param_cache.CacheEntryError, match='does not match its hashes'):
+    engine.prefill([2, 651, 6037, 529])
+  assert not copy.exists()  # set aside: the next load rebuilds it
+  assert loaded.stored.directory == source and os.path.isdir(source)  # the real one untouched

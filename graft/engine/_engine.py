@@ -167,18 +167,11 @@ class Engine:
     # stores them alike.
     placement = (config.mesh, config.mesh_layout, self.numerics.storage)
     self._params = _shared(self, loaded, ('params', placement), self._place_weights)
-    # The numerics' output table: the tied embedding itself, or a [D, V] float32 copy made once
-    # (none where the embedding is stored as its panels: one array serves both).
-    self._output_table = None
+    # The numerics' output table where they read one ('transposed'): the embedding itself,
+    # stored as the [D, V] table or its panels (`_place_weights`), one array for both.
     table = self._params['embedder']['input_embedding']
     abstract = isinstance(table, jax.ShapeDtypeStruct)  # an engine that lowers, never runs
-    if table.ndim == 3:
-      self._output_table = table
-    elif self.numerics.output_table == 'transposed':
-      packed = self.numerics.packs(*table.shape[::-1])
-      self._output_table = _shared(self, loaded, ('output_table', placement, packed), lambda: (
-          jax.eval_shape(_output_table, table, packed) if abstract
-          else _output_table(table, packed)))
+    self._output_table = table if self.numerics.output_table == 'transposed' else None
 
     def head(params, output_table, hidden, rows, count):
       # hidden [B, T, D], rows [R] -> logits [1, R, V] of those rows of the B x T rows (row
@@ -211,9 +204,29 @@ class Engine:
         and layout.get('panel') == native_dot.PANEL):
       return tree.unflatten({name: jax.device_put(leaf) for name, leaf in entry.stored.items()})
     params = self.loaded.params
+    transposed = numerics.output_table == 'transposed'
+    if transposed:  # set apart: it becomes the output table, placed on its own
+      embedder = dict(params['embedder'])
+      table = embedder.pop('input_embedding')
+      params = {**params, 'embedder': embedder}
     if self.mesh is not None:
       params = sharding.shard_params(params, self.mesh, self.engine_config.mesh_layout)
-    return model.store_weights(params, self.config, numerics)
+    if transposed:  # its shape stands in while the projections are stored
+      params['embedder']['input_embedding'] = jax.ShapeDtypeStruct(table.shape, table.dtype)
+    params = model.store_weights(params, self.config, numerics)
+    if transposed:
+      # The embedding as the [D, V] output table (in the numerics' panels where they keep
+      # them), its one copy: the lookup gathers from it (gemma_jax.model.Embedder). On a mesh
+      # its columns are split over 'model' (sharding.vocabulary_sharding: a column split, no
+      # bit moves), so each device holds its share of it, not the whole.
+      packed = numerics.packs(*table.shape[::-1])
+      make = ((lambda t: _output_table(t, packed)) if self.mesh is None else
+              jax.jit(lambda t: t.astype(jnp.float32).T, out_shardings=sharding.vocabulary_sharding(
+                  self.mesh, table.shape[0])))
+      table = (jax.eval_shape(make, table) if isinstance(table, jax.ShapeDtypeStruct)
+               else make(table))
+      params['embedder'] = {**params['embedder'], 'input_embedding': table}
+    return params
 
   def _check_weights(self) -> None:
     """Raises where the loaded weights do not match their recorded hashes (once; see
