@@ -41,7 +41,7 @@ from absl import app, flags, logging
 
 from experiments import ceilings, common, peers, samples
 from gemma_jax import compilation_cache as compilation_cache_module
-from gemma_jax import cost, executables, verdicts
+from gemma_jax import cost, executables, resources, verdicts
 from gemma_jax.checkpoints import orbax_util
 from graft.store import artifact
 from graft import shift
@@ -81,6 +81,9 @@ def define_flags() -> None:
   flags.DEFINE_integer('repeats', 3, 'Timed repetitions (after one warm-up); medians reported.',
                        lower_bound=1)
   flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
+  flags.DEFINE_bool('processes', False, 'Measure each of our systems in a fresh process of its '
+                    "own (this bench, run once per system): each row's peak_rss_bytes is then "
+                    "that system's alone.")
   flags.DEFINE_string('baseline', None, 'Also measure our systems as the code at this git '
                       'revision does (a worktree of it, its own bench in a subprocess on this '
                       "run's workload, without start or graft timings): rows named "
@@ -279,7 +282,32 @@ def _ratios(row: dict, other: dict, name: str) -> dict:
     theirs = other.get('prefill_tok_s_by_length', {}).get(length)
     if theirs:
       out[f'{name}_prefill_tok_s_{length}'] = speed / theirs
+  if row.get('peak_rss_bytes') and other.get('peak_rss_bytes'):
+    out[f'{name}_peak_rss_bytes'] = row['peak_rss_bytes'] / other['peak_rss_bytes']
   return out
+
+
+def _workload_flags(work: Workload) -> list[str]:
+  """This run's workload and model as flags of a bench of its own."""
+  return ([f'--prompt_tokens={len(p)}' for p in work.prompts]
+          + [f'--decode_tokens={work.decode_tokens}', f'--library_tokens={len(work.library)}',
+             f'--query_tokens={len(work.query)}', f'--repeats={work.repeats}',
+             f'--model={FLAGS.model}', f'--weights={FLAGS.weights}', f'--dtype={FLAGS.dtype}',
+             f'--cache_len={FLAGS.cache_len}'])
+
+
+def measure_in_process(name: str, tree: str, work: Workload) -> dict:
+  """`name` measured by this bench in a fresh process of its own (from `tree`): its row, with
+  that process's peak resident memory as `peak_rss_bytes`."""
+  with tempfile.TemporaryDirectory() as scratch:
+    output = os.path.join(scratch, 'row.json')
+    subprocess.run([sys.executable, '-m', 'experiments.bench', f'--systems={name}', '--nostart',
+                    *_workload_flags(work), f'--output={output}'], cwd=tree,
+                   env={**os.environ, 'PYTHONPATH': tree}, check=True, capture_output=True,
+                   text=True)
+    with open(output) as f:
+      result = json.load(f)
+  return {**result['systems'][0], 'peak_rss_bytes': result['resources']['peak_rss_bytes']}
 
 
 def baseline_rows(revision: str, systems: list[str], work: Workload) -> list[dict]:
@@ -331,6 +359,9 @@ def main(argv):
   rows = []
   for name in FLAGS.systems:
     logging.info('measuring %s', name)
+    if FLAGS.processes and (name in OURS or name in RELATIVE):
+      rows.append(measure_in_process(name, common.REPO, work))
+      continue
     if name in OURS:
       mode, library = OURS[name]
       row = {**measure_ours(common.make_engine(loaded, mode=mode, dot_library=library), work),
@@ -343,7 +374,7 @@ def main(argv):
       row = peers.measure(name, loaded, work)
       if FLAGS.start and not row.get('skipped'):
         row.update(measure_peer_start(name, work.repeats))
-    row = {'name': name, 'skipped': None, **row}
+    row = {'name': name, 'skipped': None, **row, 'peak_rss_bytes': resources.peak_rss_bytes()}
     if row['skipped']:
       print(f'{name}: skipped ({row["skipped"]})')
     rows.append(row)
