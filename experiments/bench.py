@@ -307,7 +307,10 @@ def measure_in_process(name: str, tree: str, work: Workload) -> dict:
                    text=True)
     with open(output) as f:
       result = json.load(f)
-  return {**result['systems'][0], 'peak_rss_bytes': result['resources']['peak_rss_bytes']}
+  row = result['systems'][0]
+  return {**row, 'prefill_tok_s_by_length': {  # (JSON made the lengths strings)
+      int(k): v for k, v in row.get('prefill_tok_s_by_length', {}).items()},
+          'peak_rss_bytes': result['resources']['peak_rss_bytes']}
 
 
 def baseline_rows(revision: str, systems: list[str], work: Workload) -> list[dict]:
