@@ -145,7 +145,9 @@ class Saved:
     try:
       with open(self._path(args), 'rb') as f:
         serialized, in_tree, out_tree = pickle.load(f)
-      compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+      # (onto the one device a saved function runs on: the process may have more)
+      compiled = serialize_executable.deserialize_and_load(
+          serialized, in_tree, out_tree, execution_devices=jax.devices()[:1])
     except Exception:  # none saved, or a damaged or foreign entry: compiled again and replaced
       return None
     monitoring.record_event(LOADED_EVENT, name=self.name)
