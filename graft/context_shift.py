@@ -242,7 +242,7 @@ def measure(engines: Engines, stream: Context, kept: Kept, next_token: int,
             stream_logits: np.ndarray, continuation: int) -> dict:
   """The shifted cache after `kept.shifts` shifts against the reference (the kept states placed
   directly at their positions), before `next_token` is fed: K and V (SHA-256, max |ΔK| per
-  layer), the logits after `next_token` (SHA-256, KL, max |Δ|) and greedy continuations of
+  layer, and the largest |K| of the reference for scale), the logits after `next_token` (SHA-256, KL, max |Δ|) and greedy continuations of
   `continuation` tokens (the first index where they differ). `stream_logits`: the stream's own
   logits after `next_token`, which the reference's must equal."""
   model = engines.model
@@ -279,6 +279,8 @@ def measure(engines: Engines, stream: Context, kept: Kept, next_token: int,
       'kv_equal': digest(ours) == digest(theirs),
       'k_max_abs': max(l['k_max_abs'] for l in layers),
       'k_max_ulp': max(l['k_max_ulp'] for l in layers),
+      'reference_k_max': max(float(np.abs(theirs[kvs.leaf_names(i)[0]]).max())
+                             for i in model.config.cache_layers),
       'logits_sha256': compare.sha256_bytes(shift_logits),
       'reference_logits_sha256': compare.sha256_bytes(ref_logits),
       'logits_equal': compare.sha256_bytes(shift_logits) == compare.sha256_bytes(ref_logits),
