@@ -242,9 +242,10 @@ def measure(engines: Engines, stream: Context, kept: Kept, next_token: int,
             stream_logits: np.ndarray, continuation: int) -> dict:
   """The shifted cache after `kept.shifts` shifts against the reference (the kept states placed
   directly at their positions), before `next_token` is fed: K and V (SHA-256, max |ΔK| per
-  layer, and the largest |K| of the reference for scale), the logits after `next_token` (SHA-256, KL, max |Δ|) and greedy continuations of
-  `continuation` tokens (the first index where they differ). `stream_logits`: the stream's own
-  logits after `next_token`, which the reference's must equal."""
+  layer, and the largest |K| of the reference for scale), the logits after `next_token`
+  (SHA-256, KL, max |Δ|) and greedy continuations of `continuation` tokens (the first index
+  where they differ). `stream_logits`: the stream's own logits after `next_token`, which the
+  reference's must equal."""
   model = engines.model
   first = stream.next_position - len(stream.tokens)
   reference = model.graft(kept.rows('placed'), stream.tokens, first)
@@ -252,14 +253,14 @@ def measure(engines: Engines, stream: Context, kept: Kept, next_token: int,
   ours = kvs.to_leaves(shifted.kv, model.config.cache_layers)
   theirs = kvs.to_leaves(reference.kv, model.config.cache_layers)
   layers = []
+  same = lambda name: compare.sha256_bytes(ours[name]) == compare.sha256_bytes(theirs[name])
   for layer_index in model.config.cache_layers:
     k_name, v_name, p_name = kvs.leaf_names(layer_index)
     if not np.array_equal(ours[p_name], theirs[p_name]):
       raise ValueError(f'layer {layer_index}: the shifted and reference positions differ')
     layers.append({'layer': int(layer_index),
                    'attention_type': model.config.layer_spec(layer_index).attention_type.value,
-                   'k_equal': compare.sha256_bytes(ours[k_name]) == compare.sha256_bytes(theirs[k_name]),
-                   'v_equal': compare.sha256_bytes(ours[v_name]) == compare.sha256_bytes(theirs[v_name]),
+                   'k_equal': same(k_name), 'v_equal': same(v_name),
                    'k_max_abs': compare.max_abs(ours[k_name], theirs[k_name]),
                    'k_max_ulp': compare.max_ulp(ours[k_name], theirs[k_name])})
   digest = lambda leaves: compare.sha256_bytes(np.concatenate(
