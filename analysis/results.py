@@ -114,6 +114,14 @@ KINDS: dict[str, Kind] = {
     #  "continuation_equal"}], "summary"}
     'hf_parity': Kind(1, ('config', 'prompts', 'summary'),
                       'this project\'s Gemma against HF transformers on the same weights'),
+    # {"config": {"model", "weights", "dtype", "rope", "window", "drop", "shifts", ...},
+    #  "summary": {"rope", "shifts", "exact", "references_equal_stream", "k_max_abs", "kl",
+    #  "first_differing_token"}, "measurements": [{"shifts", "most_turns", "kv_equal",
+    #  "k_max_abs", "k_max_ulp", "reference_k_max", "logits_equal", "reference_equals_stream",
+    #  "kl", "logits_max_abs", "first_differing_token", "layers": [{"layer", "k_equal",
+    #  "v_equal", "k_max_abs", "k_max_ulp"}], ...}]} (experiments/context_shift.py)
+    'context_shift': Kind(1, ('config', 'summary', 'measurements'),
+                          'a window shifted N times against its tokens placed directly'),
 }
 
 

@@ -3,6 +3,7 @@
 The pinned engine's `extend_batch` runs N contexts per call, one per slot. Each slot's logits
 (SHA-256 of float32) must equal those of `extend` on that context alone, whatever the other
 slots hold (other texts, other lengths, grafted contexts) or whether they are idle, at any split.
+The relative RoPE mode too, with a context-shifted context among the slots.
 """
 
 import functools
@@ -10,15 +11,18 @@ import functools
 import numpy as np
 import pytest
 
+from gemma_jax import kv_state as kvs
 from gemma_jax import weights
 from gemma_jax.compare import sha256_bytes
+from gemma_jax.config import get_config
+from graft import context_shift
 from graft.store import artifact
 from graft.engine import Engine, EngineConfig, _engine
 
 
 @functools.lru_cache(maxsize=None)
-def engine(name='tiny_gemma3'):
-  return Engine(weights.load(name, 'random:0', 'float32'),
+def engine(name='tiny_gemma3', rope='float'):
+  return Engine(weights.load(get_config(name).replace(rope_mode=rope), 'random:0', 'float32'),
                 EngineConfig(rows_per_call=16, cache_len=512, attention_tile=16))
 
 
@@ -39,6 +43,29 @@ def test_slot_equals_alone_whatever_the_other_slots_hold(name):
   _, swapped = eng.extend_batch([eng.empty()] * 4, [texts[3], texts[0], [], texts[1]],
                                 logits=[1, 37, 0, 5])
   assert [sha256_bytes(swapped[i]) for i in (0, 1, 3)] == [alone[3], alone[0], alone[1]]
+
+
+def test_relative_slots_equal_one_stream_a_shifted_context_among_them():
+  """Relative RoPE in batch slots: logits, greedy tokens, logits digests and KV state of every
+  slot equal the stream alone, one slot holding a context whose window has shifted."""
+  eng = engine('tiny_gemma3', 'relative')
+  texts = [tokens(n, 50 + n) for n in (37, 5, 70)]
+  alone = [eng.extend(eng.empty(), t, logits='all') for t in texts]
+  ctxs, together = eng.extend_batch([eng.empty()] * 3, texts, logits=[len(t) for t in texts])
+  assert [sha256_bytes(r) for r in together] == [sha256_bytes(l) for _, l in alone]
+  ctxs[2] = context_shift.drop_oldest(alone[2][0], 9)
+  more = [tokens(n, 60 + n) for n in (4, 6, 3)]
+  ctxs, rows = eng.extend_batch(ctxs, more, logits=[len(m) for m in more])
+  decoded = eng.decode_batch(ctxs, [6, 2, 6])
+  for i, (ctx, m, row, d) in enumerate(zip([c for c, _ in alone[:2]] + [
+      context_shift.drop_oldest(alone[2][0], 9)], more, rows, decoded)):
+    one, logits = eng.extend(ctx, m, logits=len(m))
+    assert sha256_bytes(row) == sha256_bytes(logits), i
+    by_itself = eng.decode(one, len(d.tokens))
+    assert (d.tokens, d.logits_sha256) == (by_itself.tokens, by_itself.logits_sha256), i
+    leaves = lambda c: kvs.to_leaves(c.kv, eng.config.cache_layers)
+    assert ({k: sha256_bytes(v) for k, v in leaves(d.context).items()}
+            == {k: sha256_bytes(v) for k, v in leaves(by_itself.context).items()}), i
 
 
 def test_batched_grafts_and_decoding_equal_alone():

@@ -127,9 +127,26 @@ def _profile_fixture() -> dict:
           'decode': {**phase(1.5, 1.2), 'fraction_of_read_ceiling': 0.75}}
 
 
+def _context_shift_fixture(rope: str) -> dict:
+  """A made-up context_shift result in experiments/context_shift.py's shape: drift growing
+  with the shifts under float, none under relative."""
+  rows = [{'shifts': n, 'most_turns': n, 'kv_equal': rope != 'float',
+           'logits_equal': rope != 'float', 'reference_equals_stream': True,
+           'k_max_abs': 1e-6 * n ** 0.5 if rope == 'float' else 0.0,
+           'kl': 1e-12 * n if rope == 'float' else 0.0,
+           'first_differing_token': 3 if rope == 'float' and n > 10 else None, 'layers': []}
+          for n in (1, 10, 100)]
+  return {'config': {'model': 'tiny_gemma3', 'weights': 'random', 'dtype': 'float32',
+                     'rope': rope, 'window': 40, 'drop': 3, 'fixture': True},
+          'summary': {'rope': rope, 'exact': rope != 'float'}, 'measurements': rows}
+
+
 def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True,
-                    store=True, bench=True, flywheel=True, profile=True) -> None:
+                    store=True, bench=True, flywheel=True, profile=True, shift=True) -> None:
   results.mkdir(parents=True, exist_ok=True)
+  for rope_mode in ('float', 'relative') if shift else ():
+    _write(results / f'context_shift_tiny_gemma3_float32_{rope_mode}.json',
+           _context_shift_fixture(rope_mode), 'context_shift')
   if sweeps:
     for rope_mode in ('float', 'relative', 'quarter_turn', 'none'):
       config = {'model': 'tiny_gemma3', 'weights': 'random', 'dtype': 'float32',
@@ -292,7 +309,7 @@ def _ceiling_lines(ax) -> list[float]:
 def test_bench_figure_draws_skipped_systems_ceilings_and_ttft(tmp_path, monkeypatch):
   results = tmp_path / 'results'
   _write_fixtures(results, sweeps=False, graft=False, rope=False, store=False, flywheel=False,
-                  profile=False)
+                  profile=False, shift=False)
   drawn, fig = _draw_bench_only(results, tmp_path / 'figures', monkeypatch)
   png = tmp_path / 'figures' / 'bench.png'
   assert drawn['bench'] == png

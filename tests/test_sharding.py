@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from gemma_jax.sharding import partition_spec
@@ -134,31 +135,45 @@ def test_two_jax_distributed_processes_graft_exactly_on_one_mesh(tmp_path):
 
 
 MESH_SPEC_CHECK = '''
+import sys
 import numpy as np
 from gemma_jax import weights
-from graft import spec_check
+from gemma_jax.compare import sha256_bytes
+from gemma_jax.config import get_config
+from graft import context_shift, spec_check
 from graft.engine import Engine, EngineConfig
-loaded = weights.load('tiny_gemma3_wide', 'random:0', 'float32')
+rope = sys.argv[1]
+loaded = weights.load(get_config('tiny_gemma3_wide').replace(rope_mode=rope), 'random:0',
+                      'float32')
 tokens = [int(t) for t in np.random.default_rng(0).integers(3, 500, 40)]
 for mesh in ('', 'model:2', 'model:4', 'model:2+data:2'):
   engine = Engine(loaded, EngineConfig(mode='spec', rows_per_call=16, attention_tile=16,
                                        cache_len=128, mesh=mesh))
   assert engine.engine_config.dot_library == 'native'
   summary = spec_check.run(engine, tokens, [17])['summary']
-  print('MESH', mesh or 'one', summary['kv_equal'], summary['logits_equal'], summary['sha256'])
+  shifted = '-'
+  if rope == 'relative':  # a context shift on the mesh: the oldest 7 tokens dropped, 5 more fed
+    ctx, _ = engine.prefill(tokens, logits='none')
+    _, logits = engine.extend(context_shift.drop_oldest(ctx, 7), tokens[:5], logits='all')
+    shifted = sha256_bytes(logits)
+  print('MESH', mesh or 'one', summary['kv_equal'], summary['logits_equal'], summary['sha256'],
+        shifted)
 '''
 
 
-def test_the_native_kernels_on_every_mesh_give_the_interpreters_bits():
+@pytest.mark.parametrize('rope', ['float', 'relative'])
+def test_the_native_kernels_on_every_mesh_give_the_interpreters_bits(rope):
   """The spec engine's native kernels partitioned over 2 and 4 devices and a 2 x 2 mesh (each
   device its own rows, columns, batch or KV heads; never a contraction): the interpreter's bits
-  on tiny_gemma3_wide (chained projections), and every mesh's digest the one device's."""
+  on tiny_gemma3_wide (chained projections), under float and relative RoPE, and every mesh's
+  digests (the spec check's, and under relative the logits after a context shift) the one
+  device's."""
   env = {**os.environ, 'PYTHONPATH': str(REPO),
          'XLA_FLAGS': '--xla_force_host_platform_device_count=4'}
-  out = subprocess.run([sys.executable, '-c', MESH_SPEC_CHECK], cwd=REPO, env=env,
+  out = subprocess.run([sys.executable, '-c', MESH_SPEC_CHECK, rope], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-2000:]
   rows = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith('MESH')]
   assert [r[0] for r in rows] == ['one', 'model:2', 'model:4', 'model:2+data:2']
   assert all(r[1:3] == ['True', 'True'] for r in rows), rows
-  assert len({r[3] for r in rows}) == 1, rows
+  assert len({r[3] for r in rows}) == 1 and len({r[4] for r in rows}) == 1, rows

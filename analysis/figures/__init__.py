@@ -11,8 +11,8 @@ overlaid as lines, and where a kind of result was made on several machines the n
 each is drawn.
 
 Modules, one per family: base (reading results, helpers, saving), position (the position
-sweep), rope (the RoPE float analysis), graft (graft exactness, usable context), store (the
-fault campaign), flywheel, bench (the benchmark and the profile).
+sweep), rope (the RoPE float analysis), shift (the context shift), graft (graft exactness,
+usable context), store (the fault campaign), flywheel, bench (the benchmark and the profile).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from analysis.figures.graft import graft_exactness, widen_context
 from analysis.figures.position import layer_divergence, position_controls, position_exactness
 from analysis.figures.rope import (rope_angle_error, rope_composition_error,
                                        rope_composition_exactness)
+from analysis.figures.shift import context_shift
 from analysis.figures.store import faults
 
 __all__ = ['DPI', 'FIGURES', 'GRAFT_PHASES', 'MAX_INCHES', 'Figure', 'base', 'bench_ceiling_tok_s',
@@ -74,6 +75,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure('bench', ('bench',), lambda found, _: found['bench'], bench),
     Figure('flywheel', ('flywheel',), lambda found, _: found['flywheel'], flywheel),
     Figure('profile', ('profile',), lambda found, _: found['profile'], profile),
+    Figure('context_shift', ('context_shift',), lambda found, _: found['context_shift'],
+           context_shift),
 )
 
 

@@ -58,12 +58,14 @@ class Interpreter:
   def __init__(self, config: TransformerConfig, params, *, k_chunk: int = 256,
                small: int = 65536, tile: int = 256, rows_per_call: int = 256,
                progress=None):
-    if config.rope_mode not in ROPE_MODES or config.kv_cache_pre_rope:
-      raise ValueError("the interpreter computes RoPE 'float' (rotated keys cached) and "
-                       f"'relative' (unrotated keys, scores from offsets), not "
-                       f"{config.rope_mode!r}" + (' with keys cached before RoPE'
-                                                  if config.kv_cache_pre_rope else ''))
+    if config.rope_mode not in ROPE_MODES:
+      raise ValueError("the interpreter computes RoPE 'float' (rotated keys cached, or raw keys "
+                       "rotated at every read: kv_cache_pre_rope) and 'relative' (unrotated "
+                       f"keys, scores from offsets), not {config.rope_mode!r}")
     self.relative = config.rope_mode == 'relative'
+    # Raw keys cached: under 'float' they are rotated when read, by the same operations a
+    # rotated cache applies when it writes (so attention sees the same bits).
+    self.raw_keys = self.relative or config.kv_cache_pre_rope
     self.config = config
     self.p = _to_numpy(params)
     self.k_chunk, self.small, self.tile = k_chunk, small, tile
@@ -236,8 +238,10 @@ class Interpreter:
           k = self.norm(k, a['key_norm']['scale'])
         if cfg.use_v_norm:
           v = self.norm(v, None)
-        caches[i] = (k if self.relative else self.rotate(k, sin, cos), v)
+        caches[i] = (k if self.raw_keys else self.rotate(k, sin, cos), v)
       k, v = caches[spec.kv_source]
+      if self.raw_keys and not self.relative:
+        k = self.rotate(k, sin, cos)
       # Positions are 0 .. T - 1, so their table is the offsets' table too.
       encoded = self.attend(q, k, v, spec, (sin, cos) if self.relative else None)
       x = O.add(x, self.norm(self.dense(encoded, a['o_proj']['w'], 2),

@@ -323,10 +323,8 @@ class Spec(Pinned):
                        f'float32; this model is {engine.loaded.dtype}')
     cfg = engine.config
     from gemma_jax.spec.interpreter import ROPE_MODES
-    if cfg.rope_mode not in ROPE_MODES or cfg.kv_cache_pre_rope:
-      raise ValueError(f'the spec engine runs RoPE modes {ROPE_MODES} with keys cached as the '
-                       f'mode keeps them, not {cfg.rope_mode!r}'
-                       + (' with keys cached before RoPE' if cfg.kv_cache_pre_rope else ''))
+    if cfg.rope_mode not in ROPE_MODES:
+      raise ValueError(f'the spec engine runs RoPE modes {ROPE_MODES}, not {cfg.rope_mode!r}')
     numerics = dataclasses.replace(engine.numerics, mesh=None)  # with its dot kernel
     weights = engine.projection_weights()
     head_dims = tuple(sorted({cfg.layer_spec(i).head_dim for i in range(cfg.num_layers)}))
