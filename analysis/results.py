@@ -27,6 +27,10 @@ class Kind:
 
 
 KINDS: dict[str, Kind] = {
+    # {"config": {"manifest", "limit", "dot_library", "manifest_made_on", ...},
+    #  "summary": {"records", "reproduced"}, "failures": [line, ...]} (experiments/replay.py)
+    'replay': Kind(1, ('config', 'summary', 'failures'),
+                   'a committed manifest recomputed here, hash for hash'),
     # {"config": {"model", "weights", "dtype", "engine", "attention", "engine_config", ...},
     #  "samples": [{"library_tokens", "query_tokens", "fresh_sha256", "graft_sha256", "equal",
     #               "kl", "argmax_agreement", "continuation_equal", ...}],
