@@ -61,8 +61,11 @@ class SpecDot:
 
   # The contractions of gemma_jax.numerics.Spec, each through __call__.
 
-  def matmul(self, x: jax.Array, w: jax.Array, chunk: int) -> jax.Array:
-    """x [M, K] @ w [K, N]: chains over chunks of `chunk` terms, added in chunk order."""
+  def matmul(self, x: jax.Array, w: jax.Array, chunk: int,
+             rows: jax.Array | None = None) -> jax.Array:
+    """x [M, K] @ w [K, N]: chains over chunks of `chunk` terms, added in chunk order (every row
+    computed: `rows`, the count of real ones, only saves work where a kernel can use it)."""
+    del rows
     k, n = w.shape
     parts = self(x.reshape(-1, k // chunk, chunk).transpose(1, 0, 2),
                  w.reshape(k // chunk, chunk, n))

@@ -144,7 +144,10 @@ inline void SinCos(float angle, float* sin, float* cos) {
 // whose offsets from one query fall by one per slot, read one run forward.
 struct OffsetTable {
   int64_t pairs = 0, size = 0;
-  std::vector<float> sin, cos;  // [pairs, size]: entry (i, size - 1 - d)
+  // [pairs, size]: entry (i, size - 1 - d), then `size` zeros, so that a run read for a tile
+  // of at most `size` slots stays inside the arrays where its last slots are past the query
+  // (negative offsets: slots it does not see, whatever they read).
+  std::vector<float> sin, cos;
   int64_t at(int64_t pair, int64_t d) const { return pair * size + (size - 1 - d); }
 };
 
@@ -268,10 +271,12 @@ inline void TurnTile(const Attend& a, const float* keys_t, const int32_t* kp, in
                      const AttendScratch& w) {
   const OffsetTable& table = *a.offsets;
   const int64_t tile = a.tile, half = a.head_dim / 2;
-  // Every slot visible, one offset apart (a tile the context fills): one run of the table
-  // (which holds at least the cache's S offsets).
-  bool run = Visible(qp, kp[0], a.window) && Visible(qp, kp[tile - 1], a.window) &&
-             static_cast<int64_t>(qp) - kp[0] < a.slots;
+  // Slots one position apart (a tile the context fills, whatever the row sees of it): one run
+  // of the table (which holds at least the cache's S offsets, and zeros past them). A slot the
+  // row sees reads its offset's entry; one it does not (too old, or past the query) reads
+  // another entry or a zero, and its score is masked.
+  const int64_t first = static_cast<int64_t>(qp) - kp[0];  // the first slot's offset: the run reads down
+  bool run = kp[0] >= 0 && first < a.slots && first - tile > -a.slots;
   for (int64_t c = 1; run && c < tile; ++c) run = kp[c] == kp[0] + c;
   for (int64_t i = 0; i < half; ++i) {
     const float *cos, *sin;

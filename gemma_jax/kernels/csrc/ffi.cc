@@ -518,8 +518,8 @@ std::shared_ptr<const OffsetTable> Offsets(const float* inverse, int64_t pairs,
   auto grown = std::make_shared<OffsetTable>();
   grown->pairs = pairs;
   grown->size = std::max(size, table ? 2 * table->size : size);
-  grown->sin.resize(pairs * grown->size);
-  grown->cos.resize(pairs * grown->size);
+  grown->sin.resize((pairs + 1) * grown->size);  // (zeros after the last pair: OffsetTable)
+  grown->cos.resize((pairs + 1) * grown->size);
   const float inverse_scale = C(1.0) / scale;
   for (int64_t i = 0; i < pairs; ++i)
     for (int64_t d = 0; d < grown->size; ++d) {
