@@ -24,6 +24,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import numpy as np
@@ -342,6 +343,23 @@ def test_glibcs_software_fmaf_computes_the_spec_at_the_edges(tmp_path):
   assert not software[1].startswith('c4'), software  # not one VEX-encoded FMA instruction
   failures = differences(run([driver], tmp_path, env)['portable'])
   assert not failures, '; '.join(failures)
+
+
+def test_the_self_checks_edge_probes_pass_on_glibcs_software_fmaf():
+  # The engine's own probes of the edge (selfcheck.underflow_failures: the product, and a
+  # contraction chain on the native kernels' portable path) in a process whose fmaf is glibc's
+  # software routine.
+  if native_build._architecture() != 'x86_64':
+    pytest.skip('glibc picks fmaf by CPU features on x86-64 only')
+  code = ('import json; from gemma_jax import numerics; from gemma_jax.kernels import native_dot; '
+          'from gemma_jax.spec import selfcheck; print(json.dumps(selfcheck.underflow_failures('
+          'numerics.Spec(dot=native_dot.make_native_dot("portable")), None)))')
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=repo,
+                        timeout=600, env={**os.environ, 'PYTHONPATH': repo,
+                                          'GLIBC_TUNABLES': GLIBC_NO_FMA})
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.split('\n')[-2] == '[]', done.stdout[-2000:]
 
 
 def test_aarch64_paths_compute_the_spec_at_the_edges_under_qemu(tmp_path):
