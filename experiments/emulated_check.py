@@ -15,7 +15,8 @@ Debian package qemu-user; 7.2 or later emulates AVX2 and FMA):
    A different target and different rsqrt bits show the emulated machine is not this one;
 2. experiments.spec_check on tiny Gemma 2, 3, 4 and 3-wide (chained projections) past their
    sliding windows, with each of --dot_libraries: XLA's own dots (eigen), the spec engine's
-   native kernels (native), the spec dot kernel in Pallas's interpret mode (pallas);
+   native kernels (native), the spec dot kernel in Pallas's interpret mode (pallas); each also
+   here, and its digest compared with the emulated one's;
 3. with --replay_limit, experiments.replay of the first records of the committed spec CI
    manifest (made on a real CPU; the embedded 270M, self-check included), with each;
 4. with --configurations, the same spec_checks (and --config_models, the 270M among them) run
@@ -28,7 +29,10 @@ Debian package qemu-user; 7.2 or later emulates AVX2 and FMA):
 Each spec_check or replay ends `equal` (the spec's bits, the manifest's hashes) or `refused`
 (the engine's self-check named the probes this machine does not compute as the spec says);
 `differs` would be a silent difference, which the design rules out. The check passes when the
-machine is another one, every step is equal or refused, and the spec dot kernel is equal.
+machine is another one, every step is equal or refused, every emulated spec_check that is equal
+has this machine's digest, and the spec dot kernel is equal. Under QEMU's x86 emulator the
+self-checks skip the flush-to-zero edge (QEMU flushes before rounding there, x86 after:
+`skip_env`); under its aarch64 emulator they probe it.
 
 What emulation shows, and what not: XLA and Eigen choose their kernels for the emulated CPU
 model and its instruction set (no AVX-512), and QEMU executes every floating-point instruction
@@ -97,7 +101,9 @@ def define_flags() -> None:
 def probe(dump: str) -> dict:
   """What XLA compiles for in this process (run with --xla_dump_to=`dump`), and the bits of its
   reciprocal square root and of the spec engine's (1 / sqrt, gemma_jax.numerics.Spec) on
-  163,840 inputs, and whether the latter is the interpreter's: {"llvm_target_cpu", "avx512",
+  163,840 inputs, and whether the latter is the interpreter's, and the flush-to-zero edge's
+  probes: {"llvm_target_cpu", "avx512", "underflow_edge_failures" (with XLA's dots),
+  "underflow_edge_failures_native" (with the native kernels), "flush_in_code",
   "xla_rsqrt_sha256", "spec_rsqrt_sha256", "spec_rsqrt_is_the_spec"}."""
   import jax
   import numpy as np
@@ -113,23 +119,30 @@ def probe(dump: str) -> dict:
                      for p in glob.glob(f'{dump}/*/topology.textproto'))
   targets = set(re.findall(r'gnu\\022(?:\\\d{3}|\\[a-z]|.)([a-z][a-z0-9_-]*)\\032', topology))
   sha = lambda a: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
-  # Run without the emulated steps' skip: what this machine does at the flush-to-zero edge.
+  # Run without the emulated steps' skip: what this machine does at the flush-to-zero edge, with
+  # XLA's own dots and with the native kernels (the spec engine's on a CPU).
   os.environ.pop(selfcheck.SKIP_UNDERFLOW_ENV, None)
   underflow = selfcheck.underflow_failures(numerics.Spec(), None)
+  from gemma_jax.kernels import native_build, native_dot
+  try:
+    native = selfcheck.underflow_failures(numerics.Spec(dot=native_dot.make_native_dot()), None)
+  except native_build.BuildError as e:
+    native = [f'no native kernels: {e}']
   return {'llvm_target_cpu': ','.join(sorted(targets)), 'avx512': '+avx512f,' in topology,
-          'underflow_edge_failures': underflow,
+          'underflow_edge_failures': underflow, 'underflow_edge_failures_native': native,
+          'flush_in_code': numerics.flush_in_code(),
           'xla_rsqrt_sha256': sha(xla), 'spec_rsqrt_sha256': sha(spec),
           'spec_rsqrt_is_the_spec': sha(spec) == sha(functions.rsqrt(binary32.OPS, x))}
 
 
-def probe_step(command: list[str], timeout: int = 7200) -> dict:
-  """Runs the probe as `command` (a python, emulated or not): run_step's record with the
-  probe's JSON under "probe" (None if it failed). Compiled afresh (no executable from the
-  cache), so that XLA dumps the target machine."""
+def probe_step(command: list[str], timeout: int = 7200, env: dict | None = None) -> dict:
+  """Runs the probe as `command` (a python, emulated or not; `env` added to its environment):
+  run_step's record with the probe's JSON under "probe" (None if it failed). Compiled afresh (no
+  executable from the cache), so that XLA dumps the target machine."""
   dump = tempfile.mkdtemp(prefix='emulated_check_ir_')
   step = common.run_step(command + ['-m', 'experiments.emulated_check', f'--probe_only={dump}',
                                     '--nocompilation_cache'], timeout=timeout,
-                         env={'XLA_FLAGS': f'--xla_dump_to={dump}'})
+                         env={**(env or {}), 'XLA_FLAGS': f'--xla_dump_to={dump}'})
   path = os.path.join(dump, 'probe.json')
   step['probe'] = None
   if step['status'] == 0 and os.path.exists(path):
@@ -148,6 +161,21 @@ def outcome(step: dict) -> str:
   if step['status'] == 2 and 'does not compute the written arithmetic' in step['tail']:
     return 'refused'
   return 'differs' if step['status'] == 1 else 'failed'
+
+
+def skip_env() -> dict[str, str]:
+  """The environment of the emulated steps' self-checks: under QEMU's x86 emulator, whose flush
+  rule is not x86's (tininess before rounding, where x86 decides after; the x86 paths trust the
+  hardware's rule), the flush-to-zero edge is skipped (selfcheck.SKIP_UNDERFLOW_ENV); under
+  another emulator (aarch64, whose rule the engine computes in code) it is probed."""
+  return {selfcheck.SKIP_UNDERFLOW_ENV: '1'} if 'x86_64' in FLAGS.qemu else {}
+
+
+def digest_equal(step: dict, here: dict) -> bool:
+  """Whether two spec_check steps computed the same digest, each equal to the interpreter."""
+  digests = [s.get('summary', {}).get('sha256') for s in (step, here)]
+  return (step['outcome'] == here['outcome'] == 'equal' and digests[0] is not None
+          and digests[0] == digests[1])
 
 
 def _qemu_version() -> str:
@@ -205,15 +233,19 @@ def main(argv):
   steps = {}
   if FLAGS.cpu:
     emulate = [FLAGS.qemu, '-cpu', FLAGS.cpu, FLAGS.python or sys.executable]
-    emulated_env = {**env, selfcheck.SKIP_UNDERFLOW_ENV: '1'}
-    steps['probe_here'] = probe_step([sys.executable], FLAGS.step_timeout)
+    emulated_env = {**env, **skip_env()}
+    steps['probe_here'] = probe_step([sys.executable], FLAGS.step_timeout, {'CXX': ''})
     steps['probe_emulated'] = probe_step(emulate, FLAGS.step_timeout)
     for model in TINY_MODELS:
       for library in FLAGS.dot_libraries:
         step = steps[f'spec_check_{model}_{library}'] = spec_check_step(emulate, model, library,
                                                                         emulated_env, outputs)
-        print(f'spec_check {model} {library}: {step["outcome"]}, {step["seconds"]:.0f} s',
-              flush=True)
+        # The same here ($CXX, which may name the emulated machine's cross compiler, cleared):
+        # the digests must be this machine's.
+        here = steps[f'spec_check_{model}_{library}_here'] = spec_check_step(
+            [sys.executable], model, library, {**env, 'CXX': ''}, outputs)
+        print(f'spec_check {model} {library}: {step["outcome"]}, {step["seconds"]:.0f} s; '
+              f'here {here["outcome"]}, digest equal {digest_equal(step, here)}', flush=True)
     for library in FLAGS.dot_libraries if FLAGS.replay_limit else ():
       step = common.run_step(
           emulate + ['-m', 'experiments.replay', f'--manifest={CI_MANIFEST}',
@@ -244,20 +276,27 @@ def main(argv):
       'spec_rsqrt_equal': bool(here and there and
                                here['spec_rsqrt_sha256'] == there['spec_rsqrt_sha256']),
       'outcomes': {o: checks.count(o) for o in sorted(set(checks))},
+      # Each emulated spec_check's digest against the same run here (both equal to the spec).
+      'digests_equal_here': {name[len('spec_check_'):]: digest_equal(steps[name], step)
+                             for name, step in steps.items()
+                             if name.startswith('spec_check_') and not name.endswith('_here')
+                             for step in [steps[name + '_here']]},
   }
   # Exact or refused, never different; and the kernels that are FMA chains by construction
   # exact everywhere.
   report['ok'] = ((not FLAGS.cpu or (report['another_machine'] and report['spec_rsqrt_equal']))
                   and all(o in ('equal', 'refused') for o in checks)
+                  and all(equal for name, equal in report['digests_equal_here'].items()
+                          if steps[f'spec_check_{name}']['outcome'] == 'equal')
                   and all(s['outcome'] == 'equal' for n, s in steps.items()
                           if n.endswith(BY_CONSTRUCTION)))
   name = re.sub(r'[^a-z0-9]+', '_', FLAGS.cpu.lower()) if FLAGS.cpu else 'configurations'
   output = FLAGS.output or os.path.join('results', f'emulated_{name}.json')
   common.write_result(output, 'emulated_check', {
       'config': {'cpu': FLAGS.cpu or None, 'qemu': FLAGS.qemu, 'python': FLAGS.python,
-                 # The emulated steps' self-checks skip the flush-to-zero edge (QEMU's own rule
-                 # there; each probe records what its machine does at it).
-                 'emulated_env': {selfcheck.SKIP_UNDERFLOW_ENV: '1'} if FLAGS.cpu else {},
+                 # An emulated x86's self-checks skip the flush-to-zero edge (QEMU's own rule
+                 # there; each probe records what its machine does at it); aarch64's run it.
+                 'emulated_env': skip_env() if FLAGS.cpu else {},
                  'tokens': FLAGS.tokens,
                  'host': fingerprint.environment(),
                  'dot_libraries': FLAGS.dot_libraries, 'configurations': FLAGS.configurations,

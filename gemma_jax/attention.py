@@ -199,7 +199,7 @@ class Attention(nnx.Module):
       q = self.query_norm(q, numerics)
     q = rope.rotate_heads(q, angles, numerics)
     if self.config.query_pre_attn_scalar is not None:
-      q = q * jnp.asarray(self.config.query_pre_attn_scalar ** -0.5, q.dtype)
+      q = numerics.mul(q, jnp.asarray(self.config.query_pre_attn_scalar ** -0.5, q.dtype))
     if self.owns_kv:
       k, v = self.keys_values(x, angles, numerics)
       cache = kvs.write(cache, k, v, positions, start)

@@ -49,10 +49,10 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    normed = x32 * numerics.rsqrt(numerics.mean_square(x32) + self.eps)
+    normed = numerics.mul(x32, numerics.rsqrt(numerics.mean_square(x32) + self.eps))
     if self.scale is not None:
       scale = self.scale[...].astype(jnp.float32)
-      normed = normed * (self.offset + scale if self.offset else scale)
+      normed = numerics.mul(normed, self.offset + scale if self.offset else scale)
     return numerics.materialize(normed.astype(x.dtype))  # it feeds the residual add
 
 
@@ -87,5 +87,5 @@ class FeedForward(nnx.Module):
 
   def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
     gate_up = self.gate_up_proj(x, numerics)  # [B, T, 2, F]
-    hidden = numerics.gelu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+    hidden = numerics.mul(numerics.gelu(gate_up[..., 0, :]), gate_up[..., 1, :])
     return self.down_proj(numerics.whole(hidden), numerics)

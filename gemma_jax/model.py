@@ -68,17 +68,19 @@ class Embedder(nnx.Module):
       rows = table[tokens]
     # sqrt(D) is rounded to the activation dtype first, as the reference does (in bfloat16,
     # sqrt(640) = 25.298 becomes 25.25).
-    x = numerics.barrier(rows * jnp.asarray(math.sqrt(self.config.embed_dim), table.dtype))
+    x = numerics.barrier(numerics.mul(
+        rows, jnp.asarray(math.sqrt(self.config.embed_dim), table.dtype)))
     if not self.config.per_layer_embed_dim:
       return x, None
     ple_table = self.per_layer_embeddings[...]
-    by_token = ple_table[tokens] * jnp.asarray(
-        math.sqrt(self.config.per_layer_embed_dim), ple_table.dtype)
-    by_context = self.per_layer_model_projection(x, numerics) * jnp.asarray(
-        self.config.embed_dim ** -0.5, x.dtype)
+    by_token = numerics.mul(ple_table[tokens], jnp.asarray(
+        math.sqrt(self.config.per_layer_embed_dim), ple_table.dtype))
+    by_context = numerics.mul(self.per_layer_model_projection(x, numerics), jnp.asarray(
+        self.config.embed_dim ** -0.5, x.dtype))
     by_context = self.per_layer_projection_norm(by_context, numerics)
     by_token = numerics.materialize(by_token)
-    return x, numerics.materialize((by_context + by_token) * jnp.asarray(2.0 ** -0.5, x.dtype))
+    return x, numerics.materialize(numerics.mul(by_context + by_token,
+                                                jnp.asarray(2.0 ** -0.5, x.dtype)))
 
   def decode(self, hidden: jax.Array, numerics: Numerics,
              output_table: jax.Array | None = None) -> jax.Array:
@@ -132,11 +134,11 @@ class Block(nnx.Module):
     x = n.barrier(x + self.post_attention_norm(attn_out, n))
     x = n.barrier(x + self.post_ffw_norm(self.mlp(self.pre_ffw_norm(x, n), n), n))
     if per_layer_input is not None:
-      gated = n.gelu(self.per_layer_input_gate(x, n)) * per_layer_input
+      gated = n.mul(n.gelu(self.per_layer_input_gate(x, n)), per_layer_input)
       x = n.barrier(x + self.post_per_layer_input_norm(
           self.per_layer_projection(n.whole(gated), n), n))
     if self.skip_scale is not None:
-      x = n.barrier(x * self.skip_scale[...])
+      x = n.barrier(n.mul(x, self.skip_scale[...]))
     return x, cache
 
 

@@ -30,6 +30,8 @@ The values (`NUMERICS`):
 from __future__ import annotations
 
 import dataclasses
+import os
+import platform
 from typing import Any, ClassVar
 
 import jax
@@ -41,6 +43,38 @@ from gemma_jax.spec import SPEC_VERSION
 # A finite "minus infinity" for masked attention scores: exp(MASKED - max) is exactly 0 in
 # float32, and a row with every slot masked (a padding row) stays finite instead of NaN.
 MASKED = -2.3819763e38
+
+
+# How the spec engine's XLA multiplies decide the flush: 'code' (the spec's rule computed, as on
+# aarch64) or 'hardware' (the product as the hardware rounds and flushes it, as on x86); unset: by
+# this machine's rule (`flush_in_code`).
+FLUSH_ENV = 'GEMMA_JAX_SPEC_FLUSH'
+
+
+def flush_in_code() -> bool:
+  """Whether the spec's multiplies compute its flush rule in code (`spec_multiply`): where this
+  host's flush-to-zero mode decides tininess before rounding (aarch64's FPCR.FZ, under which
+  XLA:CPU runs), or where $GEMMA_JAX_SPEC_FLUSH says so. Either way the bits are the spec's, so
+  the choice is in no fingerprint; it is decided when a function is traced."""
+  value = os.environ.get(FLUSH_ENV, '')
+  if value not in ('', 'code', 'hardware'):
+    raise ValueError(f'${FLUSH_ENV}={value!r}: expected code or hardware')
+  if value:
+    return value == 'code'
+  return platform.machine().lower() in ('aarch64', 'arm64')
+
+
+def spec_multiply(a: jax.Array, b: jax.Array, opaque=lambda x: x) -> jax.Array:
+  """a * b by the spec's flush rule under a flush-to-zero mode of either rule (docs/determinism.md,
+  "aarch64"): r = a b, and s = (a 2^24) b, which rounds the exact product times 2^24 at 24 bits in
+  the normal range; where |s| < 2^-101 the result is s 2^-24 (2^-126 where the product rounds up
+  to it, a zero of its sign where it is tiny), elsewhere r. `opaque` (a numerics' `materialize`)
+  keeps XLA from refolding the scalings."""
+  with jax.named_scope('spec_flush'):
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    r = a * b
+    s = opaque(opaque(a * jnp.float32(2.0 ** 24)) * b)
+    return jnp.where(jnp.abs(s) < jnp.float32(2.0 ** -101), s * jnp.float32(2.0 ** -24), r)
 
 
 def tree_sum(x: jax.Array) -> jax.Array:
@@ -124,6 +158,10 @@ class Numerics:
 
   def product(self, a: jax.Array, b: jax.Array) -> jax.Array:
     """a * b where the product feeds an add (rotations): here XLA may contract the two."""
+    return a * b
+
+  def mul(self, a: jax.Array, b: jax.Array) -> jax.Array:
+    """a * b, elementwise: the hardware's product here (the spec's flush rule in Spec)."""
     return a * b
 
   def whole(self, x: jax.Array) -> jax.Array:
@@ -274,7 +312,7 @@ class FixedOrder(Numerics):
   def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
     k, n = w.shape
     if k * n <= self.small:
-      products = x.astype(jnp.float32)[:, None, :] * w.astype(jnp.float32).T[None]  # [M, N, K]
+      products = self.mul(x.astype(jnp.float32)[:, None, :], w.astype(jnp.float32).T[None])
       return tree_sum(self.materialize(products))[..., 0].astype(x.dtype)
     if k <= self.k_chunk:
       return x @ w
@@ -329,7 +367,7 @@ class _SpecOps:
     return a - b
 
   def mul(self, a, b):
-    return self.n.materialize(jnp.multiply(a, b))
+    return self.n.materialize(self.n.mul(a, b))
 
   def div(self, a, b):
     return a / self.n.materialize(jnp.broadcast_to(b, jnp.shape(b)).astype(jnp.float32))
@@ -414,7 +452,12 @@ class Spec(FixedOrder):
     return self.matmul(x, w.reshape(k, n))
 
   def product(self, a, b):
-    return self.materialize(a * b)
+    return self.materialize(self.mul(a, b))
+
+  def mul(self, a, b):
+    if flush_in_code():
+      return spec_multiply(a, b, self.materialize)
+    return jnp.multiply(a, b)
 
   def logits(self, table, rows):
     # table: the [D, V] output table as the engine stores it (`stored`).
@@ -439,7 +482,8 @@ class Spec(FixedOrder):
   def mean_square(self, x):
     ops = self._ops()
     one_over_n = _spec_functions().reciprocal(ops, jnp.float32(x.shape[-1]))
-    return ops.mul(tree_sum(self.materialize(jnp.square(x))), one_over_n)
+    square = self.mul(x, x) if flush_in_code() else jnp.square(x)
+    return ops.mul(tree_sum(self.materialize(square)), one_over_n)
 
   def rsqrt(self, x):
     return _spec_functions().rsqrt(self._ops(), x)

@@ -92,7 +92,7 @@ def tiled_attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_p
     l = jnp.where(saw[:, :, j], l + sums[:, :, j], l)
     acc = jnp.where(saw[:, :, j], acc + pv[:, :, j], acc)
   # 1 / l once per row, then a multiply (what XLA makes of acc / l anyway; the spec says it).
-  out = acc * numerics.materialize(1.0 / jnp.where(l > 0.0, l, 1.0))
+  out = numerics.mul(acc, numerics.materialize(1.0 / jnp.where(l > 0.0, l, 1.0)))
   out = out[:, :, :rows].reshape(batch, num_kv_heads, num_tokens, groups, head_dim)
   out = out.transpose(0, 2, 1, 3, 4).reshape(batch, num_tokens, num_heads, head_dim)
   return out.astype(v.dtype)

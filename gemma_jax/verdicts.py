@@ -26,8 +26,9 @@ from gemma_jax.checkpoints.param_cache import cache_root
 RECHECK_ENV = 'GEMMA_JAX_RECHECK'
 DIRECTORY_ENV = 'GEMMA_JAX_VERDICTS'  # where verdicts are kept, instead of the cache's
 # Environment variables that steer what a check runs (the kernels' instruction set, the
-# emulator's flush rule).
-_STEERING = ('GEMMA_JAX_NATIVE_ISA', 'GEMMA_JAX_SELFCHECK_EMULATED', 'XLA_FLAGS')
+# emulator's flush rule, how XLA's multiplies flush).
+_STEERING = ('GEMMA_JAX_NATIVE_ISA', 'GEMMA_JAX_SELFCHECK_EMULATED', 'GEMMA_JAX_SPEC_FLUSH',
+             'XLA_FLAGS')
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What decides a check's verdict in the source tree: every file of these folders.
 _CODE = ('gemma_jax', os.path.join('graft', 'engine'), os.path.join('graft', 'spec_check.py'))

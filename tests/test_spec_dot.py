@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gemma_jax import weights
-from gemma_jax.kernels import spec_dot
+from gemma_jax.kernels import native_build, spec_dot
 from gemma_jax.spec import binary32 as b32
 from graft import spec_check
 from graft.engine import Engine, EngineConfig
@@ -90,3 +90,58 @@ def test_the_kernel_is_the_spec_engines_only():
     EngineConfig(mode='pinned', dot_library='pallas')
   with pytest.raises(ValueError, match="no spec dot kernel for platform 'tpu'"):
     spec_dot.make_spec_dot(platform='tpu')
+
+
+def fma_before_rounding(a, b, c):
+  """An FMA with Arm's FZ rule, emulated: the spec's FMA, but a zero of its sign wherever the
+  exact result is below 2^-126 (tininess before rounding)."""
+  import jax
+  with jax.enable_x64(True):
+    exact = a.astype(jnp.float64) * b.astype(jnp.float64) + c.astype(jnp.float64)
+    r = spec_dot.fma_emulated(a, b, c)
+    return jnp.where(jnp.abs(exact) < 2.0 ** -126,
+                     jnp.copysign(jnp.zeros_like(r), exact.astype(jnp.float32)), r)
+
+
+def test_the_rule_in_code_makes_an_fma_of_arms_rule_the_spec():
+  # On the operands of tests/test_native_edges.py: in the window (2^-126 in the spec), just below
+  # it, special values. The emulated Arm-rule FMA differs exactly in the window; wrapped, it is the
+  # spec's FMA, and wrapping the spec's FMA changes nothing.
+  from tests import test_native_edges as edges
+  rows = (edges.edge_operands('fma') + edges.edge_operands('mul') + edges.special_operands())
+  a, b, c = (jnp.asarray(np.array(col, np.float32)) for col in zip(*rows))
+  with np.errstate(all='ignore'):
+    want = bits(b32.fma(*(b32.flush(np.asarray(v)) for v in (a, b, c))))
+  window = np.zeros(len(rows), bool)
+  window[:12] = window[24:36] = True
+  arm = bits(fma_before_rounding(a, b, c))
+  assert np.array_equal(arm != want, window)
+  assert np.array_equal(bits(spec_dot.fma_flushed_in_code(fma_before_rounding)(a, b, c)), want)
+  assert np.array_equal(bits(spec_dot.fma_flushed_in_code(spec_dot.fma_emulated)(a, b, c)), want)
+
+
+def test_the_kernel_with_the_rule_in_code_is_the_chain():
+  rng = np.random.default_rng(4)
+  a = rng.standard_normal((2, 5, 24)).astype(np.float32)
+  b = rng.standard_normal((2, 24, 7)).astype(np.float32)
+  a[0, :, :], b[0, :, :] = 0, 0  # entry 0: edge chains on the diagonal, c then a b
+  for i, (x, y, c) in enumerate([(np.float32(1 - 2 ** -23), np.float32((1 + 2 ** -23) * 2 ** -126),
+                                  np.float32(0))] * 5):
+    a[0, i, 3 * i], b[0, 3 * i, i] = x, y
+  dot = spec_dot.SpecDot(platform='cpu', interpret=True, flush_in_code=True)
+  got = dot(jnp.asarray(a), jnp.asarray(b))
+  assert np.array_equal(bits(got), bits(reference(a, b)))
+  assert (bits(np.diagonal(np.asarray(got)[0])) == 0x00800000).all()
+
+
+def test_the_device_checks_edge_probe_runs_here():
+  from experiments import device_check
+  probe = device_check.edge_probe()
+  assert probe['spec_multiply_keeps_edge']
+  assert probe['selfcheck_edge_failures_code'] == []
+  if native_build._architecture() == 'x86_64':  # x86 keeps the edge itself
+    assert probe['xla_multiply_keeps_edge'] and probe['selfcheck_edge_failures_hardware'] == []
+  assert device_check.flush_rule(probe) == ('hardware' if probe['xla_multiply_keeps_edge']
+                                            else 'code')
+  assert device_check.flush_rule({**probe, 'ptx_fma_keeps_edge': False}) == 'code'
+  assert device_check.flush_rule(None) == 'code'

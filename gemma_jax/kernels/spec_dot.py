@@ -28,6 +28,13 @@ The FMA itself is the one thing each backend supplies:
       the binary64 sum rounds once, and where that sum lies exactly on a binary32 midpoint its
       TwoSum error breaks the tie; a result is flushed when tiny after rounding.
 TPU has no binary32 FMA instruction to name; the kernel refuses it.
+
+The flush rule: the spec flushes a result that is tiny after rounding (x86's rule). Where the
+FMA's rule is tininess before rounding (Arm's FZ; the GPU's is measured by
+experiments/device_check.py), a result that rounds up to 2^-126 from below would be 0, so with
+`flush_in_code` (default: gemma_jax.numerics.flush_in_code(), which $GEMMA_JAX_SPEC_FLUSH=code
+sets) each FMA is decided again at a scaled exponent (`fma_flushed_in_code`), with the backend's
+FMA only.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from gemma_jax import numerics
 
 PLATFORMS = ('cpu', 'gpu')
 KERNEL_NAME = 'gemma_spec_dot'  # pl.pallas_call(name=...): how lowering finds it
@@ -55,6 +64,9 @@ class SpecDot:
   block_m: int = 16
   block_n: int = 64
   num_warps: int = 4
+  # Each FMA decided again by the spec's flush rule (`fma_flushed_in_code`); None: where
+  # gemma_jax.numerics.flush_in_code() says so when the kernel is traced. It decides no bit.
+  flush_in_code: bool | None = None
 
   def __call__(self, a: jax.Array, b: jax.Array) -> jax.Array:
     return spec_dot(a, b, config=self)
@@ -146,6 +158,23 @@ def fma_ptx(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
   return out
 
 
+def fma_flushed_in_code(fma):
+  """`fma` (an FMA that flushes tiny results and reads subnormal inputs as zero, by tininess
+  before or after rounding) giving the spec's result under either rule: s = fma(a 2^24, b,
+  c 2^24) rounds the exact result times 2^24 at 24 bits in the normal range, so where
+  |s| < 2^-101 the result is s 2^-24 (2^-126 where the rounded result is, a zero of its sign
+  where it is tiny), elsewhere fma(a, b, c) (gemma_jax/kernels/csrc/chains.h gives the cases).
+  The scalings are FMAs too (x k + -0, which keeps x k's sign where it is zero), so a subnormal
+  input still reads as zero."""
+  def exact(a, b, c):
+    zero = jnp.full_like(c, -0.0)
+    scale = lambda x, k: fma(x, jnp.full_like(c, k), zero)
+    s = fma(scale(a, 2.0 ** 24), b, scale(c, 2.0 ** 24))
+    return jnp.where(jnp.abs(s) < jnp.float32(2.0 ** -101), scale(s, 2.0 ** -24),
+                     fma(a, b, c))
+  return exact
+
+
 def _kernel(a_ref, b_ref, o_ref, *, fma):
   # a_ref [bm, C], b_ref [C, bn], o_ref [bm, bn]; the chain walks k in order.
   block_m, terms = a_ref.shape
@@ -180,6 +209,8 @@ def spec_dot(a: jax.Array, b: jax.Array, *, config: SpecDot) -> jax.Array:
     from jax.experimental.pallas import triton as pltriton
     fma = fma_ptx
     compiler_params = pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1)
+  if config.flush_in_code if config.flush_in_code is not None else numerics.flush_in_code():
+    fma = fma_flushed_in_code(fma)
   out = pl.pallas_call(
       functools.partial(_kernel, fma=fma),
       out_shape=jax.ShapeDtypeStruct((j, mp, np_), jnp.float32),

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma_jax import verdicts
+from gemma_jax.numerics import flush_in_code
 from gemma_jax.sharding import to_host
 from gemma_jax.spec import binary32 as b32
 from gemma_jax.spec import functions as fn
@@ -96,12 +97,16 @@ def elementwise_failures(numerics, compiler_options) -> list[str]:
 
 # (1 - 2^-23) x (1 + 2^-23) 2^-126 = (1 - 2^-46) 2^-126 rounds up to 2^-126 at 24 bits: tiny
 # before rounding, not after. The spec keeps it (tininess after rounding: x86's FTZ); Arm's FZ
-# flushes it to 0 (docs/determinism.md, "Operations").
+# flushes it to 0, so on aarch64 the engine computes the spec's rule in code (numerics.
+# flush_in_code, the native kernels' exact operations): this probe checks that it does
+# (docs/determinism.md, "Operations", "aarch64").
 UNDERFLOW_EDGE = (np.float32(1 - 2 ** -23), np.float32((1 + 2 ** -23) * 2 ** -126))
-# Set to 1 by experiments.emulated_check for the processes it runs under QEMU, and nowhere else:
-# QEMU's software floating point flushes before rounding on every target, x86 included (real
-# x86 does not: measured), so an emulated machine fails this one probe for the emulator's sake.
-# Skipping it there lets emulation test everything else; the run records that it did.
+# Set to 1 by experiments.emulated_check for the processes it runs under QEMU's x86 emulator,
+# and nowhere else: QEMU's software floating point flushes before rounding on every target, x86
+# included (real x86 does not: measured), and the x86 paths trust the hardware's rule, so an
+# emulated x86 fails this one probe for the emulator's sake. Skipping it there lets emulation test
+# everything else; the run records that it did. (Under qemu-aarch64 the probe runs: the aarch64
+# engine computes the rule in code.)
 SKIP_UNDERFLOW_ENV = 'GEMMA_JAX_SELFCHECK_EMULATED'
 
 
@@ -339,7 +344,7 @@ def run(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...],
          attention_rows, head_dims, tile, kv_heads,
          (groups, softcap, relative) if whole else (),
          jax.device_count(), _xla_flags(), intra_op_threads(),
-         os.environ.get(SKIP_UNDERFLOW_ENV))
+         os.environ.get(SKIP_UNDERFLOW_ENV), flush_in_code())
   failures = _cached(key, lambda: (
       elementwise_failures(numerics, compiler_options)
       + underflow_failures(numerics, compiler_options)

@@ -50,7 +50,8 @@ constexpr float kMasked = -2.3819763e38f;
 // splat, add, sub, mul, div, min, max, abs, neg, lt, gt, eq (-> M), select(m, a, b) (a where m),
 // truncated(x) (x truncated toward zero, |x| < 2^31, as a float) and pow2(n) (2^n for integral n
 // in [-126, 127], built from its exponent bits). Each is one IEEE binary32 operation per lane (or
-// exact), so a lane computes what the scalar code computes.
+// exact), so a lane computes what the scalar code computes. mul follows the spec's flush rule
+// where the hardware's differs (chains.h, Mul), as each path's V does (isa.cc).
 struct Scalar {
   using T = float;
   using M = bool;
@@ -60,7 +61,7 @@ struct Scalar {
   static T splat(float x) { return x; }
   static T add(T a, T b) { return a + b; }
   static T sub(T a, T b) { return a - b; }
-  static T mul(T a, T b) { return a * b; }
+  static T mul(T a, T b) { return Mul(a, b); }
   static T div(T a, T b) { return a / b; }
   static T min(T a, T b) { return b < a ? b : a; }
   static T max(T a, T b) { return a < b ? b : a; }
@@ -386,7 +387,7 @@ inline void AttendRows(const Attend& a, int64_t group, int64_t r0, int64_t rows,
     const float inverse = C(1.0) / (w.l[i] > 0.0f ? w.l[i] : C(1.0));
     float* out = a.out + row_of(i).second;
     const float* acc = w.acc + i * h;
-    for (int64_t c = 0; c < h; ++c) out[c] = acc[c] * inverse;
+    for (int64_t c = 0; c < h; ++c) out[c] = Scalar::mul(acc[c], inverse);
   }
 }
 

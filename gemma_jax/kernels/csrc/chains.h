@@ -23,6 +23,40 @@
 
 namespace gemma_spec {
 
+// The flush rule. The spec flushes a result that is tiny *after* rounding (rounded to 24 bits
+// with an unbounded exponent, below 2^-126): x86's MXCSR.FTZ. Arm's FPCR.FZ flushes a result that
+// is tiny *before* rounding, so a result that rounds up to 2^-126 from below (exact magnitude in
+// [2^-126 - 2^-151, 2^-126)) is 0 there, 2^-126 in the spec. Products and FMAs can land there; a
+// quotient of binary32 numbers cannot (a / b = 2^-126 (1 - e) needs a = 2^-126 b (1 - e), and a's
+// significand puts e >= 2^-24), nor can a sum (exact where it is below 2^-126), so divisions and
+// additions follow the spec under either rule. Where the hardware's rule is Arm's, a product or
+// FMA r = op(a, b[, c]) is decided again at a scaled exponent: s = the same operation on a and c
+// scaled by 2^24 (exactly), which rounds the exact result times 2^24 at 24 bits in the normal
+// range. Where |s| < 2^-101 the spec's result is s 2^-24 (an exact scaling: 2^-126 where the
+// rounded result is, a zero of its sign where it is tiny); elsewhere it is r: |s| >= 2^-101 is a
+// result of 2^-125 or more, and s is +-inf or NaN only where a scaled operand overflowed, which
+// a result below 2^-125 cannot have (its operands are below 2^104 where it is not exactly 0).
+// Subnormal inputs read as zero either way (FZ does so).
+#if defined(__aarch64__)
+constexpr bool kFlushBeforeRounding = true;
+#else
+constexpr bool kFlushBeforeRounding = false;
+#endif
+constexpr float kScale = 0x1p24f, kUnscale = 0x1p-24f, kSmall = 0x1p-101f;
+
+inline float SpecRounded(float r, float s) { return std::fabs(s) < kSmall ? s * kUnscale : r; }
+
+// a * b + c rounded once, and a * b, by the spec's flush rule.
+inline float Fma(float a, float b, float c) {
+  if constexpr (!kFlushBeforeRounding) return std::fma(a, b, c);
+  return SpecRounded(std::fma(a, b, c), std::fma(a * kScale, b, c * kScale));
+}
+
+inline float Mul(float a, float b) {
+  if constexpr (!kFlushBeforeRounding) return a * b;
+  return SpecRounded(a * b, (a * kScale) * b);
+}
+
 // A [rows x terms] (row stride lda) times B [terms x cols] (row stride ldb, columns contiguous)
 // into O [rows x cols] (row stride ldo), over chunks of `chunk` terms (terms % chunk == 0).
 struct Problem {
@@ -44,7 +78,7 @@ inline void ScalarColumn(const Problem& p, int64_t row0, int64_t rows, int64_t c
     float out = 0.0f;
     for (int64_t k0 = 0; k0 < p.terms; k0 += p.chunk) {
       float acc = 0.0f;
-      for (int64_t k = k0; k < k0 + p.chunk; ++k) acc = std::fma(a[k], p.b[k * p.ldb + col], acc);
+      for (int64_t k = k0; k < k0 + p.chunk; ++k) acc = Fma(a[k], p.b[k * p.ldb + col], acc);
       out = k0 == 0 ? acc : out + acc;
     }
     p.o[i * p.ldo + col] = out;

@@ -4,9 +4,18 @@
 //   -DGEMMA_SPEC_ISA=neon      (aarch64; NEON is part of the base instruction set)
 //   -DGEMMA_SPEC_ISA=portable  no vector extension: one scalar std::fma per term (correctly
 //                              rounded by definition; a software routine on an x86 without FMA)
-// Each path exports gemma_spec_panel_<isa> and gemma_spec_stream_<isa> (chains.h). Every build uses -ffp-contract=off and no fast-math:
-// the only fused operations are the FMAs written here.
+// Each path exports gemma_spec_panel_<isa>, gemma_spec_stream_<isa> (chains.h) and
+// gemma_spec_attend_<isa> (attention.h). Every build uses -ffp-contract=off and no fast-math: the
+// only fused operations are the FMAs written here.
+//
+// The flush rule (chains.h): on x86 the hardware's is the spec's. On aarch64 FPCR.FZ flushes by
+// tininess before rounding, so the NEON path runs each work item with its plain operations and
+// reads FPSR.UFC, which a flush sets (the Arm ARM's FPRound): where no result was flushed, none
+// was in the window where the rules part, and the plain results are the spec's; where one was,
+// the work item is computed again with VExact, whose multiply and FMA decide the flush by the
+// spec's rule (chains.h, SpecRounded). The portable path's operations always do so there.
 #include <atomic>
+#include <cfenv>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -119,6 +128,29 @@ struct V {
     return vreinterpretq_f32_s32(vshlq_n_s32(e, 23));
   }
 };
+// V with the spec's flush rule computed (chains.h, SpecRounded), lane by lane.
+struct VExact : V {
+  static T SpecRounded(T r, T s) {
+    return vbslq_f32(vcaltq_f32(s, vdupq_n_f32(gemma_spec::kSmall)),
+                     vmulq_f32(s, vdupq_n_f32(gemma_spec::kUnscale)), r);
+  }
+  static T scaled(T a) { return vmulq_f32(a, vdupq_n_f32(gemma_spec::kScale)); }
+  static T fma(T a, T b, T c) {
+    return SpecRounded(vfmaq_f32(c, a, b), vfmaq_f32(scaled(c), scaled(a), b));
+  }
+  static T mul(T a, T b) { return SpecRounded(vmulq_f32(a, b), vmulq_f32(scaled(a), b)); }
+};
+// f(V()); again as f(VExact()) where a result was flushed on the way (FE_UNDERFLOW: FPSR.UFC).
+// f writes its outputs afresh from its inputs, so the second run replaces the first.
+template <class F>
+void Run(F f) {
+  std::fexcept_t saved;
+  std::fegetexceptflag(&saved, FE_ALL_EXCEPT);
+  std::feclearexcept(FE_UNDERFLOW);
+  f(V());
+  if (std::fetestexcept(FE_UNDERFLOW)) f(VExact());
+  std::fesetexceptflag(&saved, FE_ALL_EXCEPT);
+}
 }  // namespace
 #define GEMMA_SPEC_NAME neon
 #elif GEMMA_SPEC_ISA_portable
@@ -126,7 +158,7 @@ namespace {
 struct V : gemma_spec::Scalar {
   static constexpr int kVectors = 4;
   static T zero() { return 0.0f; }
-  static T fma(T a, T b, T c) { return std::fma(a, b, c); }
+  static T fma(T a, T b, T c) { return gemma_spec::Fma(a, b, c); }
 };
 }  // namespace
 #define GEMMA_SPEC_NAME portable
@@ -142,22 +174,30 @@ extern "C" int64_t GEMMA_SPEC_CAT(gemma_spec_calls_, GEMMA_SPEC_NAME)() {
   return calls.load(std::memory_order_relaxed);
 }
 
+// The statement once with the path's operations W = V (then, on NEON, again with W = VExact where
+// a result was flushed: Run). Elsewhere V's operations are the spec's as they stand.
+#if GEMMA_SPEC_ISA_neon
+#define GEMMA_SPEC_RUN(...) Run([&](auto ops) { using W = decltype(ops); __VA_ARGS__; })
+#else
+#define GEMMA_SPEC_RUN(...) do { using W = V; __VA_ARGS__; } while (0)
+#endif
+
 extern "C" void GEMMA_SPEC_CAT(gemma_spec_panel_, GEMMA_SPEC_NAME)(
     const gemma_spec::Problem* p, int64_t row0, int64_t rows, int64_t col0, int64_t width) {
   calls.fetch_add(1, std::memory_order_relaxed);
-  gemma_spec::Panel<V, V::kVectors>(*p, row0, rows, col0, width);
+  GEMMA_SPEC_RUN(gemma_spec::Panel<W, V::kVectors>(*p, row0, rows, col0, width));
 }
 
 extern "C" void GEMMA_SPEC_CAT(gemma_spec_stream_, GEMMA_SPEC_NAME)(
     const gemma_spec::Problem* p, int64_t row0, int64_t rows, int64_t col0, int64_t width,
     float* part) {
   calls.fetch_add(1, std::memory_order_relaxed);
-  gemma_spec::Stream<V>(*p, row0, rows, col0, width, part);
+  GEMMA_SPEC_RUN(gemma_spec::Stream<W>(*p, row0, rows, col0, width, part));
 }
 
 extern "C" void GEMMA_SPEC_CAT(gemma_spec_attend_, GEMMA_SPEC_NAME)(
     const gemma_spec::Attend* a, int64_t group, int64_t r0, int64_t rows, const int64_t* tiles,
     int64_t num_tiles, const gemma_spec::AttendScratch* w) {
   calls.fetch_add(1, std::memory_order_relaxed);
-  gemma_spec::AttendRows<V>(*a, group, r0, rows, tiles, num_tiles, *w);
+  GEMMA_SPEC_RUN(gemma_spec::AttendRows<W>(*a, group, r0, rows, tiles, num_tiles, *w));
 }
