@@ -252,8 +252,9 @@ def build(cxx: str, arch: str) -> str:
   """The driver for `arch` ('x86_64', 'aarch64') built by `cxx` with the library's flags (static
   for aarch64, so QEMU needs no sysroot), cached by the sources, compiler and flags."""
   flags = [*native_build.COMMON_FLAGS, f'-I{native_build.SOURCE_DIR}']
+  constants = native_build.constants_header()  # generated, as the library's build writes it
   h = hashlib.sha256(repr((flags, arch, subprocess.run(
-      [cxx, '--version'], capture_output=True, text=True).stdout)).encode())
+      [cxx, '--version'], capture_output=True, text=True).stdout, constants)).encode())
   for source in SOURCES:
     with open(source, 'rb') as f:
       h.update(f.read())
@@ -263,6 +264,9 @@ def build(cxx: str, arch: str) -> str:
     return driver
   os.makedirs(os.path.dirname(folder), exist_ok=True)
   staging = tempfile.mkdtemp(dir=os.path.dirname(folder))
+  flags.append(f'-I{staging}')
+  with open(os.path.join(staging, 'constants.h'), 'w') as f:
+    f.write(constants)
   try:
     objects = []
     for name, path_flags in native_build.PATHS[arch].items():
