@@ -198,7 +198,8 @@ struct AttendScratch {
   float* tree;     // [tile]
   float* visible;  // [S]: 1 where the row sees the slot, else 0
   float* turned;   // [H, tile]: one tile's keys turned for one query position
-  float* gathered; // [2, tile]: one pair's cos and sin of every slot of a tile
+  float* gathered; // [1]: NaN (the cos and sin of a seen slot's offset past the table)
+  int64_t* runs;   // [3 tile]: the runs of a tile's offsets (TurnTile)
 };
 
 inline bool Visible(int32_t qp, int32_t kp, int64_t window) {
@@ -263,49 +264,73 @@ inline bool MaySee(int32_t qlo, int32_t qhi, int32_t klo, int32_t khi, int64_t w
 }
 
 // The keys of one tile (keys_t [H, tile]) turned for a query at position qp, into turned
-// [H, tile]: slot c, at offset d = qp - kp[c] (0 where the row does not see the slot; an offset
-// past the cache's S slots reads NaN, as the XLA formulation does), pair i of its key (k1, k2) =
-// (key[i], key[i + H/2]) with (c, s) the table's cos and sin at d and s' = -s:
+// [H, tile] (consecutive: whether kp[c] = kp[0] + c for every c): every slot c the row sees, at
+// offset d = qp - kp[c] (an offset past the cache's S slots reads NaN, as the XLA formulation
+// does), pair i of its key (k1, k2) = (key[i], key[i + H/2]) with (c, s) the table's cos and sin
+// at d and s' = -s:
 //   turned[i] = k1 c - k2 s',  turned[i + H/2] = k2 c + k1 s'  (each product rounded).
+// (The XLA formulation turns the slots a row does not see by offset 0: their scores are masked
+// either way, so they are not turned here.)
 template <class V>
-inline void TurnTile(const Attend& a, const float* keys_t, const int32_t* kp, int32_t qp,
-                     const AttendScratch& w) {
+inline void TurnTile(const Attend& a, const float* keys_t, const int32_t* kp, bool consecutive,
+                     int32_t qp, const AttendScratch& w) {
   const OffsetTable& table = *a.offsets;
-  const int64_t tile = a.tile, half = a.head_dim / 2;
-  // Slots one position apart (a tile the context fills, whatever the row sees of it): one run
-  // of the table (which holds at least the cache's S offsets, and zeros past them). A slot the
-  // row sees reads its offset's entry; one it does not (too old, or past the query) reads
-  // another entry or a zero, and its score is masked.
-  const int64_t first = static_cast<int64_t>(qp) - kp[0];  // the first slot's offset: the run reads down
-  bool run = kp[0] >= 0 && first < a.slots && first - tile > -a.slots;
-  for (int64_t c = 1; run && c < tile; ++c) run = kp[c] == kp[0] + c;
-  for (int64_t i = 0; i < half; ++i) {
-    const float *cos, *sin;
-    if (run) {  // slot c at offset d0 - c: entries at(i, d0) + c
-      cos = table.cos.data() + table.at(i, qp - kp[0]);
-      sin = table.sin.data() + table.at(i, qp - kp[0]);
-    } else {
-      float* g = w.gathered;
-      for (int64_t c = 0; c < tile; ++c) {
-        const int64_t d = Visible(qp, kp[c], a.window) ? static_cast<int64_t>(qp) - kp[c] : 0;
-        const bool known = d < a.slots;
-        g[c] = known ? table.cos[table.at(i, d)] : std::nanf("");
-        g[tile + c] = known ? table.sin[table.at(i, d)] : std::nanf("");
-      }
-      cos = g;
-      sin = g + tile;
+  const int64_t tile = a.tile, half = a.head_dim / 2, slots = a.slots;
+  // The slots the row sees, as runs whose offsets fall by one per slot (a tile the context
+  // fills is one run; a ring's oldest and newest, two): a run reads the table (offsets
+  // descending) as one forward run from its first slot's offset. A slot the row does not see
+  // is not turned: its turned key is whatever the buffer holds, and its score is masked. A seen
+  // slot at an offset past the cache's S slots reads NaN, as the XLA formulation's table does.
+  int64_t* runs = w.runs;  // (first slot, end, first slot's offset; -1: NaN) per run
+  int64_t count = 0;
+  // A tile of consecutive positions (the usual case): the seen slots are one range, found in
+  // constant time.
+  if (consecutive && static_cast<int64_t>(qp) - kp[0] < slots) {
+    // Seen: kp[0] + c <= qp and, with a window W, qp - (kp[0] + c) < W.
+    const int64_t hi = std::min<int64_t>(tile, static_cast<int64_t>(qp) - kp[0] + 1);
+    const int64_t lo = a.window == 0 ? 0 : std::max<int64_t>(
+        0, static_cast<int64_t>(qp) - kp[0] - a.window + 1);
+    if (lo < hi) {
+      runs[0] = lo, runs[1] = hi, runs[2] = static_cast<int64_t>(qp) - kp[0] - lo;
+      count = 1;
     }
+  }
+  for (int64_t c = 0; c < tile && !consecutive;) {
+    if (!Visible(qp, kp[c], a.window)) {
+      ++c;
+      continue;
+    }
+    const int64_t d = static_cast<int64_t>(qp) - kp[c];
+    int64_t e = c + 1;
+    if (d < slots) {
+      while (e < tile && Visible(qp, kp[e], a.window) &&
+             static_cast<int64_t>(qp) - kp[e] == d - (e - c)) ++e;
+    }
+    runs[3 * count] = c, runs[3 * count + 1] = e, runs[3 * count + 2] = d < slots ? d : -1;
+    ++count;
+    c = e;
+  }
+  for (int64_t i = 0; i < half; ++i) {
     const float* k1 = keys_t + i * tile;
     const float* k2 = keys_t + (i + half) * tile;
     float* t1 = w.turned + i * tile;
     float* t2 = w.turned + (i + half) * tile;
-    Lanes<V>(tile, [&](auto v, int64_t c) {
-      using W = decltype(v);
-      const auto x1 = W::load(k1 + c), x2 = W::load(k2 + c), co = W::load(cos + c);
-      const auto ns = W::neg(W::load(sin + c));
-      W::store(t1 + c, W::sub(W::mul(x1, co), W::mul(x2, ns)));
-      W::store(t2 + c, W::add(W::mul(x2, co), W::mul(x1, ns)));
-    });
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t c0 = runs[3 * r], length = runs[3 * r + 1] - c0, d = runs[3 * r + 2];
+      // The run's cos and sin, slot c0 + j at entry j (NaN for a slot past the table).
+      const float* cos = d >= 0 ? table.cos.data() + table.at(i, d) : w.gathered;
+      const float* sin = d >= 0 ? table.sin.data() + table.at(i, d) : w.gathered;
+      Lanes<V>(length, [&](auto v, int64_t j) {
+        using W = decltype(v);
+        const int64_t c = c0 + j;
+        // k1 c - k2 (-s) and k2 c + k1 (-s), the rotation by -a: a product with -s is the
+        // product with s negated, and subtracting a negated value is adding it, bit for bit.
+        const auto x1 = W::load(k1 + c), x2 = W::load(k2 + c);
+        const auto co = W::load(cos + j), si = W::load(sin + j);
+        W::store(t1 + c, W::add(W::mul(x1, co), W::mul(x2, si)));
+        W::store(t2 + c, W::sub(W::mul(x2, co), W::mul(x1, si)));
+      });
+    }
   }
 }
 
@@ -334,8 +359,12 @@ inline void AttendRows(const Attend& a, int64_t group, int64_t r0, int64_t rows,
       Panel<V, V::kVectors>(p, 0, rows, 0, tile);
       continue;
     }
+    // Whether the tile's slots hold consecutive positions, once for all its rows' turns.
+    const int32_t* kp = kpos + tj * tile;
+    bool consecutive = kp[0] >= 0;
+    for (int64_t c = 1; consecutive && c < tile; ++c) consecutive = kp[c] == kp[0] + c;
     for (int64_t i = 0; i < rows; i += g) {
-      TurnTile<V>(a, keys, kpos + tj * tile, a.qpos[b * a.tokens + row_of(i).first], w);
+      TurnTile<V>(a, keys, kp, consecutive, a.qpos[b * a.tokens + row_of(i).first], w);
       Problem p{w.q + i * h, h, w.turned, tile, w.scores + i * s_len + tj * tile, s_len,
                 g, h, tile, a.chunk};
       Panel<V, V::kVectors>(p, 0, g, 0, tile);

@@ -437,15 +437,18 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
     const Item& item = items[i];
     thread_local std::vector<float> floats;
     thread_local std::vector<uint8_t> saw;
+    thread_local std::vector<int64_t> runs;
     const int64_t r = item.rows;
-    floats.resize(r * s_len + 3 * r * h + 2 * r + tile + s_len + h * tile + 2 * tile);
+    floats.resize(r * s_len + 3 * r * h + 2 * r + tile + s_len + h * tile + 1);
     saw.resize(r * n);
+    runs.resize(3 * tile);
     float* f = floats.data();
     float* rest = f + r * s_len + 3 * r * h;  // l, the tree, the visible flags, the turned keys
     const AttendScratch w{f, f + r * s_len, f + r * s_len + r * h, rest,
                           f + r * s_len + 2 * r * h, saw.data(), rest + 2 * r,
                           rest + 2 * r + tile, rest + 2 * r + tile + s_len,
-                          rest + 2 * r + tile + s_len + h * tile};
+                          rest + 2 * r + tile + s_len + h * tile, runs.data()};
+    w.gathered[0] = std::nanf("");
     attend(&a, item.group, item.r0, item.rows, tiles.data() + item.first_tile, item.num_tiles,
            &w);
   });
