@@ -20,6 +20,8 @@ import glob
 import os
 import re
 
+from jax.profiler import ProfileData
+
 DUMP_SUFFIX = '.cpu_after_optimizations.txt'
 # The model's code (gemma_jax/): a thunk is labelled by the frames it was made in there.
 MODEL_FILES = ('model.py', 'layers.py', 'attention.py', 'tiled_attention.py', 'rope.py',
@@ -208,7 +210,6 @@ class Thunk:
 
 def read_trace(directory: str) -> list[Thunk]:
   """Every thunk event of the newest trace under `directory` (jax.profiler.trace's output)."""
-  from jax.profiler import ProfileData
   paths = sorted(glob.glob(os.path.join(directory, '**', '*.xplane.pb'), recursive=True),
                  key=os.path.getmtime)
   if not paths:

@@ -40,6 +40,7 @@ import time
 from absl import app, flags, logging
 
 from experiments import ceilings, common, peers, samples
+from experiments.peers import llama_cpp
 from gemma_jax import compilation_cache as compilation_cache_module
 from gemma_jax import cost, executables, resources, verdicts
 from gemma_jax.checkpoints import orbax_util
@@ -201,7 +202,6 @@ def measure_peer_start(name: str, repeats: int) -> dict:
   so the file is in the page cache as ours is warm); {} for a peer without a start measure."""
   if not name.startswith('llama_cpp'):
     return {}
-  from experiments.peers import llama_cpp
   path = llama_cpp.gguf_for(name.removeprefix('llama_cpp_'))
   if path is None:
     return {}

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Callable
 
-from absl import flags, logging
+from absl import app, flags, logging
 
 from analysis import results as results_schema
 from gemma_jax import compilation_cache, files, resources, rope, sharding, weights
@@ -34,6 +34,7 @@ from gemma_jax.config import get_config
 from gemma_jax.attention import IMPLEMENTATIONS
 from graft.engine import PLANS, Engine, EngineConfig, fingerprint, plans
 from graft.engine.plans import DOT_LIBRARIES
+from graft.store import signing
 
 FLAGS = flags.FLAGS
 
@@ -81,7 +82,6 @@ def run(main) -> None:
       print(f'error: {" ".join(str(e).split())}', file=sys.stderr)
       sys.exit(2)
 
-  from absl import app
   app.run(guarded, flags_parser=parse)
 
 
@@ -151,7 +151,6 @@ def define_store_flags() -> None:
 def store_args(writer: bool = True) -> dict:
   """Store(...) keyword arguments from the store flags (a reader that writes nothing signs
   nothing)."""
-  from graft.store import signing
   return {'namespace_salt': FLAGS.namespace_salt,
           'signing_key': (signing.load_private(FLAGS.signing_key)
                           if FLAGS.signing_key and writer else None),

@@ -19,6 +19,13 @@ import json
 import os
 
 from absl import app, flags
+import numpy as np
+
+from experiments import common
+from gemma_jax import weights
+from gemma_jax.compare import sha256_bytes
+from graft.engine import Engine, EngineConfig
+from graft.store import Store, artifact
 
 FLAGS = flags.FLAGS
 
@@ -30,13 +37,10 @@ CONTEXT_TOKENS, QUERY_TOKENS = 29, 4
 
 
 def tokens(n: int, seed: int, vocab: int) -> list[int]:
-  import numpy as np
   return [2] + [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n - 1)]
 
 
 def fixture_engine():
-  from gemma_jax import weights
-  from graft.engine import Engine, EngineConfig
   return Engine(weights.load(MODEL, WEIGHTS, 'float32'), EngineConfig(**ENGINE))
 
 
@@ -46,9 +50,6 @@ def main(argv):
   out = FLAGS.output
   if os.path.exists(out):
     raise ValueError(f'{out} already exists; a fixture is written once')
-  from experiments import common
-  from gemma_jax.compare import sha256_bytes
-  from graft.store import Store, artifact
 
   engine = fixture_engine()
   vocab = engine.config.vocab_size
@@ -71,5 +72,4 @@ def main(argv):
 
 if __name__ == '__main__':
   flags.DEFINE_string('output', None, 'Directory to write (must not exist).', required=True)
-  from experiments import common
   common.run(main)

@@ -34,6 +34,7 @@ import re
 import sys
 
 from absl import flags
+import jax
 
 from experiments import common
 
@@ -163,7 +164,6 @@ def main(argv):
     with open(FLAGS.edge_probe_only, 'w') as f:
       json.dump(edge_probe(), f)
     return
-  import jax
   device = jax.devices()[0]
   kind = re.sub(r'[^a-z0-9]+', '_', device.device_kind.lower()).strip('_')
   report = {'backend': jax.default_backend(), 'device_kind': device.device_kind,

@@ -56,9 +56,12 @@ import sys
 import tempfile
 
 from absl import flags
+import jax
+import numpy as np
 
 from experiments import common
-from gemma_jax.spec import selfcheck
+from gemma_jax import numerics
+from gemma_jax.spec import binary32, functions, selfcheck
 from graft.engine import fingerprint
 
 FLAGS = flags.FLAGS
@@ -105,10 +108,6 @@ def probe(dump: str) -> dict:
   probes: {"llvm_target_cpu", "avx512", "underflow_edge_failures" (with XLA's dots),
   "underflow_edge_failures_native" (with the native kernels), "flush_in_code",
   "xla_rsqrt_sha256", "spec_rsqrt_sha256", "spec_rsqrt_is_the_spec"}."""
-  import jax
-  import numpy as np
-  from gemma_jax import numerics
-  from gemma_jax.spec import binary32, functions
   rng = np.random.default_rng(0)
   x = rng.uniform(0.01, 100.0, (256, 640)).astype(np.float32)
   xla = np.asarray(jax.jit(jax.lax.rsqrt)(x))

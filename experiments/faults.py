@@ -7,12 +7,12 @@ Each trial deposits content (contexts with shared prefixes, some ending mid-bloc
 fault of its kind at a random place, then answers: a reader that has cached nothing grafts the
 longest stored prefix of one context (or restores an artifact) and computes the rest and a
 query. Outcomes, per trial:
-  exact, untouched, refused, silent_wrong, crashed, and `lost`: as graft/faults.py defines them
-  (the claim: silent_wrong = crashed = lost = 0 for every kind).
+  exact, untouched, refused, silent_wrong, crashed, and `lost`: as experiments/fault_campaign
+  defines them (the claim: silent_wrong = crashed = lost = 0 for every kind).
 
 Kinds (`--kinds`, default all; the process kinds start processes and run --process_trials
-each): the 25 of graft/faults.py's docstring, from bit flips, truncation and foreign stores to
-self-consistent forgeries (with descendants, with a borrowed signature), stale readers, gc and
+each): the 25 of experiments/fault_campaign's docstring, from bit flips, truncation and
+foreign stores to self-consistent forgeries (with descendants, with a borrowed signature), stale readers, gc and
 rebuilds beside a put, writers killed inside a put and concurrent writers.
 
 Output: schema faults (analysis/results.py).
@@ -32,7 +32,7 @@ import numpy as np
 from experiments import common
 from gemma_jax import weights
 from graft.engine import Engine, EngineConfig
-from graft.faults import KINDS, campaign, make_world, other_engines
+from experiments.fault_campaign import KINDS, campaign, make_world, other_engines
 from graft.store.kvstore import local_directory
 
 FLAGS = flags.FLAGS

@@ -34,7 +34,7 @@ def define_flags() -> None:
 
 def main(argv):
   del argv
-  import torch
+  import torch  # optional (the test extra), and heavy
   import transformers
   loaded = weights.load(get_config('gemma3_270m').replace(rope_mode=FLAGS.rope), 'embedded',
                         'float32')

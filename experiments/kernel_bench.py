@@ -30,7 +30,7 @@ from experiments import common
 from gemma_jax.attention import attend
 from gemma_jax.compare import sha256_bytes
 from gemma_jax.files import write_json
-from gemma_jax.kernels import make_pallas_attention
+from gemma_jax.kernels.pallas_attention import make_pallas_attention
 
 FLAGS = flags.FLAGS
 

@@ -19,6 +19,7 @@ import tempfile
 import time
 
 from absl import flags, logging
+import jax
 
 from analysis import profile
 from experiments import ceilings, common, samples
@@ -41,7 +42,6 @@ def define_flags() -> None:
 
 def traced(fn, directory: str) -> float:
   """Wall seconds of one call of fn under jax.profiler, its trace written to `directory`."""
-  import jax
   jax.profiler.start_trace(directory)
   start = time.perf_counter()
   try:

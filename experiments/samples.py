@@ -9,10 +9,15 @@ text source once drawn.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
+import sysconfig
+from pydoc_data import topics
 
 import numpy as np
 
 from gemma_jax.config import BOS_ID
+from gemma_jax.files import read_jsonl as read_records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,16 +27,12 @@ class Sample:
 
 
 def corpus_text() -> str:
-  from pydoc_data import topics
   return '\n\n'.join(topics.topics[name] for name in sorted(topics.topics))
 
 
 def long_corpus_texts():
   """Real text by the megabyte, present on any machine with CPython: the documentation topics,
   then every module of the standard library (sources with their docstrings), in path order."""
-  import glob
-  import os
-  import sysconfig
   yield corpus_text()
   root = sysconfig.get_paths()['stdlib']
   for path in sorted(glob.glob(os.path.join(root, '**', '*.py'), recursive=True)):
@@ -93,7 +94,6 @@ def draw(tokenizer, count: int, *, seed: int, window: int) -> list[Sample]:
 
 def read_jsonl(path: str, tokenizer) -> list[Sample]:
   """One {"library": text, "query": text} per line; the library gets BOS, the query does not."""
-  from gemma_jax.files import read_jsonl as read_records
   return [Sample(library=tuple(tokenizer.encode(r['library'])),
                  query=tuple(tokenizer.encode(r['query'], add_bos=False)))
           for r in read_records(path, ('library', 'query'))]

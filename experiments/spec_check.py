@@ -20,7 +20,7 @@ from absl import app, flags, logging
 import numpy as np
 
 from experiments import common, samples
-from graft import spec_check
+from graft.engine import spec_check
 
 FLAGS = flags.FLAGS
 

@@ -50,7 +50,7 @@ def define_flags() -> None:
                      f'default {LEASE_SECONDS:g} s. 0: remove every unpublished object (only '
                      'when no put is running).')
   flags.DEFINE_string('output', None, 'keygen: where the private key goes (and OUTPUT.pub).')
-  # Test hooks (tests/test_store.py, graft/faults.py): a writer made to stop inside a put.
+  # Test hooks (tests/test_store.py, experiments/fault_campaign): a writer made to stop inside a put.
   flags.DEFINE_string('pause_at', None, f'put, for tests: STEP:N ({"|".join(STEPS)}): at the '
                       'N-th time the put reaches STEP, print the batch\'s object names on stderr '
                       'and wait to be killed (or for --resume_file).')

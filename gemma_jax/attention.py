@@ -25,8 +25,10 @@ from flax import nnx
 from gemma_jax import kv_state as kvs
 from gemma_jax import rope
 from gemma_jax.config import LayerSpec, TransformerConfig
+from gemma_jax.kernels import pallas_attention
 from gemma_jax.layers import Dense, RMSNorm
 from gemma_jax.numerics import MASKED, XLA, Numerics
+from gemma_jax.tiled_attention import DEFAULT_TILE, TiledAttention
 
 
 def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
@@ -111,15 +113,13 @@ def _xla(tile_size: int | None, platform: str | None) -> AttendFn:
 
 
 def _pallas(tile_size: int | None, platform: str | None) -> AttendFn:
-  from gemma_jax import kernels  # the Pallas kernels load only when asked for
-  return kernels.make_pallas_attention(
+  return pallas_attention.make_pallas_attention(
       tile_size=tile_size, platform=platform,
       interpret=None if platform is None else platform == 'cpu')
 
 
 def _tiled(tile_size: int | None, platform: str | None) -> AttendFn:
   del platform  # plain XLA ops
-  from gemma_jax.tiled_attention import DEFAULT_TILE, TiledAttention
   return TiledAttention(tile_size or DEFAULT_TILE)
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 
 import jax
+from jax.experimental import compilation_cache as cc
 
-from gemma_jax.checkpoints.param_cache import cache_root
+from gemma_jax.files import cache_root
 
 ENV = 'GEMMA_JAX_COMPILATION_CACHE'
 
@@ -31,7 +32,6 @@ def enable(path: str | None = None) -> None:
 
 
 def disable() -> None:
-  from jax.experimental import compilation_cache as cc
   jax.config.update('jax_compilation_cache_dir', None)
   cc.compilation_cache.reset_cache()
 

@@ -41,7 +41,7 @@ from jax import monitoring
 from jax.experimental import serialize_executable
 
 from gemma_jax import files, verdicts
-from gemma_jax.checkpoints.param_cache import cache_root
+from gemma_jax.files import cache_root
 
 # '0': never save or load (compile in every process); a directory: keep them there (bench's
 # cold starts use an empty one); unset or '1': $GEMMA_JAX_CACHE/executables.

@@ -1,5 +1,5 @@
 """Atomic, durable local writes (the one writer behind every JSON, NPZ, figure and cache entry),
-and the one JSONL reader.
+the one JSONL reader, and where the caches live (`cache_root`).
 
 A reader must see the old file or the whole new one, never half of one, even after a crash or
 when two runs write the same name at once. So every write goes to a fresh hidden staging name
@@ -23,6 +23,13 @@ import uuid
 from typing import Callable, Iterator, BinaryIO
 
 import numpy as np
+
+
+def cache_root() -> str:
+  """$GEMMA_JAX_CACHE, else ~/.cache/gemma_jax: the parameter cache, the native kernels' builds,
+  saved executables, XLA's compilation cache and kept verdicts all live under it."""
+  return os.environ.get('GEMMA_JAX_CACHE') or os.path.join(
+      os.path.expanduser('~'), '.cache', 'gemma_jax')
 
 
 def staging_path(path: str, suffix: str = '') -> str:

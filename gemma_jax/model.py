@@ -28,6 +28,7 @@ from gemma_jax import kv_state as kvs
 from gemma_jax import sharding
 from gemma_jax.attention import AttendFn, Attention, attend
 from gemma_jax.config import TransformerConfig
+from gemma_jax.kernels import native_dot
 from gemma_jax.layers import Dense, FeedForward, RMSNorm, init_param
 from gemma_jax.numerics import XLA, Numerics
 
@@ -237,7 +238,6 @@ def store_weights(params: Params, config: TransformerConfig, numerics: Numerics)
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _packed(w: jax.Array, k: int, n: int) -> jax.Array:
-  from gemma_jax.kernels import native_dot
   return native_dot.pack(w.reshape(k, n))
 
 

@@ -38,7 +38,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from gemma_jax.kernels import native_dot
+from gemma_jax.sizes import chunk_size
 from gemma_jax.spec import SPEC_VERSION
+from gemma_jax.spec import functions as spec_functions
 
 # A finite "minus infinity" for masked attention scores: exp(MASKED - max) is exactly 0 in
 # float32, and a row with every slot masked (a padding row) stays finite instead of NaN.
@@ -87,14 +90,6 @@ def tree_sum(x: jax.Array) -> jax.Array:
     y = x[..., :h] + x[..., h:2 * h]
     x = y if n % 2 == 0 else jnp.concatenate([y, x[..., 2 * h:]], axis=-1)
   return x
-
-
-def chunk_size(k: int, limit: int) -> int:
-  """The largest divisor of k that is at most `limit`, preferring multiples of 8: the
-  contraction chunk of a dot over k terms."""
-  divisors = [d for d in range(1, min(k, limit) + 1) if k % d == 0]
-  aligned = [d for d in divisors if d % 8 == 0]
-  return max(aligned or divisors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +188,6 @@ class Numerics:
     """A [K, N] weight in the form `dense` reads it (an engine stores its weights so, once)."""
     if not self.packs(*w.shape):
       return w
-    from gemma_jax.kernels import native_dot
     return native_dot.pack(w)
 
   def dense(self, x: jax.Array, w: jax.Array, k: int, n: int) -> jax.Array:
@@ -432,7 +426,7 @@ class Spec(FixedOrder):
     if not self.runs_by_length:
       return None
     if relative is not None:  # the angles' parameters; the kernel makes the offsets' table
-      relative = (_spec_functions().inverse_frequencies(relative.head_dim, relative.base),
+      relative = (spec_functions.inverse_frequencies(relative.head_dim, relative.base),
                   relative.rotated_pairs, relative.scale)
     return self.dot.attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, tile=tile,
                            chunk=self.chunk(q.shape[-1]), relative=relative)
@@ -481,41 +475,36 @@ class Spec(FixedOrder):
 
   def mean_square(self, x):
     ops = self._ops()
-    one_over_n = _spec_functions().reciprocal(ops, jnp.float32(x.shape[-1]))
+    one_over_n = spec_functions.reciprocal(ops, jnp.float32(x.shape[-1]))
     square = self.mul(x, x) if flush_in_code() else jnp.square(x)
     return ops.mul(tree_sum(self.materialize(square)), one_over_n)
 
   def rsqrt(self, x):
-    return _spec_functions().rsqrt(self._ops(), x)
+    return spec_functions.rsqrt(self._ops(), x)
 
   def exp(self, x):
-    return _spec_functions().exp(self._ops(), x)
+    return spec_functions.exp(self._ops(), x)
 
   def tanh(self, x):
-    return _spec_functions().tanh(self._ops(), x)
+    return spec_functions.tanh(self._ops(), x)
 
   def gelu(self, x):
-    return _spec_functions().gelu(self._ops(), x)
+    return spec_functions.gelu(self._ops(), x)
 
   def softcap(self, x, cap):
-    return _spec_functions().softcap(self._ops(), x, cap)
+    return spec_functions.softcap(self._ops(), x, cap)
 
   def angles(self, positions, head_dim, base, scale=1.0):
     ops = self._ops()
-    inverse = jnp.asarray(_spec_functions().inverse_frequencies(head_dim, base))
+    inverse = jnp.asarray(spec_functions.inverse_frequencies(head_dim, base))
     angles = ops.mul(positions.astype(jnp.float32)[..., None], inverse)
     if scale == 1.0:
       return angles
-    return ops.mul(angles, _spec_functions().reciprocal(ops, jnp.float32(scale)))
+    return ops.mul(angles, spec_functions.reciprocal(ops, jnp.float32(scale)))
 
   def sin_cos(self, angles):
-    sin, cos = _spec_functions().sin_cos(self._ops(), angles)
+    sin, cos = spec_functions.sin_cos(self._ops(), angles)
     return self.barrier(sin), self.barrier(cos)
-
-
-def _spec_functions():
-  from gemma_jax.spec import functions  # the spec imports nothing from here; loaded when used
-  return functions
 
 
 XLA = Numerics()

@@ -23,7 +23,9 @@ import resource
 import threading
 import time
 
+import jax.extend.core.primitives as primitives
 from jax import monitoring
+from jax.extend.core import Primitive
 
 _COMPILE = '/jax/core/compile/backend_compile_duration'
 _CACHE_HIT = '/jax/compilation_cache/cache_hits'
@@ -36,8 +38,6 @@ _IMPORTED = time.time()
 
 
 def _primitive_names() -> frozenset[str]:
-  import jax.extend.core.primitives as primitives
-  from jax.extend.core import Primitive
   return frozenset(p.name for p in vars(primitives).values() if isinstance(p, Primitive))
 
 

@@ -34,6 +34,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
@@ -97,7 +98,6 @@ def to_host(x) -> np.ndarray:
   (one process, or replicated), else gathered from every process (multihost_utils; every
   process must call it, as with any computation on a global array)."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-    from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(x)
 

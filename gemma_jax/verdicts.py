@@ -20,8 +20,12 @@ import json
 import os
 import platform
 
-from gemma_jax import files, host
-from gemma_jax.checkpoints.param_cache import cache_root
+import jax
+import jaxlib
+
+from gemma_jax import files, host, sharding
+from gemma_jax.kernels import native_build
+from gemma_jax.files import cache_root
 
 RECHECK_ENV = 'GEMMA_JAX_RECHECK'
 DIRECTORY_ENV = 'GEMMA_JAX_VERDICTS'  # where verdicts are kept, instead of the cache's
@@ -31,7 +35,7 @@ _STEERING = ('GEMMA_JAX_NATIVE_ISA', 'GEMMA_JAX_SELFCHECK_EMULATED', 'GEMMA_JAX_
              'XLA_FLAGS')
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What decides a check's verdict in the source tree: every file of these folders.
-_CODE = ('gemma_jax', os.path.join('graft', 'engine'), os.path.join('graft', 'spec_check.py'))
+_CODE = ('gemma_jax', os.path.join('graft', 'engine'))
 
 
 def directory() -> str:
@@ -55,10 +59,6 @@ def code_digest() -> str:
 
 def process() -> dict:
   """This process's configuration, as far as a check's verdict can follow it."""
-  import jax
-  import jaxlib
-  from gemma_jax import sharding
-  from gemma_jax.spec import selfcheck
   cpuinfo = host.cpuinfo()
   device = jax.devices()[0]
   return {'code': code_digest(), 'jax': jax.__version__, 'jaxlib': jaxlib.__version__,
@@ -66,7 +66,7 @@ def process() -> dict:
           'devices': jax.device_count(), 'machine': platform.machine(),
           'cpu': {k: cpuinfo.get(k) for k in ('vendor_id', 'cpu family', 'model', 'stepping',
                                               'microcode', 'flags', 'Features', 'CPU part')},
-          'xla_flags': sharding.xla_flags(), 'intra_op_threads': selfcheck.intra_op_threads(),
+          'xla_flags': sharding.xla_flags(), 'intra_op_threads': host.intra_op_threads(),
           'env': {k: os.environ.get(k) for k in _STEERING}, **native()}
 
 
@@ -75,7 +75,6 @@ def native() -> dict:
   compiler version, jaxlib, architecture) and the compiler's identity (its real path and
   --version, run once per compiler install: gemma_jax.kernels.native_build); None for both
   where none can be built."""
-  from gemma_jax.kernels import native_build
   try:
     cxx = native_build.compiler()
     return {'compiler': [os.path.realpath(cxx), native_build.compiler_identity(cxx)],

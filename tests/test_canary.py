@@ -13,13 +13,13 @@ MODELS = sorted(canary.MODELS.values())
 
 @pytest.mark.parametrize('model', MODELS)
 def test_the_committed_digests_are_the_interpreters(model):
-  got = canary.interpreted(model)
+  got = canary.interpreted(model, Engine, EngineConfig)
   assert got == canary.expected(SPEC_VERSION, model), f"{model}: the interpreter's digest {got}"
 
 
 @pytest.mark.parametrize('model', MODELS)
 def test_this_machine_computes_the_canary(model):
-  assert canary.computed(model) == canary.expected(SPEC_VERSION, model)
+  assert canary.computed(model, Engine, EngineConfig) == canary.expected(SPEC_VERSION, model)
 
 
 def test_the_spec_fingerprint_binds_the_canary_not_the_source():

@@ -8,10 +8,10 @@ lease), it counts what results."""
 import numpy as np
 import pytest
 
-from graft import faults
+from experiments import fault_campaign as faults
 from gemma_jax import weights
 from gemma_jax import digest
-from graft.store import blocks
+from graft.store import blocks, signing
 from graft.store.index import Index
 from graft.store.maintenance import Maintenance
 from graft.store.publish import Publication
@@ -117,7 +117,7 @@ def test_the_campaign_catches_a_reader_that_ignores_the_parent_header(setup, mon
 
 def test_the_campaign_catches_a_reader_that_trusts_every_signature(signed, monkeypatch):
   world, others, scratch = signed
-  monkeypatch.setattr(faults.signing, 'signed_by', lambda record, digest, trusted: True)
+  monkeypatch.setattr(signing, 'signed_by', lambda record, digest, trusted: True)
   kinds = faults.campaign(world, ['forgery'], trials=8, process_trials=0, seed=8, others=others,
                           scratch=scratch)
   assert kinds['forgery']['silent_wrong'] > 0

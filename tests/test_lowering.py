@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import pytest
 
 from gemma_jax import config as gcfg
-from gemma_jax.kernels import default_block_config, spec_dot
+from gemma_jax.kernels import spec_dot
+from gemma_jax.kernels.pallas_attention import default_block_config
 from graft.engine import lowering
 from graft.engine import EngineConfig
 

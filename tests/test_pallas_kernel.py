@@ -20,7 +20,8 @@ from gemma_jax import config as gcfg
 from gemma_jax import kv_state as kvs
 from gemma_jax import model as gmodel
 from gemma_jax.attention import attend
-from gemma_jax.kernels import default_block_config, make_pallas_attention, online_softmax
+from gemma_jax.kernels import online_softmax
+from gemma_jax.kernels.pallas_attention import default_block_config, make_pallas_attention
 
 # Float32: the kernel folds 16..128-slot tiles with online rescaling (exp(m_old - m_new)) and
 # divides by the sum at the end; the reference takes one softmax over all slots and then one dot.

@@ -140,7 +140,8 @@ import numpy as np
 from gemma_jax import weights
 from gemma_jax.compare import sha256_bytes
 from gemma_jax.config import get_config
-from graft import context_shift, spec_check
+from graft import context_shift
+from graft.engine import spec_check
 from graft.engine import Engine, EngineConfig
 rope = sys.argv[1]
 loaded = weights.load(get_config('tiny_gemma3_wide').replace(rope_mode=rope), 'random:0',

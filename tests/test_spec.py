@@ -24,7 +24,7 @@ from gemma_jax.numerics import SPEC, Spec
 from gemma_jax.spec import binary32 as b32
 from gemma_jax.spec import functions as fn
 from gemma_jax.spec import selfcheck
-from graft import spec_check
+from graft.engine import spec_check
 from graft.engine import Engine, EngineConfig, fingerprint
 from graft.store import artifact
 

@@ -15,7 +15,7 @@ import pytest
 from gemma_jax import weights
 from gemma_jax.kernels import native_build, spec_dot
 from gemma_jax.spec import binary32 as b32
-from graft import spec_check
+from graft.engine import spec_check
 from graft.engine import Engine, EngineConfig
 
 # As tests/test_spec.py: small tiles and calls, so that 60 tokens wrap the local ring.

@@ -18,7 +18,7 @@ import jaxlib
 import pytest
 
 from gemma_jax import host, sharding, verdicts
-from gemma_jax.checkpoints.param_cache import cache_root
+from gemma_jax.files import cache_root
 from gemma_jax.kernels import native_build
 from gemma_jax.spec import selfcheck
 
@@ -90,7 +90,7 @@ CHANGES = {
     'cpu microcode': _cpu(microcode='0xdeadbeef'),
     'cpu flags': _cpu(flags='fpu sse2'),
     'intra_op_threads': lambda mp: mp.setattr(
-        selfcheck, 'intra_op_threads', lambda count=selfcheck.intra_op_threads: count() + 5),
+        host, 'intra_op_threads', lambda count=host.intra_op_threads: count() + 5),
     'xla_flags': lambda mp: mp.setattr(sharding, 'xla_flags',
                                        lambda: '--xla_cpu_multi_thread_eigen=false'),
     'env XLA_FLAGS': _xla_flags_env,

@@ -18,12 +18,10 @@ llama.cpp, about 20 minutes on two cores).
 
 from __future__ import annotations
 
+from experiments.peers import deepmind, hf, llama_cpp
+from experiments.peers.row import skipped
+
 NAMES = ('hf_transformers', 'llama_cpp_q4_k_m', 'llama_cpp_f32', 'deepmind_gemma')
-
-
-def skipped(reason: str) -> dict:
-  return {'skipped': reason, 'prefill_tok_s': None, 'decode_tok_s': None,
-          'ttft_recompute_s': None, 'ttft_graft_s': None}
 
 
 def embedded_float32(loaded) -> str | None:
@@ -38,12 +36,9 @@ def measure(name: str, loaded, work) -> dict:
   if reason:
     return skipped(reason)
   if name == 'hf_transformers':
-    from experiments.peers import hf
     return hf.measure(loaded, work)
   if name.startswith('llama_cpp_'):
-    from experiments.peers import llama_cpp
     return llama_cpp.measure_peer(name.removeprefix('llama_cpp_'), work)
   if name == 'deepmind_gemma':
-    from experiments.peers import deepmind
     return deepmind.measure(loaded, work)
   raise ValueError(f'unknown peer {name!r}; expected one of {NAMES}')

@@ -18,7 +18,10 @@ import tempfile
 
 import numpy as np
 
-from experiments.peers import skipped
+from experiments.peers import parity as hf_parity
+from experiments.peers.row import skipped
+from gemma_jax.checkpoints import orbax_io
+from graft.engine import Engine, EngineConfig
 
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'deepmind_gemma_peer.py')
 DEFAULT_PYTHON = os.path.expanduser('~/.cache/gemma_jax/peers/gemma/bin/python')
@@ -32,7 +35,6 @@ def python_path() -> str | None:
 
 def prepare(loaded, directory: str) -> dict:
   """Writes `loaded`'s params in the official Orbax layout and its SentencePiece model."""
-  from gemma_jax.checkpoints import orbax_io
   checkpoint = os.path.join(directory, 'orbax')
   orbax_io.save_orbax_official(loaded.params, loaded.config, checkpoint)
   tokenizer = os.path.join(directory, 'tokenizer.model')
@@ -53,7 +55,6 @@ def logits_parity(loaded, python: str, prompts: list[list[int]], files: dict,
                   directory: str) -> list[dict]:
   """Per prompt: the peer's last-position logits against ours (max |diff| / max |logit|) and
   the fraction of positions whose argmax agrees. `files` from `prepare`."""
-  from graft.engine import Engine, EngineConfig
   output = os.path.join(directory, 'logits.npz')
   result = run(python, {**files, 'logits_prompts': prompts, 'logits_output': output})
   theirs = np.load(output)
@@ -76,7 +77,6 @@ def measure(loaded, work) -> dict:
     return skipped('google-deepmind gemma needs its own Python 3.12 environment (gemma 4.0.1, '
                    'jax 0.12): bash experiments/peers/setup_peer_envs.sh, or set '
                    '$GEMMA_PEER_PYTHON')
-  from experiments.peers import parity as hf_parity
   with tempfile.TemporaryDirectory() as directory:
     files = prepare(loaded, directory)
     speed = run(python, {**files, 'prompt_ids': work.prompt, 'decode_tokens': work.decode_tokens,

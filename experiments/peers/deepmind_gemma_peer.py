@@ -33,6 +33,10 @@ import statistics
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 
 WARMUP = 2  # untimed runs before the timed ones
 TIMES: list[list[float]] = []  # every timed run, in order
@@ -51,14 +55,13 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 def _load(job):
-  from gemma import gm
+  from gemma import gm  # the peer: installed only in its own environment
   model = gm.nn.Gemma3_270M()
   params = gm.ckpts.load_params(os.path.abspath(job['checkpoint']))
   return gm, model, params
 
 
 def _block(x):
-  import jax
   return jax.block_until_ready(x)
 
 
@@ -72,7 +75,6 @@ class _Ids(str):
 
 
 def _sampler_class(gm):
-  import jax.numpy as jnp
 
   class IdsSampler(gm.text.Sampler):
     """gm.text.Sampler fed token ids; BOS is expected in the ids of a first turn."""
@@ -90,9 +92,6 @@ def _sampler_class(gm):
 
 
 def logits(job, gm, model, params) -> dict:
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
   forward = jax.jit(lambda p, t: model.apply({'params': p}, t, return_last_only=False).logits)
   arrays, argmax = {}, []
   for i, ids in enumerate(job['logits_prompts']):
@@ -107,8 +106,6 @@ def logits(job, gm, model, params) -> dict:
 
 
 def speed(job, gm, model, params) -> dict:
-  import jax
-  import jax.numpy as jnp
   repeats = int(job.get('repeats', 3))
   decode_tokens = int(job.get('decode_tokens', 32))
   cache_length = int(job.get('cache_length', 4096))
@@ -173,7 +170,7 @@ def main(argv) -> int:
   start = time.perf_counter()
   gm, model, params = _load(job)
   result = {'load_s': time.perf_counter() - start}
-  import gemma
+  import gemma  # the peer: installed only in its own environment
   result['gemma_version'] = getattr(gemma, '__version__', None)
   if job.get('logits_prompts'):
     result['logits'] = logits(job, gm, model, params)

@@ -11,17 +11,17 @@ import copy
 import os
 
 from experiments import common
-from experiments.peers import skipped
+from experiments.peers.row import skipped
+from gemma_jax.weights import embedded_gguf_path
 
 
 def measure(loaded, work) -> dict:
   del loaded
   try:
-    import torch
+    import torch  # optional (the test extra), and heavy
     from transformers import AutoModelForCausalLM, DynamicCache
   except ImportError as e:
     return skipped(f'{e.name} is not installed (pip install -e ".[test]")')
-  from gemma_jax.weights import embedded_gguf_path
   path = embedded_gguf_path()
   torch.set_num_threads(os.cpu_count() or 1)
   model = AutoModelForCausalLM.from_pretrained(

@@ -14,11 +14,17 @@ read from the context.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
+
+from experiments.peers.row import skipped
+from gemma_jax.files import cache_root
+from gemma_jax.weights import embedded_gguf_path, sha256_file
 
 # GGUF general.file_type values (llama.cpp's llama_ftype).
 FILE_TYPES = {'float32': 0, 'float16': 1}
@@ -31,7 +37,7 @@ def write_gguf(src_path: str, dst_path: str, dtype: str) -> dict:
   general.file_type, set to the new one. In a float16 file the 1-D tensors (norms) stay float32,
   as llama.cpp's converter writes them. Returns {tensor type name: count}.
   """
-  import gguf
+  import gguf  # heavy: only where a GGUF is written
   if dtype not in FILE_TYPES:
     raise ValueError(f'dtype must be one of {sorted(FILE_TYPES)}, got {dtype!r}')
   reader = gguf.GGUFReader(src_path)
@@ -70,7 +76,7 @@ def write_gguf(src_path: str, dst_path: str, dtype: str) -> dict:
 
 
 def _llama(gguf_path: str, n_ctx: int = 4096, n_threads: int = 2, n_batch: int = 512):
-  import llama_cpp
+  import llama_cpp  # the peer: optional (the bench extra)
   return llama_cpp.Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=n_threads,
                          n_threads_batch=n_threads, n_batch=n_batch, n_ubatch=n_batch,
                          logits_all=False, verbose=False)
@@ -115,7 +121,7 @@ def ops(gguf_path: str, prompt_ids: list[int], decode_tokens: int, library_ids: 
   library's state (KV cache and logits, llm.save_state) restored with llm.load_state, then the
   query. Each ends at the first token's argmax and returns it.
   """
-  import llama_cpp
+  import llama_cpp  # the peer: optional (the bench extra)
   llm = _llama(gguf_path, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch)
 
   def prefill():
@@ -188,11 +194,9 @@ def gguf_for(variant: str) -> str | None:
   """The embedded GGUF as shipped ('q4_k_m') or written unquantized ('f32', 'f16') into the
   parameter cache directory (once); None where llama-cpp-python is not installed."""
   try:
-    import llama_cpp  # noqa: F401
+    import llama_cpp  # noqa: F401  (the peer: optional, the bench extra)
   except ImportError:
     return None
-  from gemma_jax.checkpoints.param_cache import cache_root
-  from gemma_jax.weights import embedded_gguf_path, sha256_file
   path = embedded_gguf_path()
   if variant != 'q4_k_m':
     dtype = {'f32': 'float32', 'f16': 'float16'}[variant]
@@ -207,7 +211,6 @@ def gguf_for(variant: str) -> str | None:
 def measure_peer(variant: str, work) -> dict:
   """The benchmark's row for the embedded GGUF as shipped ('q4_k_m') or written unquantized
   ('f32', 'f16')."""
-  from experiments.peers import skipped
   path = gguf_for(variant)
   if path is None:
     return skipped('llama-cpp-python is not installed: pip install -e ".[bench]" (it compiles '
@@ -232,9 +235,8 @@ def start(gguf_path: str, phases_path: str, prompt: str = 'The capital of France
   """A fresh process's start as experiments.bench times ours: the wall-clock stamps after the
   import, after loading the model (`engine`: the same, llama.cpp has no separate step) and at
   the prompt's first logits, written as JSON to `phases_path`."""
-  import json
   stamps = {}
-  import llama_cpp  # noqa: F401
+  import llama_cpp  # noqa: F401  (timed: the peer's import is part of its start)
   stamps['imported'] = time.time()
   llm = _llama(gguf_path)
   stamps['loaded'] = stamps['engine'] = time.time()
@@ -246,6 +248,5 @@ def start(gguf_path: str, phases_path: str, prompt: str = 'The capital of France
 
 
 if __name__ == '__main__':
-  import sys
   # python -m experiments.peers.llama_cpp GGUF --phases=PATH (experiments.bench's start timing)
   start(sys.argv[1], sys.argv[2].removeprefix('--phases='))

@@ -132,7 +132,7 @@ def ours_greedy(loaded, ids: list[int], first_logits: np.ndarray, kv, steps: int
 
 def load_hf():
   """HF transformers' Gemma3ForCausalLM on the embedded GGUF, float32, eager attention."""
-  import torch
+  import torch  # optional (the test extra), and heavy
   import transformers
   path = weights.embedded_gguf_path()
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -143,7 +143,7 @@ def load_hf():
 
 def compare_prompt(loaded, hf_model, text: str) -> dict:
   """The parity figures of one prompt (see the module docstring)."""
-  import torch
+  import torch  # optional (the test extra), and heavy
   ids = loaded.tokenizer.encode(text)
   start = time.time()
   ours_logits, kv = ours_prefill(loaded, ids)

@@ -80,7 +80,7 @@ def expected_metadata(config: TransformerConfig) -> dict[str, object]:
 
 
 def open_reader(path: str):
-  import gguf  # imported here: reading configs and params must not need it
+  import gguf  # heavy: only where a GGUF file is read or written
   if not os.path.isfile(path):
     raise FileNotFoundError(f'GGUF file not found: {path}')
   try:
@@ -102,7 +102,7 @@ def check_metadata(reader, config: TransformerConfig, path: str) -> None:
 
 def load_gguf(path: str, config: TransformerConfig, *, dtype=np.float32):
   """Returns (params, tokenizer) from a GGUF file, dequantized and checked against `config`."""
-  import gguf
+  import gguf  # heavy: only where a GGUF file is read or written
   reader = open_reader(path)
   check_metadata(reader, config, path)
   by_name = {t.name: t for t in reader.tensors}
@@ -122,7 +122,7 @@ def load_gguf(path: str, config: TransformerConfig, *, dtype=np.float32):
 def save_gguf(params, config: TransformerConfig, path: str, *, tokenizer: Tokenizer) -> None:
   """Writes float32 params as a GGUF file the way llama.cpp's converter lays it out (norm
   offsets included), with the tokenizer's vocabulary. Used by the tests and for export."""
-  import gguf
+  import gguf  # heavy: only where a GGUF file is read or written
   arch = _ARCH[config.family]
   writer = gguf.GGUFWriter(path, arch)
   for key, value in expected_metadata(config).items():

@@ -38,6 +38,7 @@ from absl import logging
 import numpy as np
 
 from gemma_jax import digest, files
+from gemma_jax.files import cache_root
 from gemma_jax.checkpoints import orbax_util, tree
 from gemma_jax.compare import sha256_bytes
 from gemma_jax.tokenizer import Tokenizer
@@ -50,12 +51,6 @@ FORMAT = 'gemma-jax-param-cache/3'
 
 class CacheEntryError(ValueError):
   """A cache entry that does not match the hashes written with it."""
-
-
-def cache_root() -> str:
-  """$GEMMA_JAX_CACHE, else ~/.cache/gemma_jax."""
-  return os.environ.get('GEMMA_JAX_CACHE') or os.path.join(
-      os.path.expanduser('~'), '.cache', 'gemma_jax')
 
 
 def _leaf_file(name: str, ndim: int) -> str:

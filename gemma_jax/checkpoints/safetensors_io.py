@@ -21,6 +21,7 @@ from typing import Mapping
 
 import ml_dtypes
 import numpy as np
+import safetensors.numpy  # the library's own writer, so files are what HF tools expect
 
 from gemma_jax.checkpoints import hf
 from gemma_jax.config import Family, TransformerConfig
@@ -205,7 +206,6 @@ def load_safetensors(path: str, config: TransformerConfig, dtype=np.float32):
 def save_safetensors(params, config: TransformerConfig, path: str, *, dtype=None) -> None:
   """Writes params under HF names to one .safetensors file with the safetensors library, in
   `dtype` (default: as they are; `ml_dtypes.bfloat16` arrays are written as BF16)."""
-  import safetensors.numpy  # the library's own writer, so files are what HF tools expect
   tensors = {}
   for name, value in hf.params_to_hf(params, config).items():
     value = np.asarray(value) if dtype is None else np.asarray(value).astype(dtype)

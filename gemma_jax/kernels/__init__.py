@@ -1,11 +1,13 @@
-"""Pallas kernels. `make_pallas_attention()` returns an attention function with the signature of
-`gemma_jax.attention.attend`, to pass as the model's `attention_fn`."""
+"""Kernels: our own loops where no library may choose an order, and the Pallas kernels.
 
-from gemma_jax.kernels.pallas_attention import BlockConfig
-from gemma_jax.kernels.pallas_attention import default_block_config
-from gemma_jax.kernels.pallas_attention import make_pallas_attention
-from gemma_jax.kernels.pallas_attention import pallas_attend
-from gemma_jax.kernels.pallas_attention import PallasAttention
-
-__all__ = ['BlockConfig', 'PallasAttention', 'default_block_config', 'make_pallas_attention',
-           'pallas_attend']
+Modules (imported by name; this package imports none of them, so a module that needs one
+kernel loads only that one):
+  native_build    compiles the native C++ kernels (csrc/: chains.h, attention.h, isa.cc, ffi.cc)
+                  on first use; `PATHS` is the one list of instruction-set paths
+  native_dot      the written arithmetic's contractions and attention as those kernels behind
+                  XLA's FFI: one FMA chain per output, the same bits on every path
+  spec_dot        the same contractions as a Pallas kernel, for accelerators
+  pallas_attention  attention as a Pallas kernel (blocks of queries and KV tiles, online
+                  softmax): `make_pallas_attention()` returns an `AttendFn`
+  online_softmax  the online softmax the Pallas attention kernel accumulates with
+"""

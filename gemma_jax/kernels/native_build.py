@@ -31,8 +31,11 @@ import shutil
 import subprocess
 import tempfile
 
+import jax
+import jaxlib
+
 from gemma_jax import files
-from gemma_jax.checkpoints.param_cache import cache_root
+from gemma_jax.files import cache_root
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'csrc')
 SOURCES = ('chains.h', 'attention.h', 'isa.cc', 'ffi.cc')
@@ -71,7 +74,6 @@ def _architecture() -> str:
 
 
 def _include_dir() -> str:
-  import jax
   return jax.ffi.include_dir()
 
 
@@ -124,7 +126,6 @@ def constants_header() -> str:
 
 def build_key() -> str:
   """The SHA-256 of everything the library is made of (see the module doc)."""
-  import jaxlib
   cxx = compiler()
   h = hashlib.sha256()
   for name in SOURCES:

@@ -32,6 +32,11 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gemma_jax.kernels import native_build
+from gemma_jax import sharding
 
 ISAS = ('auto', 'portable', 'avx2', 'avx512', 'neon')  # the index is the kernel's `isa` code
 ISA_VARIABLE = 'GEMMA_JAX_NATIVE_ISA'
@@ -46,7 +51,6 @@ _XLA_CAPS = {'SSE4_2': 'portable', 'AVX': 'portable', 'AVX2': 'avx2'}
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL:
   """The compiled kernels, loaded and registered with XLA once per process."""
-  from gemma_jax.kernels import native_build
   lib = ctypes.cdll.LoadLibrary(native_build.library())
   for target, symbol in _TARGETS.items():
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform='cpu')
@@ -85,8 +89,7 @@ def default_isa() -> str:
   forced = os.environ.get(ISA_VARIABLE)
   if forced:
     return forced
-  from gemma_jax.sharding import xla_flags
-  cap = re.search(r'--xla_cpu_max_isa=(\w+)', xla_flags())
+  cap = re.search(r'--xla_cpu_max_isa=(\w+)', sharding.xla_flags())
   return _XLA_CAPS.get(cap.group(1).upper(), 'auto') if cap else 'auto'
 
 
@@ -200,8 +203,6 @@ def _partitioned(call, rule: str, keep: str):
   sharding along those and is gathered whole along every other (the contracted ones among
   them), and each device runs `call` on its shards. A factor sharded in several operands takes
   the first operand's axes."""
-  from jax.experimental.custom_partitioning import custom_partitioning
-  from jax.sharding import NamedSharding, PartitionSpec
   operands, result = (side.strip() for side in rule.split('->'))
   names = [part.split() for part in operands.split(',')]
   out_names = result.split()

@@ -74,6 +74,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gemma_jax.kernels import online_softmax as osm
+from gemma_jax.sizes import round_up
 
 PLATFORMS = ('cpu', 'gpu', 'tpu')
 _TPU_LANES = 128
@@ -165,7 +166,7 @@ def _loop_call(q_pos, k_pos, q, k, v, *, config: BlockConfig, window, softcap, i
   bq = config.block_q
   compiler_params = None
   if config.platform == 'gpu' and not interpret:
-    from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas import triton as plgpu  # Pallas's GPU backend: only on a GPU
     compiler_params = plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages)
   kv_spec = pl.BlockSpec((None, slots, head_dim), lambda b, h, i: (b, 0, h))
@@ -222,7 +223,7 @@ def _grid_kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
 
 
 def _grid_call(q_pos, k_pos, q, k, v, *, config: BlockConfig, window, softcap, interpret):
-  from jax.experimental.pallas import tpu as pltpu
+  from jax.experimental.pallas import tpu as pltpu  # Pallas's TPU backend (heavy): only for a TPU
   batch, num_kv_heads, rows, head_dim = q.shape
   slots = k.shape[1]
   bq, tile = config.block_q, config.tile_size
@@ -254,10 +255,6 @@ def _grid_call(q_pos, k_pos, q, k, v, *, config: BlockConfig, window, softcap, i
 # The attend-compatible wrapper.
 
 
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
-
-
 @functools.partial(jax.jit, static_argnames=('window', 'softcap', 'config', 'interpret'))
 def pallas_attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
                   window: int | None, softcap: float | None, config: BlockConfig,
@@ -275,8 +272,8 @@ def pallas_attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_
     q, k = q.astype(dtype), k.astype(dtype)
   group = num_heads // num_kv_heads
   rows = num_tokens * group
-  padded_rows = _round_up(rows, config.block_q)
-  padded_slots = _round_up(slots, config.tile_size)
+  padded_rows = round_up(rows, config.block_q)
+  padded_slots = round_up(slots, config.tile_size)
 
   # Rows: (token t, head g of KV head h) -> [B, K, t * G + g, H]; pad rows are queries at -1.
   q_rows = q.reshape(batch, num_tokens, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)

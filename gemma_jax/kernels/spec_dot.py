@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gemma_jax import numerics
+from gemma_jax.sizes import next_power_of_two
 
 PLATFORMS = ('cpu', 'gpu')
 KERNEL_NAME = 'gemma_spec_dot'  # pl.pallas_call(name=...): how lowering finds it
@@ -111,10 +112,6 @@ class SpecDot:
     return out.reshape(*lead, *out.shape[-2:])
 
 
-def _next_power_of_two(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
-
-
 def fma_emulated(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
   """RN_binary32(a * b + c), flushed when tiny, from binary64 operations (exact; see the module
   doc and gemma_jax.spec.binary32, whose semantics these are)."""
@@ -151,7 +148,7 @@ def flush(x: jax.Array) -> jax.Array:
 
 def fma_ptx(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
   """RN_binary32(a * b + c), flushed, as one PTX instruction (Triton only)."""
-  from jax.experimental.pallas import triton as pltriton
+  from jax.experimental.pallas import triton as pltriton  # Pallas's GPU backend: only on a GPU
   [out] = pltriton.elementwise_inline_asm(
       FMA_PTX, args=[a, b, c], constraints='=r,r,r,r', pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.float32)])
@@ -196,9 +193,9 @@ def spec_dot(a: jax.Array, b: jax.Array, *, config: SpecDot) -> jax.Array:
   (j, m, c), n = a.shape, b.shape[-1]
   if b.shape[:2] != (j, c):
     raise ValueError(f'spec dot shapes do not contract: {a.shape} @ {b.shape}')
-  bm = min(config.block_m, _next_power_of_two(m))
-  bn = min(config.block_n, _next_power_of_two(n))
-  mp, np_, cp = -(-m // bm) * bm, -(-n // bn) * bn, _next_power_of_two(c)
+  bm = min(config.block_m, next_power_of_two(m))
+  bn = min(config.block_n, next_power_of_two(n))
+  mp, np_, cp = -(-m // bm) * bm, -(-n // bn) * bn, next_power_of_two(c)
   # Zero terms in front (exact: the chain stays +0 through them), zero rows and columns after.
   a = jnp.pad(a, ((0, 0), (0, mp - m), (cp - c, 0)))
   b = jnp.pad(b, ((0, 0), (cp - c, 0), (0, np_ - n)))
@@ -206,7 +203,7 @@ def spec_dot(a: jax.Array, b: jax.Array, *, config: SpecDot) -> jax.Array:
   if config.interpret:
     fma = fma_emulated
   else:
-    from jax.experimental.pallas import triton as pltriton
+    from jax.experimental.pallas import triton as pltriton  # Pallas's GPU backend: only on a GPU
     fma = fma_ptx
     compiler_params = pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1)
   if config.flush_in_code if config.flush_in_code is not None else numerics.flush_in_code():

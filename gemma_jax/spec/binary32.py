@@ -23,6 +23,8 @@ import os
 
 import numpy as np
 
+from gemma_jax.sizes import chunk_size
+
 F32, F64 = np.float32, np.float64
 TINY = np.float32(2.0 ** -126)  # the smallest normal binary32 number
 
@@ -201,7 +203,6 @@ def tree_sum(x: np.ndarray) -> np.ndarray:
 def chunked_dot(x: np.ndarray, w: np.ndarray, k_chunk: int) -> np.ndarray:
   """x [M, K] @ w [K, N] over contraction chunks of chunk_size(K, k_chunk) terms (all K when
   K <= k_chunk), each a `dot` chain, the chunk results added in chunk order."""
-  from gemma_jax.numerics import chunk_size
   k = x.shape[1]
   c = chunk_size(k, k_chunk) if k > k_chunk else k
   acc = None

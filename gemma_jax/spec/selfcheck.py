@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma_jax import verdicts
+from gemma_jax import host, rope, sharding, verdicts
 from gemma_jax.numerics import flush_in_code
 from gemma_jax.sharding import to_host
 from gemma_jax.spec import binary32 as b32
 from gemma_jax.spec import functions as fn
+from gemma_jax.spec.interpreter import Interpreter, tiled_attention
 
 
 class SpecError(ValueError):
@@ -231,8 +232,6 @@ def fused_attention_failures(numerics, compiler_options, *, head_dims, tile: int
   and a half of a two-tile cache, with and without a sliding window of half a tile, the model's
   soft-cap, every head compared. relative: the model's RoPE (base, scale, rotary fraction) where
   it runs the relative mode, whose scores the kernel then computes (turning every key)."""
-  from gemma_jax import rope
-  from gemma_jax.spec.interpreter import Interpreter, tiled_attention
   failures = []
   for h in head_dims:
     q = _inputs(h, (1, 5, kv_heads * groups, h))
@@ -308,22 +307,15 @@ def run_rows(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...]
   count in this process's configuration."""
   key = ('rows', numerics, tuple(sorted((compiler_options or {}).items())),
          tuple((n, tuple(w.shape)) for n, w in sorted(weights.items())), rows,
-         jax.device_count(), _xla_flags(), intra_op_threads())
+         jax.device_count(), _xla_flags(), host.intra_op_threads())
   failures = _cached(key, lambda: row_dependence_failures(numerics, compiler_options, weights,
                                                           rows))
   if failures:
     raise RowDependenceError(
         "a row's dot depends on its call's row count here, so grafts would not be exact "
-        f'(pinned engine self-check, {jax.device_count()} device(s), {intra_op_threads()} '
+        f'(pinned engine self-check, {jax.device_count()} device(s), {host.intra_op_threads()} '
         f'intra-op threads, XLA_FLAGS={_xla_flags()!r}): ' + '; '.join(failures[:4])
         + (f'; and {len(failures) - 4} more' if len(failures) > 4 else ''))
-
-
-def intra_op_threads() -> int:
-  """The threads XLA:CPU gives Eigen in this process: max(CPUs this process may run on, local
-  host devices) (xla/pjrt/cpu/cpu_client.cc, `std::max(DefaultThreadPoolSize(),
-  cpu_device_count)`). Eigen blocks a contraction by it, so it decides dot bits."""
-  return max(len(os.sched_getaffinity(0)), jax.local_device_count())
 
 
 def _rows(m: int) -> np.ndarray:
@@ -343,7 +335,7 @@ def run(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...],
          tuple((n, tuple(w.shape)) for n, w in sorted(weights.items())), rows, head_rows,
          attention_rows, head_dims, tile, kv_heads,
          (groups, softcap, relative) if whole else (),
-         jax.device_count(), _xla_flags(), intra_op_threads(),
+         jax.device_count(), _xla_flags(), host.intra_op_threads(),
          os.environ.get(SKIP_UNDERFLOW_ENV), flush_in_code())
   failures = _cached(key, lambda: (
       elementwise_failures(numerics, compiler_options)
@@ -357,7 +349,7 @@ def run(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...],
          if whole else [])))
   if failures:
     raise SpecError('this machine does not compute the written arithmetic (spec self-check, '
-                    f'{jax.device_count()} device(s), {intra_op_threads()} intra-op threads, '
+                    f'{jax.device_count()} device(s), {host.intra_op_threads()} intra-op threads, '
                     f'XLA_FLAGS={_xla_flags()!r}): '
                     + '; '.join(failures[:6]) + (f'; and {len(failures) - 6} more'
                                                   if len(failures) > 6 else ''), failures)
@@ -381,5 +373,4 @@ def _cached(key, compute):
 
 
 def _xla_flags() -> str:
-  from gemma_jax import sharding
   return sharding.xla_flags()

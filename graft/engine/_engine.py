@@ -32,6 +32,7 @@ from gemma_jax import sharding
 from gemma_jax.checkpoints import tree
 from gemma_jax.config import EOS_ID
 from gemma_jax.kernels import native_dot
+from gemma_jax.sizes import next_power_of_two
 from gemma_jax.weights import LoadedModel
 from graft.engine import fingerprint, plans
 from graft.engine.config import EngineConfig
@@ -67,10 +68,6 @@ def call_inputs(chunks: Sequence[Sequence[int]], first_positions: Sequence[int],
     ids[i, lead:lead + len(chunk)] = chunk
     positions[i, lead:lead + len(chunk)] = first + np.arange(len(chunk))
   return ids, positions
-
-
-def _next_power_of_two(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -330,7 +327,7 @@ class Engine:
     if self.by_length or not (self.plan.reads_tiles and hasattr(self._attention_fn, 'reading')):
       return None
     tile = self._attention_fn.tile
-    return min(_next_power_of_two(-(-end // tile)), self._cache_slots // tile)
+    return min(next_power_of_two(-(-end // tile)), self._cache_slots // tile)
 
   @functools.cached_property
   def model_fingerprint(self) -> dict:

@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from gemma_jax import verdicts
-from gemma_jax.config import Family
+from gemma_jax import model as gmodel
+from gemma_jax import verdicts, weights
+from gemma_jax.config import Family, get_config
+from graft.engine import spec_check
 
 # The family's tiny model (gemma_jax.config), with weights of its own (`_loaded`).
 MODELS = {Family.GEMMA2: 'tiny_gemma2', Family.GEMMA3: 'tiny_gemma3', Family.GEMMA4: 'tiny_gemma4'}
@@ -66,15 +70,19 @@ def expected(version: int, model: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def check(version: int, model: str, dot_library: str) -> str:
+def check(version: int, model: str, dot_library: str, engine_class: type,
+          config_class: type) -> str:
   """Runs `model`'s canary in a spec engine of `dot_library` and returns its digest; CanaryError
   when it is not the digest spec version `version` defines (once per process and arguments, and
-  not at all where this process configuration's pass is recorded: gemma_jax.verdicts)."""
+  not at all where this process configuration's pass is recorded: gemma_jax.verdicts).
+  engine_class, config_class: `Engine` and `EngineConfig`, passed by the engine being built
+  (graft.engine.plans): the canary runs in an engine of its own while one is built, and this
+  module sits below both classes' modules."""
   want = expected(version, model)
   key = f'spec version {version}, {model}, {dot_library}'
   if verdicts.passed('canary', key):
     return want
-  got = computed(model, dot_library)
+  got = computed(model, engine_class, config_class, dot_library)
   if got != want:
     raise CanaryError(
         f'the canary ({model}, {len(TOKENS)} tokens) computes {got[:16]}.. where spec version '
@@ -89,10 +97,6 @@ def _loaded(model: str):
   """`model` with the canary's weights: every leaf an integer in [-1024, 1024) over 2^14, drawn
   by NumPy (exact in float32, the same on every machine; random:SEED weights are drawn by XLA,
   whose bits follow the CPU's instruction set)."""
-  import jax
-  import jax.numpy as jnp
-  from gemma_jax import model as gmodel, weights
-  from gemma_jax.config import get_config
   config = get_config(model)
   rng = np.random.default_rng(0)  # drawn leaf by leaf in the tree's order, from its shapes
   params = jax.tree.map(lambda leaf: jnp.asarray(
@@ -103,16 +107,17 @@ def _loaded(model: str):
                              dtype='float32')
 
 
-def _engine(model: str, dot_library: str | None):
-  from graft.engine import Engine, EngineConfig
-  return Engine(_loaded(model), EngineConfig(**ENGINE, dot_library=dot_library), canary=False)
+def _engine(model: str, engine_class: type, config_class: type, dot_library: str | None):
+  return engine_class(_loaded(model), config_class(**ENGINE, dot_library=dot_library),
+                      canary=False)
 
 
-def computed(model: str, dot_library: str | None = None) -> str:
-  """The canary's digest as a spec engine of `dot_library` computes it here (whole and in
-  pieces; pieces that differ from the whole give a digest no version defines)."""
-  from graft import spec_check
-  engine = _engine(model, dot_library)
+def computed(model: str, engine_class: type, config_class: type,
+             dot_library: str | None = None) -> str:
+  """The canary's digest as a spec engine (`engine_class`, `config_class`: graft.engine's
+  Engine and EngineConfig) of `dot_library` computes it here (whole and in pieces; pieces that
+  differ from the whole give a digest no version defines)."""
+  engine = _engine(model, engine_class, config_class, dot_library)
   rows = spec_check.logit_rows(len(TOKENS), SPLITS)
   whole, logits = engine.extend(engine.empty(), list(TOKENS), logits=len(TOKENS))
   digest = spec_check.rows_digest(spec_check.engine_rows(engine, whole),
@@ -126,10 +131,9 @@ def computed(model: str, dot_library: str | None = None) -> str:
   return digest
 
 
-def interpreted(model: str) -> str:
+def interpreted(model: str, engine_class: type, config_class: type) -> str:
   """The canary's digest as the NumPy interpreter computes it (what EXPECTED commits)."""
-  from graft import spec_check
-  engine = _engine(model, None)  # for its geometry only
+  engine = _engine(model, engine_class, config_class, None)  # for its geometry only
   rows = spec_check.logit_rows(len(TOKENS), SPLITS)
   reference = spec_check.interpreter(engine).run(list(TOKENS), logit_rows=rows)
   return spec_check.rows_digest(spec_check.reference_rows(engine, reference, len(TOKENS)),

@@ -6,6 +6,7 @@ import dataclasses
 
 from gemma_jax import attention as attention_lib
 from gemma_jax import sharding
+from graft.engine import plans
 
 # Older names of EngineConfig fields, as records made before a rename hold them.
 _RENAMED = {'engine': 'mode', 'block_size': 'rows_per_call', 'layout': 'mesh_layout'}
@@ -43,7 +44,6 @@ class EngineConfig:
   mesh_layout: str = 'gather'
 
   def __post_init__(self):
-    from graft.engine import plans  # plans read EngineConfig; no import cycle at load time
     if self.xla_flags is None:
       object.__setattr__(self, 'xla_flags', sharding.xla_flags())
     plan = plans.plan_class(self.mode)

@@ -23,8 +23,8 @@ import platform
 import jax
 import jaxlib
 
-from gemma_jax import host, sharding
-from gemma_jax.spec import selfcheck
+from gemma_jax import host as host_lib
+from gemma_jax import sharding
 
 # CPU flags that can change which kernels XLA emits; the rest of /proc/cpuinfo does not matter.
 _ISA_PREFIXES = ('sse', 'ssse', 'avx', 'fma', 'f16c', 'amx', 'bmi', 'vnni', 'neon', 'asimd', 'sve')
@@ -145,12 +145,12 @@ def _code_only(source: str) -> str:
 
 
 _SOURCES = tuple(f'gemma_jax/{m}.py' for m in (
-    'model', 'layers', 'attention', 'tiled_attention', 'rope', 'numerics', 'kv_state',
+    'model', 'layers', 'attention', 'tiled_attention', 'rope', 'numerics', 'kv_state', 'sizes',
     'spec/functions', 'kernels/online_softmax', 'kernels/pallas_attention')) + (
     'graft/engine/_engine.py', 'graft/engine/plans.py')
 
 
-_cpuinfo = host.cpuinfo
+_cpuinfo = host_lib.cpuinfo
 
 
 def cpu_features() -> list[str]:
@@ -189,8 +189,8 @@ def environment() -> dict:
       'cpu_features': cpu_features() if jax.default_backend() == 'cpu' else [],
       'cpu_model': cpu_model() if jax.default_backend() == 'cpu' else '',
       'xla_flags': sharding.xla_flags(),
-      # Eigen's blocking of a contraction follows it (gemma_jax.spec.selfcheck.intra_op_threads).
-      'intra_op_threads': (selfcheck.intra_op_threads() if jax.default_backend() == 'cpu'
+      # Eigen's blocking of a contraction follows it (gemma_jax.host.intra_op_threads).
+      'intra_op_threads': (host_lib.intra_op_threads() if jax.default_backend() == 'cpu'
                            else 0),
   }
 

@@ -29,7 +29,11 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import mlir
+from jaxlib.mlir import ir
+from jaxlib.mlir.passmanager import PassManager
 
+from gemma_jax import config as gcfg
 from gemma_jax import model as gmodel
 from gemma_jax.config import TransformerConfig
 from gemma_jax.weights import LoadedModel
@@ -199,15 +203,12 @@ def kernel_ir(lowered: jax.stages.Lowered) -> list[tuple[str, str]]:
   module of a `tpu_custom_call` (deserialized from its backend config) or the Triton module of
   a `__gpu$xla.gpu.triton` call. Lets a test check what the kernel compiles from (for example
   the dot precision) without the device."""
-  from jax._src.interpreters import mlir
-  from jaxlib.mlir import ir
-  from jaxlib.mlir.passmanager import PassManager
 
   out = []
   for op in _custom_call_ops(lowered.compiler_ir('stablehlo')):
     target = ir.StringAttr(op.attributes['call_target_name']).value
     if target == 'tpu_custom_call':
-      from jax.experimental.mosaic.dialects import tpu
+      from jax.experimental.mosaic.dialects import tpu  # Mosaic's dialect (heavy): TPU kernels only
       config = json.loads(ir.StringAttr(op.attributes['backend_config']).value)
       body = base64.b64decode(config['custom_call_config']['body'])
       ctx = mlir.make_ir_context()
@@ -218,7 +219,7 @@ def kernel_ir(lowered: jax.stages.Lowered) -> list[tuple[str, str]]:
         PassManager.parse('builtin.module(mosaic-serde{serialize=false})').run(module.operation)
         out.append((target, str(module)))
     elif target == '__gpu$xla.gpu.triton':
-      from jaxlib.triton import dialect as tt
+      from jaxlib.triton import dialect as tt  # Triton's dialect: GPU kernels only
       body = op.attributes['mhlo.backend_config']['ir'].value_bytes
       ctx = mlir.make_ir_context()
       tt.register_dialect(ctx)
@@ -232,7 +233,6 @@ def summary(config_names=('tiny_gemma3', 'gemma3_270m'), platforms=('cuda', 'tpu
   """One row per (config, platform, attention, function): the custom-call targets of the
   lowered module, or the error / missing component. For a device check: compare with the
   host's own compile of the same functions."""
-  from gemma_jax import config as gcfg
   rows = []
   engine_config = EngineConfig()  # the default engine (spec)
   for name in config_names:

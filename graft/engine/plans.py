@@ -33,11 +33,17 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, ClassVar
 
+import jax
 from absl import logging
 
 from gemma_jax import kv_state as kvs
 from gemma_jax.config import TransformerConfig
+from gemma_jax.kernels import native_build, native_dot, spec_dot
 from gemma_jax.numerics import XLA, FixedOrder, Numerics, Spec as SpecNumerics
+from gemma_jax.sizes import next_power_of_two, round_up
+from gemma_jax.spec import selfcheck
+from gemma_jax.spec.interpreter import ROPE_MODES
+from graft.engine import canary, fingerprint
 
 if TYPE_CHECKING:  # config.py reads the plans; the plans only name its class
   from graft.engine.config import EngineConfig
@@ -70,14 +76,6 @@ class Call:
   count: int
   lead: int
   rows: int
-
-
-def _next_power_of_two(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
-
-
-def round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
 
 
 def row_buckets(rows_per_call: int, min_rows: int) -> tuple[int, ...]:
@@ -147,7 +145,7 @@ class Plan:
     the engine's numerics do the work of a call's run-time length only
     (`Numerics.runs_by_length`), so a plan that can gives every call one of two shapes."""
     del by_length
-    rows = max(num_tokens, min(_next_power_of_two(num_tokens), self.config.cache_len))
+    rows = max(num_tokens, min(next_power_of_two(num_tokens), self.config.cache_len))
     return [Call(0, num_tokens, 0, rows)]
 
   @property
@@ -175,7 +173,6 @@ class Plan:
     """What names the engine's bits: {'sha256', and what went into it}. Every plan but spec binds
     the whole config and this machine's environment (their bits follow the compiler's choices
     there)."""
-    from graft.engine import fingerprint
     return fingerprint.engine_fingerprint(
         self.config, engine.loaded.dtype, slot_layout_version=SLOT_LAYOUT_VERSION,
         kernel_blocks=engine.kernel_blocks, plan={'numerics': self.numerics.describe()})
@@ -269,7 +266,6 @@ class Pinned(_Shaped):
   def check_engine(self, engine) -> None:
     """Refuses a configuration (device count, threads, flags) where a row's dot follows its
     call's row count: a graft would then differ from fresh (gemma_jax.spec.selfcheck)."""
-    from gemma_jax.spec import selfcheck
     selfcheck.run_rows(dataclasses.replace(engine.numerics, mesh=None), self.compiler_options,
                        weights=engine.projection_weights(),
                        rows=row_buckets(self.config.rows_per_call, self.config.min_rows))
@@ -306,23 +302,19 @@ class Spec(Pinned):
 
   def numerics_on(self, kernel_platform: str | None) -> Numerics:
     if self.config.dot_library == 'native':
-      from gemma_jax.kernels import native_dot
       return dataclasses.replace(self.numerics, dot=native_dot.make_native_dot())
     if self.config.dot_library != 'pallas':
       return self.numerics
-    from gemma_jax.kernels import spec_dot
     return dataclasses.replace(self.numerics,
                                dot=spec_dot.make_spec_dot(platform=kernel_platform))
 
   def check_engine(self, engine) -> None:
-    from gemma_jax.spec import selfcheck
     if not engine.runs_canary:  # the canary's own engine: the canary's digest is its check
       return
     if engine.loaded.dtype != 'float32':
       raise ValueError(f'the written arithmetic (spec version {SpecNumerics.version}) is '
                        f'float32; this model is {engine.loaded.dtype}')
     cfg = engine.config
-    from gemma_jax.spec.interpreter import ROPE_MODES
     if cfg.rope_mode not in ROPE_MODES:
       raise ValueError(f'the spec engine runs RoPE modes {ROPE_MODES}, not {cfg.rope_mode!r}')
     numerics = dataclasses.replace(engine.numerics, mesh=None)  # with its dot kernel
@@ -351,16 +343,15 @@ class Spec(Pinned):
       raise selfcheck.SpecError(f'{e}; --dot_library=native computes every dot with the spec '
                                 "engine's own kernels (sequential FMA by construction)",
                                 e.failures) from None
-    if engine.runs_canary:
-      from graft.engine import canary
-      canary.check(self.numerics.version, canary.model_for(cfg), self.config.dot_library)
+    if engine.runs_canary:  # in an engine of its own, of this one's classes
+      canary.check(self.numerics.version, canary.model_for(cfg), self.config.dot_library,
+                   type(engine), type(self.config))
 
   def fingerprint(self, engine) -> dict:
     """What decides the bits of the written arithmetic, and not the source code: a release that
     moves no bit keeps every artifact and store; one that moves a bit must bump the spec
     version, which the self-check and the canary enforce (graft/engine/canary.py;
     docs/security.md). The cache length is left out: it decides no bit (tests/test_spec.py)."""
-    from graft.engine import canary, fingerprint
     version = self.numerics.version
     parts = {'mode': self.name, 'numerics': self.numerics.describe(),
              'attention': 'tiled', 'attention_tile': engine.attention_tile,
@@ -385,7 +376,6 @@ def kernel_library() -> str | None:
   backend: 'native' (our CPU kernels) on a CPU, 'pallas' on an accelerator; None on a CPU where
   the native kernels cannot be built (no compiler, or a build that fails; said once, in one
   line: Eigen's dots then run, with the self-check deciding)."""
-  import jax
   if jax.default_backend() != 'cpu':
     return 'pallas'
   reason = native_unavailable()
@@ -398,7 +388,6 @@ def kernel_library() -> str | None:
 def native_unavailable() -> str | None:
   """Why the native kernels cannot be built (or found built) here, in one line; None where they
   can (building them on first use: gemma_jax.kernels.native_build)."""
-  from gemma_jax.kernels import native_build
   try:
     native_build.library()
   except native_build.BuildError as e:

@@ -106,7 +106,7 @@ class Library:
 
   def retrieve(self, problem: str, k: int) -> list[Entry]:
     """The k entries whose problems BM25 ranks closest to `problem`, closest first."""
-    import bm25s  # imported when retrieval is first asked for
+    import bm25s  # heavy (0.4 s to import): only when retrieval is first asked for
     if not self.entries or k < 1:
       return []
     if self._index is None:

@@ -211,7 +211,7 @@ class Publication:
 
 def pause_at(at: str, resume: str | None = None) -> Callable[[str, list[str]], None]:
   """An `after_step` hook for tests that kill a writer process at a known point of a put
-  (tests/test_store.py, graft/faults.py's kill_put) or make two writers overlap
+  (tests/test_store.py, experiments/fault_campaign's kill_put) or make two writers overlap
   (tests/test_store.py).
 
   Args:
