@@ -11,7 +11,8 @@ model and an engine), lowering (the engine's functions for GPU and TPU without t
 """
 
 from graft.engine import fingerprint, plans
-from graft.engine._engine import Context, Decoded, Engine, call_inputs, sample
+from graft.engine._engine import Engine
+from graft.engine.context import Context, Decoded, call_inputs, sample
 from graft.engine.config import EngineConfig
 from graft.engine.plans import PLANS, SLOT_LAYOUT_VERSION
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import weakref
 from typing import Callable, Sequence
 
 import jax
@@ -36,38 +35,8 @@ from gemma_jax.sizes import next_power_of_two
 from gemma_jax.weights import LoadedModel
 from graft.engine import fingerprint, plans
 from graft.engine.config import EngineConfig
-
-@dataclasses.dataclass(frozen=True)
-class Context:
-  """A context: its KV state, the tokens in it, and where the next token goes."""
-
-  kv: kvs.KVState
-  tokens: tuple[int, ...]
-  next_position: int
-  last_logits: np.ndarray | None = None  # float32 [V] at the last token, when computed
-
-
-@dataclasses.dataclass(frozen=True)
-class Decoded:
-  """What `Engine.decode` produced: the tokens, the SHA-256 of the logits each was drawn from
-  (concatenated float32 rows), and the context after all but the last token."""
-
-  context: Context
-  tokens: list[int]
-  logits_sha256: str
-
-
-def call_inputs(chunks: Sequence[Sequence[int]], first_positions: Sequence[int], rows: int,
-                lead: int = 0) -> tuple[np.ndarray, np.ndarray]:
-  """Token ids and positions [N, rows] of one call: slot i holds `lead` padding rows, then
-  chunks[i] at positions first_positions[i], ..., then padding (position EMPTY: masked
-  everywhere, writing nothing)."""
-  ids = np.zeros((len(chunks), rows), np.int32)
-  positions = np.full((len(chunks), rows), kvs.EMPTY, np.int32)
-  for i, (chunk, first) in enumerate(zip(chunks, first_positions)):
-    ids[i, lead:lead + len(chunk)] = chunk
-    positions[i, lead:lead + len(chunk)] = first + np.arange(len(chunk))
-  return ids, positions
+from graft.engine.context import Context, Decoded, call_inputs, sample
+from graft.engine.shared import shared
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -79,35 +48,6 @@ def _output_table(table: jax.Array, packed: bool) -> jax.Array:
   if packed:
     return native_dot.pack(table)
   return table
-
-
-# id(loaded model) -> {key: a weak reference to what engines of that model share under key}.
-_SHARED: dict[int, dict] = {}
-
-
-class _Held:
-  """One shared value; the engines that use it hold it, the table only refers to it."""
-
-  __slots__ = ('value', '__weakref__')
-
-  def __init__(self, value):
-    self.value = value
-
-
-def _shared(engine: 'Engine', loaded: LoadedModel, key, make):
-  """make(), shared by the live engines of one loaded model that ask for the same key (their
-  placed and stored weights, output table and compiled steps: a second engine of a replay costs
-  no second copy); freed with the last engine that holds it."""
-  entry = _SHARED.get(id(loaded))
-  if entry is None:
-    entry = _SHARED[id(loaded)] = {}
-    weakref.finalize(loaded, _SHARED.pop, id(loaded), None)
-  held = entry[key]() if key in entry else None
-  if held is None:
-    held = _Held(make())
-    entry[key] = weakref.ref(held)
-  engine._held.append(held)
-  return held.value
 
 
 class Engine:
@@ -148,8 +88,8 @@ class Engine:
     self._local_slots = self.plan.local_slots(self.config, multiple)
     # (tiles read or None, with logits) -> jitted call, shared by the engines of this model and
     # config (an XLA:CPU executable of the 270M holds ~160 MB: docs/performance.md).
-    self._held = []  # what this engine shares with others of its model (`_shared`)
-    self._steps = _shared(self, loaded, ('steps', config, kernel_platform), dict)
+    self._held = []  # what this engine shares with others of its model (`shared`)
+    self._steps = shared(self._held, loaded, ('steps', config, kernel_platform), dict)
     # On a mesh: parameters placed by the layout, the KV state over KV heads and sequences,
     # and (layout 'gather') every row-parallel projection's input gathered whole.
     self.mesh = sharding.make_mesh(sharding.parse_mesh(config.mesh)) if config.mesh else None
@@ -163,7 +103,7 @@ class Engine:
     # panels; else as loaded), shared with every other engine of this model that places and
     # stores them alike.
     placement = (config.mesh, config.mesh_layout, self.numerics.storage)
-    self._params = _shared(self, loaded, ('params', placement), self._place_weights)
+    self._params = shared(self._held, loaded, ('params', placement), self._place_weights)
     # The numerics' output table where they read one ('transposed'): the embedding itself,
     # stored as the [D, V] table or its panels (`_place_weights`), one array for both.
     table = self._params['embedder']['input_embedding']
@@ -184,7 +124,7 @@ class Engine:
     self._weights_checked = False
     self._head_fn = head
     self._kernel_platform = kernel_platform
-    self._head = _shared(self, loaded, ('head', config, kernel_platform), lambda: self._compiled(
+    self._head = shared(self._held, loaded, ('head', config, kernel_platform), lambda: self._compiled(
         'head', jax.jit(head, compiler_options=self.plan.compiler_options)))
     if not abstract:
       self._preload()
@@ -658,12 +598,3 @@ class Engine:
               start_position: int = 0) -> tuple[Context, np.ndarray | None]:
     """A fresh context holding `tokens`."""
     return self.extend(self.empty(start_position), tokens, logits=logits, consume=True)
-
-
-def sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
-  """Argmax at temperature 0; otherwise a draw from softmax(logits / temperature) in float64."""
-  if temperature <= 0:
-    return int(np.argmax(logits))
-  scaled = np.asarray(logits, np.float64) / temperature
-  probs = np.exp(scaled - scaled.max())
-  return int(rng.choice(len(probs), p=probs / probs.sum()))

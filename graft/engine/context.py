@@ -1,0 +1,64 @@
+"""The values an engine's calls take and give: a `Context` (a KV state and its tokens), what a
+decode gives (`Decoded`), the rows of one call (`call_inputs`) and the draw of a token from
+logits (`sample`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from gemma_jax import kv_state as kvs
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """A context: its KV state, the tokens in it, and where the next token goes."""
+
+  kv: kvs.KVState
+  tokens: tuple[int, ...]
+  next_position: int
+  last_logits: np.ndarray | None = None  # float32 [V] at the last token, when computed
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+  """What `Engine.decode` produced: the tokens, the SHA-256 of the logits each was drawn from
+  (concatenated float32 rows), and the context after all but the last token."""
+
+  context: Context
+  tokens: list[int]
+  logits_sha256: str
+
+
+def call_inputs(chunks: Sequence[Sequence[int]], first_positions: Sequence[int], rows: int,
+                lead: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Token ids and positions [N, rows] of one call: slot i holds `lead` padding rows, then
+  chunks[i] at positions first_positions[i], ..., then padding (position EMPTY: masked
+  everywhere, writing nothing).
+
+  Args:
+    chunks: N token lists, one per batch slot, each at most rows - lead long.
+    first_positions: the position of each chunk's first token.
+    rows: T, the call's rows per slot.
+    lead: padding rows before each chunk.
+  Returns:
+    (ids, positions): int32 [N, T] each.
+  """
+  ids = np.zeros((len(chunks), rows), np.int32)
+  positions = np.full((len(chunks), rows), kvs.EMPTY, np.int32)
+  for i, (chunk, first) in enumerate(zip(chunks, first_positions)):
+    ids[i, lead:lead + len(chunk)] = chunk
+    positions[i, lead:lead + len(chunk)] = first + np.arange(len(chunk))
+  return ids, positions
+
+
+def sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+  """Argmax at temperature 0; otherwise a draw from softmax(logits / temperature) in float64.
+  logits: [V] (float32)."""
+  if temperature <= 0:
+    return int(np.argmax(logits))
+  scaled = np.asarray(logits, np.float64) / temperature
+  probs = np.exp(scaled - scaled.max())
+  return int(rng.choice(len(probs), p=probs / probs.sum()))
