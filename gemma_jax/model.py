@@ -211,7 +211,7 @@ def bind(params: Params, config: TransformerConfig) -> Transformer:
 
 
 def dense_weights(config: TransformerConfig) -> dict[str, tuple[int, int]]:
-  """Every dense projection's weight, by flat name ('layers/0/mlp/down_proj/w'), as the [K, N]
+  """Every dense projection's weight, by flat name ('layers/0/mlp/down_proj/w'), as the [I, O]
   matrix it is contracted as (K the product of its input dims)."""
   out = {}
   for path, node in nnx.iter_graph(Transformer(config, rngs=None)):

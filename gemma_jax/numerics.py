@@ -171,7 +171,7 @@ class Numerics:
   # Contractions and reductions -----------------------------------------------------------------
 
   def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] @ w [K, N]."""
+    """x [M, I] @ w [I, O]."""
     return x @ w
 
   def packs(self, k: int, n: int) -> bool:
@@ -185,7 +185,7 @@ class Numerics:
     return None
 
   def stored(self, w: jax.Array) -> jax.Array:
-    """A [K, N] weight in the form `dense` reads it (an engine stores its weights so, once)."""
+    """An [I, O] weight in the form `dense` reads it (an engine stores its weights so, once)."""
     if not self.packs(*w.shape):
       return w
     return native_dot.pack(w)

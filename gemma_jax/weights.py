@@ -158,7 +158,7 @@ def _pack(config: TransformerConfig):
 
 
 def _panels(w: np.ndarray, p: int) -> np.ndarray:
-  """[K, N] -> column panels [N / p, K, p] (gemma_jax.kernels.native_dot.pack, in NumPy)."""
+  """[I, O] -> column panels [O / p, I, p] (gemma_jax.kernels.native_dot.pack, in NumPy)."""
   k, n = w.shape
   return np.ascontiguousarray(w.reshape(k, n // p, p).transpose(1, 0, 2))
 

@@ -61,7 +61,7 @@ def _leaf_file(name: str, ndim: int) -> str:
 class Entry:
   """A mapped cache entry. stored: flat name ('layers/0/mlp/down_proj/w') -> a read-only
   memory-mapped array of the parameter's stored form; layout: {'panel': P, 'packed': {name:
-  canonical shape}} for the parameters stored as column panels [N / P, K, P] of their [K, N]
+  canonical shape}} for the parameters stored as column panels [O / P, I, P] of their [I, O]
   matrix (K the product of the input dims; 'embedder/input_embedding' [V, D] as the panels of
   its transpose, the output table), {} when every parameter is stored as it is;
   params_sha256: the canonical parameters' digest (gemma_jax.checkpoints.tree.params_digest)."""
@@ -93,7 +93,7 @@ class Entry:
 
 
 def unpack(panels: np.ndarray, shape, name: str) -> np.ndarray:
-  """A parameter of canonical `shape` from its column panels [N / P, K, P] (see Entry)."""
+  """A parameter of canonical `shape` from its column panels [O / P, I, P] (see Entry)."""
   if name == OUTPUT_TABLE:  # the panels of the table's transpose [D, V]
     return np.ascontiguousarray(panels.transpose(0, 2, 1)).reshape(shape)
   k = panels.shape[1]

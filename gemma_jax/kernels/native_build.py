@@ -42,7 +42,11 @@ SOURCES = ('chains.h', 'attention.h', 'isa.cc', 'ffi.cc')
 LIBRARY = 'libgemma_spec.so'
 COMMON_FLAGS = ('-O3', '-std=c++17', '-fPIC', '-ffp-contract=off', '-fno-fast-math',
                 '-Wall')
-# path name -> its compiler flags, per machine architecture.
+# The kernels' instruction-set paths, listed here once: the index is the `isa` code of every
+# kernel call ('auto': the best this CPU has), as ffi.cc's enum Isa and kIsaNames number them
+# and isa.cc compiles them (tests/test_architecture.py checks the C++ against this).
+ISAS = ('auto', 'portable', 'avx2', 'avx512', 'neon')
+# path name (of ISAS) -> its compiler flags, per machine architecture.
 PATHS = {
     'x86_64': {'portable': (), 'avx2': ('-mavx2', '-mfma'), 'avx512': ('-mavx512f', '-mfma')},
     'aarch64': {'portable': (), 'neon': ()},

@@ -1,7 +1,7 @@
 """The written arithmetic's contractions as native CPU kernels behind XLA's FFI.
 
     dot = make_native_dot()                    # the best path of this CPU
-    y = dot.matmul(x, w, chunk)                # x [M, K] @ w [K, N], chunks of `chunk` terms
+    y = dot.matmul(x, w, chunk)                # x [M, I] @ w [I, O], chunks of `chunk` terms
     s = dot.tile_scores(q, k, chunk)           # q [B, K, R, H] . k [B, K, n, S, H]
     o = dot.tile_values(p, v)                  # p [B, K, n, R, S] @ v [B, K, n, S, H]
 
@@ -12,8 +12,8 @@ holds independent outputs, and threads split rows and columns, never a contracti
 is the same on every path (AVX-512, AVX2+FMA, NEON, portable std::fma) and at every thread
 count, which tests/test_native_dot.py checks against gemma_jax.spec.binary32.
 
-The path is chosen when the kernel is made: $GEMMA_JAX_NATIVE_ISA (auto, portable, avx2, avx512,
-neon) forces one; otherwise the best the CPU has, capped by XLA's own cap where
+The path is chosen when the kernel is made: $GEMMA_JAX_NATIVE_ISA (a name in ISAS, listed once in
+native_build) forces one; otherwise the best the CPU has, capped by XLA's own cap where
 XLA_FLAGS sets --xla_cpu_max_isa (SSE4_2 or AVX: the portable path; AVX2: avx2). Neither the
 path nor the thread count decides a bit, so neither is in the engine fingerprint.
 
@@ -35,10 +35,10 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gemma_jax.kernels import native_build
 from gemma_jax import sharding
+from gemma_jax.kernels import native_build
 
-ISAS = ('auto', 'portable', 'avx2', 'avx512', 'neon')  # the index is the kernel's `isa` code
+ISAS = native_build.ISAS  # the paths; the index is the kernel's `isa` code
 ISA_VARIABLE = 'GEMMA_JAX_NATIVE_ISA'
 _TARGETS = {'gemma_spec_matmul': 'GemmaSpecMatmul', 'gemma_spec_matmul_packed': 'GemmaSpecMatmulPacked',
             'gemma_spec_scores': 'GemmaSpecScores', 'gemma_spec_values': 'GemmaSpecValues',
@@ -117,7 +117,7 @@ class NativeDot:
 
   def matmul(self, x: jax.Array, w: jax.Array, chunk: int,
              rows: jax.Array | None = None) -> jax.Array:
-    """x [M, K] @ w [K, N] (float32) over chunks of `chunk` terms added in chunk order. rows: an
+    """x [M, I] @ w [I, O] (float32) over chunks of `chunk` terms added in chunk order. rows: an
     int32 scalar, the first rows to compute (the rest of the output is +0; None: all M)."""
     _check_f32(x, w)
     if self.partitioned:  # each device's shard of rows is computed whole
@@ -134,7 +134,7 @@ class NativeDot:
 
   def matmul_packed(self, x: jax.Array, panels: jax.Array, chunk: int,
                     rows: jax.Array | None = None) -> jax.Array:
-    """x [M, K] @ the weight `pack` made `panels` from -> [M, N], bit for bit `matmul`'s (rows:
+    """x [M, I] @ the weight `pack` made `panels` from -> [M, O], bit for bit `matmul`'s (rows:
     as there)."""
     _check_f32(x, panels)
     return self._call('gemma_spec_matmul_packed', (x.shape[0], panels.shape[0] * PANEL), x,
@@ -233,8 +233,8 @@ def _partitioned(call, rule: str, keep: str):
 
 
 def pack(w: jax.Array) -> jax.Array:
-  """A [K, N] weight (N a multiple of PANEL) as column panels [N / PANEL, K, PANEL]: panel j holds
-  columns [j PANEL, (j + 1) PANEL), each term's PANEL columns contiguous, so that a call reads a
+  """An [I, O] weight (O a multiple of PANEL) as column panels [O / PANEL, I, PANEL]: panel j
+  holds columns [j PANEL, (j + 1) PANEL), each term's PANEL columns contiguous, so that a call reads a
   weight as one contiguous run per panel whatever its row count (a layout, not a value: the
   products and their order are `matmul`'s)."""
   k, n = w.shape

@@ -76,7 +76,7 @@ class SpecDot:
 
   def matmul(self, x: jax.Array, w: jax.Array, chunk: int,
              rows: jax.Array | None = None) -> jax.Array:
-    """x [M, K] @ w [K, N]: chains over chunks of `chunk` terms, added in chunk order (every row
+    """x [M, I] @ w [I, O]: chains over chunks of `chunk` terms, added in chunk order (every row
     computed: `rows`, the count of real ones, only saves work where a kernel can use it)."""
     del rows
     k, n = w.shape
@@ -88,7 +88,7 @@ class SpecDot:
     return acc
 
   def packs(self, k: int, n: int) -> bool:
-    """Weights stay [K, N] (no panel layout)."""
+    """Weights stay [I, O] (no panel layout)."""
     return False
 
   def tile_scores(self, q: jax.Array, k: jax.Array, chunk: int) -> jax.Array:

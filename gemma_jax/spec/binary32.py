@@ -160,7 +160,7 @@ def _round_sum_gradual(p: np.ndarray, c: np.ndarray, flushed: bool = True) -> np
 
 
 def dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-  """x [M, K] @ w [K, N] as the sequential chain c = fma(x[:, k], w[k], c), k = 0, 1, ...,
+  """x [M, I] @ w [I, O] as the sequential chain c = fma(x[:, i], w[i], c), i = 0, 1, ...,
   from c = +0. Large ones run their rows in threads (NumPy releases the GIL in its loops)."""
   m = x.shape[0]
   if m * w.shape[1] < _THREADED or _WORKERS == 1 or m < 2:
@@ -201,8 +201,8 @@ def tree_sum(x: np.ndarray) -> np.ndarray:
 
 
 def chunked_dot(x: np.ndarray, w: np.ndarray, k_chunk: int) -> np.ndarray:
-  """x [M, K] @ w [K, N] over contraction chunks of chunk_size(K, k_chunk) terms (all K when
-  K <= k_chunk), each a `dot` chain, the chunk results added in chunk order."""
+  """x [M, I] @ w [I, O] over contraction chunks of chunk_size(I, k_chunk) terms (all I when
+  I <= k_chunk), each a `dot` chain, the chunk results added in chunk order."""
   k = x.shape[1]
   c = chunk_size(k, k_chunk) if k > k_chunk else k
   acc = None

@@ -76,7 +76,7 @@ class Interpreter:
   # Contractions and norms -----------------------------------------------------------------------
 
   def matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [M, K] @ w [K, N] as the written arithmetic contracts it."""
+    """x [M, I] @ w [I, O] as the written arithmetic contracts it."""
     return b32.matmul(x, w, k_chunk=self.k_chunk, small=self.small)
 
   def dense(self, x: np.ndarray, w: np.ndarray, in_dims: int = 1) -> np.ndarray:

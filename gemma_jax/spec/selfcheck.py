@@ -136,12 +136,12 @@ def underflow_failures(numerics, compiler_options) -> list[str]:
 
 
 def _logical(w) -> tuple[int, int]:
-  """(K, N) of a weight stored [K, N] or in the native kernels' panels [N / P, K, P]."""
+  """(I, O) of a weight stored [I, O] or in the native kernels' panels [O / P, I, P]."""
   return (w.shape[1], w.shape[0] * w.shape[2]) if w.ndim == 3 else tuple(w.shape)
 
 
 def _weight_columns(w: np.ndarray, cols: np.ndarray) -> np.ndarray:
-  """Columns `cols` [K, len(cols)] of a weight stored [K, N] or in panels [N / P, K, P]."""
+  """Columns `cols` [I, len(cols)] of a weight stored [I, O] or in panels [O / P, I, P]."""
   if w.ndim == 3:
     return w[cols // w.shape[2], :, cols % w.shape[2]].T
   return w[:, cols]
@@ -149,7 +149,7 @@ def _weight_columns(w: np.ndarray, cols: np.ndarray) -> np.ndarray:
 
 def matmul_failures(numerics, compiler_options, weights: dict[str, np.ndarray],
                     rows: tuple[int, ...], head_rows: tuple[int, ...]) -> list[str]:
-  """numerics.dense of rows x [M, K] against each named weight (as the engine stores it:
+  """numerics.dense of rows x [M, I] against each named weight (as the engine stores it:
   `numerics.stored`), for every M in rows (head_rows for the 'output_table'), against the
   spec's contraction (on a sample of columns)."""
   xs = {(name, m): _inputs(m * 7 + len(name), (m, _logical(w)[0]))

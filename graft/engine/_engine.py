@@ -292,7 +292,7 @@ class Engine:
     """One weight per distinct projection shape the model contracts through a dot (the first
     layer's of each; projections of at most `numerics.small` weights are elementwise products
     and sums), and the output table: what a self-check probes, each in the form the engine
-    stores it (`numerics.stored`: [K, N], or the native kernels' panels). Read from the model's
+    stores it (`numerics.stored`: [I, O], or the native kernels' panels). Read from the model's
     unplaced parameters: on a mesh across processes nothing here waits on another process."""
     out = {}
     small = getattr(self.numerics, 'small', 0)
