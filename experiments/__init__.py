@@ -1,7 +1,9 @@
 """Entry points, one per experiment: `python -m experiments.<name> --flag=...` (absl flags).
 
-Each defines its flags only when run, so each imports as a library; shared flags and the result
-writer live in experiments/common.py.
+Each defines its flags only when run, so each imports as a library, and none imports another.
+What several share lives in helpers: common.py (shared flags, the result writer), samples.py
+and texts.py (inputs), ceilings.py (matmul ceilings), peers/ (the benchmark's other systems)
+and fault_campaign/ (the fault campaign behind experiments.faults).
 
 An entry point's process returns the memory it frees (glibc: two malloc arenas, the heap trimmed
 on every free), set here, before jax starts its threads: XLA runs a call's work on a pool of

@@ -97,10 +97,12 @@ class XlaAttention:
     return attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, scores=scores)
 
   def blocks(self, head_dims, dtype) -> dict:
+    """None: XLA decides its own blocking ({})."""
     del head_dims, dtype
     return {}
 
   def slot_multiple(self, head_dims, dtype) -> int:
+    """1: any cache size."""
     del head_dims, dtype
     return 1
 
@@ -131,6 +133,8 @@ IMPLEMENTATIONS: dict[str, Callable[[int | None, str | None], AttendFn]] = {
 
 
 def build(name: str, tile_size: int | None = None, platform: str | None = None) -> AttendFn:
+  """The attention implementation `name` (a key of IMPLEMENTATIONS) with KV tiles of
+  `tile_size` slots (None: its default), built for `platform` (None: the default backend's)."""
   if name not in IMPLEMENTATIONS:
     raise ValueError(f'unknown attention {name!r}; expected one of {tuple(IMPLEMENTATIONS)}')
   return IMPLEMENTATIONS[name](tile_size, platform)

@@ -29,7 +29,8 @@ def token_ids_sha256(ids: Iterable[int]) -> str:
 
 
 def bits_equal(a, b) -> np.ndarray:
-  """Elementwise equality of raw bytes (so -0.0 != +0.0, and a NaN equals the same NaN)."""
+  """Elementwise equality of raw bytes (so -0.0 != +0.0, and a NaN equals the same NaN): a, b
+of any shape and one dtype -> bool of that shape."""
   a, b = np.asarray(a), np.asarray(b)
   if a.dtype != b.dtype:
     raise ValueError(f'cannot compare the bits of {a.dtype} with {b.dtype}')
@@ -40,7 +41,8 @@ def bits_equal(a, b) -> np.ndarray:
 def ordered_int(array) -> np.ndarray:
   """Maps floats to integers whose order and spacing follow the floats' ULP grid: consecutive
   representable floats map to consecutive integers, and -0.0 and +0.0 both map to 0.
-  int64 for 16- and 32-bit floats; exact Python integers (object dtype) for float64."""
+  int64 for 16- and 32-bit floats; exact Python integers (object dtype) for float64. Any shape,
+kept."""
   array = np.asarray(array)
   kinds = {'float32': (np.uint32, 32), 'bfloat16': (np.uint16, 16), 'float16': (np.uint16, 16),
            'float64': (np.uint64, 64)}
@@ -55,7 +57,8 @@ def ordered_int(array) -> np.ndarray:
 
 
 def ulp_distance(a, b) -> np.ndarray:
-  """Elementwise number of representable floats between a and b (same dtype, finite)."""
+  """Elementwise number of representable floats between a and b (any shape, the same for
+  both; same dtype, finite)."""
   a, b = np.asarray(a), np.asarray(b)
   if a.shape != b.shape or a.dtype != b.dtype:
     raise ValueError(f'cannot compare {a.dtype}{a.shape} with {b.dtype}{b.shape}')
@@ -75,18 +78,21 @@ def max_ulp(a, b) -> float:
 
 
 def max_abs(a, b) -> float:
+  """The largest |a - b| in float64 (0 for empty arrays)."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.max(np.abs(a - b))) if a.size else 0.0
 
 
 def log_softmax(logits) -> np.ndarray:
+  """log softmax over the last axis, in float64: logits [..., V] -> [..., V]."""
   x = np.asarray(logits, np.float64)
   x = x - x.max(axis=-1, keepdims=True)
   return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def kl_per_position(reference_logits, other_logits) -> np.ndarray:
-  """KL(reference || other) of the softmax distributions, per row, in nats (float64)."""
+  """KL(reference || other) of the softmax distributions, per row, in nats: logits [R, V]
+  each -> float64 [R]."""
   p_log, q_log = log_softmax(reference_logits), log_softmax(other_logits)
   return np.sum(np.exp(p_log) * (p_log - q_log), axis=-1)
 

@@ -21,6 +21,7 @@ ENV = 'GEMMA_JAX_COMPILATION_CACHE'
 
 
 def directory() -> str:
+  """Where the cache lives by default: $GEMMA_JAX_CACHE/xla."""
   return os.path.join(cache_root(), 'xla')
 
 
@@ -32,6 +33,7 @@ def enable(path: str | None = None) -> None:
 
 
 def disable() -> None:
+  """Turns the persistent cache off for the rest of the process."""
   jax.config.update('jax_compilation_cache_dir', None)
   cc.compilation_cache.reset_cache()
 

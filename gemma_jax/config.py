@@ -14,12 +14,16 @@ import functools
 
 
 class Family(enum.Enum):
+  """A model family: what decides which mechanisms a model has (see TransformerConfig)."""
+
   GEMMA2 = 'gemma2'
   GEMMA3 = 'gemma3'
   GEMMA4 = 'gemma4'
 
 
 class AttentionType(enum.Enum):
+  """Which keys a layer's queries see."""
+
   LOCAL = 'local'  # sliding window of `sliding_window` tokens
   GLOBAL = 'global'  # attends to every earlier token
 
@@ -92,6 +96,7 @@ class TransformerConfig:
 
   @functools.cached_property
   def attention_types(self) -> tuple[AttentionType, ...]:
+    """Every layer's attention type: attention_pattern repeated over the layers."""
     pattern = self.attention_pattern
     return tuple(pattern[i % len(pattern)] for i in range(self.num_layers))
 
@@ -116,6 +121,9 @@ class TransformerConfig:
     return tuple(i for i in range(self.num_layers) if self.kv_sources[i] == i)
 
   def layer_spec(self, i: int) -> LayerSpec:
+    """What layer i is (attention type, KV heads, head dim, window, RoPE, whether it owns its KV
+    cache): the one place per-layer facts are resolved, so model code does not branch on
+    names."""
     kind = self.attention_types[i]
     is_global = kind is AttentionType.GLOBAL
     shared = self.kv_sources[i] != i
@@ -134,6 +142,7 @@ class TransformerConfig:
     )
 
   def replace(self, **changes) -> 'TransformerConfig':
+    """This config with `changes` (fields by name)."""
     return dataclasses.replace(self, **changes)
 
 
@@ -211,6 +220,7 @@ UNSUPPORTED: dict[str, str] = {
 
 
 def names() -> list[str]:
+  """The names `get_config` knows, sorted."""
   return sorted(_CONFIGS)
 
 

@@ -37,6 +37,7 @@ def attention_flops(config: TransformerConfig, position: int) -> int:
 
 
 def logits_flops(config: TransformerConfig) -> int:
+  """FLOPs of one row's logits: a [D] x [D, V] product."""
   return 2 * config.vocab_size * config.embed_dim
 
 

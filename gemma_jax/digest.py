@@ -62,8 +62,9 @@ def read_files(root: str, sizes: dict[str, int], name: str,
                into: dict[str, np.ndarray] | None = None) -> dict[str, str]:
   """Reads each file (a path relative to `root`, of the size given) once, hashing it as it
   lands, the files shared out by bytes over every core (one task per core: a task per file
-  would cost more than a small file's read). A file named in `into` lands in that array (its
-  raw bytes, `sizes` of them); any other is hashed and dropped. Returns {file: hex digest}."""
+  would cost more than a small file's read). A file named in `into` lands in that array (of
+  any shape, its raw bytes the file's `sizes` of them); any other is hashed and dropped.
+  Returns {file: hex digest}."""
   into = into or {}
 
   def read(relative):

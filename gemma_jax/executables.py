@@ -50,11 +50,14 @@ LOADED_EVENT = '/gemma_jax/executables/loaded'
 
 
 def directory() -> str:
+  """Where saved executables live: $GEMMA_JAX_SAVED_EXECUTABLES where it names a folder, else
+  $GEMMA_JAX_CACHE/executables."""
   value = os.environ.get(ENV, '1')
   return value if value not in ('', '0', '1') else os.path.join(cache_root(), 'executables')
 
 
 def enabled() -> bool:
+  """Whether executables are saved and loaded ($GEMMA_JAX_SAVED_EXECUTABLES is not '0')."""
   return os.environ.get(ENV, '1') != '0'
 
 

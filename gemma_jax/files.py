@@ -39,6 +39,7 @@ def staging_path(path: str, suffix: str = '') -> str:
 
 
 def fsync_directory(directory: str) -> None:
+  """Flushes a directory's entries (a rename into it) to disk."""
   fd = os.open(directory, os.O_RDONLY)
   try:
     os.fsync(fd)
@@ -65,10 +66,12 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None], *, suffix: str = 
 
 
 def write_bytes(path: str, data: bytes) -> None:
+  """`data` at `path`, atomically and durably (`write_atomic`)."""
   write_atomic(path, lambda f: f.write(data))
 
 
 def write_text(path: str, text: str) -> None:
+  """`text` (UTF-8) at `path`, atomically and durably."""
   write_bytes(path, text.encode())
 
 
@@ -90,7 +93,7 @@ def write_json(path: str, value) -> None:
 
 
 def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
-  """An uncompressed .npz of the named arrays, atomically."""
+  """An uncompressed .npz of the named arrays (any shape and dtype each), atomically."""
   write_atomic(path, lambda f: np.savez(f, **arrays), suffix='.npz')
 
 

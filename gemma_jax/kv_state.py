@@ -35,22 +35,30 @@ EMPTY = -1  # position of an empty slot
 
 @struct.dataclass
 class LayerKV:
+  """One cache-owning layer's cache: S slots per batch row, slot j mod S holding the token of
+  sequence index j."""
+
   k: jax.Array  # [B, S, K, H]
   v: jax.Array  # [B, S, K, H]
   positions: jax.Array  # [B, S] int32, EMPTY where no token was written
 
   @property
   def num_slots(self) -> int:
+    """S, the slots of this layer's cache."""
     return self.k.shape[1]
 
 
 @struct.dataclass
 class KVState:
+  """The KV state every model call takes and returns (a pytree): one LayerKV per cache-owning
+  layer and, per batch row, how many tokens were written."""
+
   layers: tuple[LayerKV, ...]  # one per cache-owning layer, in config.cache_layers order
   fill: jax.Array  # [B] int32: sequence index of the next token
 
   @property
   def batch_size(self) -> int:
+    """B, the batch rows (contexts) the state holds."""
     return self.fill.shape[0]
 
 
@@ -61,8 +69,20 @@ def local_slots_needed(config: TransformerConfig, tokens_per_call: int) -> int:
 
 def init_kv_state(config: TransformerConfig, *, batch_size: int, cache_len: int, dtype,
                   local_cache_len: int | None = None) -> KVState:
-  """An empty KV state: `cache_len` slots on global layers, `local_cache_len` (default: the same)
-  on local layers."""
+  """An empty KV state (every position EMPTY, fill 0), placed on the default device.
+
+  Args:
+    config: the model's TransformerConfig (which layers own a cache, their K and H).
+    batch_size: B.
+    cache_len: S of global layers: the most tokens a context holds.
+    dtype: the dtype of k and v.
+    local_cache_len: S of local (sliding-window) layers, at most cache_len; None: cache_len.
+      A ring needs window + T - 1 slots for calls of T tokens (`local_slots_needed`).
+
+  Returns:
+    A KVState: per cache layer k, v [B, S, K, H] zeros in `dtype` and positions int32 [B, S];
+    fill int32 [B].
+  """
   layers = []
   for i in config.cache_layers:
     spec = config.layer_spec(i)
@@ -163,7 +183,8 @@ def to_leaves(kv: KVState, cache_layers: tuple[int, ...]) -> dict[str, np.ndarra
 def expected_positions(start: int, num_tokens: int, slots: int) -> np.ndarray:
   """The positions a layer of `slots` slots holds after `num_tokens` tokens from position
   `start` (slots [0, min(n, slots)); slot s holds the last token whose sequence index is
-  s mod slots): what to_leaves stores and what assemble must rebuild."""
+  s mod slots): what to_leaves stores and what assemble must rebuild. -> int32 [min(n, S)]
+  (S = slots)."""
   stored = min(num_tokens, slots)
   s = np.arange(stored)
   index = s + slots * ((num_tokens - 1 - s) // slots)
@@ -174,8 +195,9 @@ def rows_from_leaves(leaves: dict[str, np.ndarray], cache_layers: tuple[int, ...
                      num_tokens: int, start_position: int) -> list['KVRows']:
   """The rows that leaves, as to_leaves writes them, hold for `num_tokens` tokens from
   `start_position`: [0, n - S) from the layers that keep every token (the others read None
-  there), [n - S, n) from every layer (S: the smallest ring). Raises ValueError when a leaf is
-  missing or does not hold at most n slots."""
+  there), [n - S, n) from every layer (S: the smallest ring), each KVRows holding k, v [T, K, H]
+  and positions int32 [T] per layer. Raises ValueError when a leaf is missing or does not hold at
+  most n slots."""
   stored = []
   for layer_index in cache_layers:
     k_name, v_name, p_name = leaf_names(layer_index)
@@ -201,7 +223,8 @@ def rows_from_leaves(leaves: dict[str, np.ndarray], cache_layers: tuple[int, ...
 
 def shift_positions(kv: KVState, delta: int) -> KVState:
   """The same K/V with every filled slot's position moved by `delta` (empty slots stay EMPTY;
-  slots never move, since a token's slot is its sequence index)."""
+  slots never move, since a token's slot is its sequence index): each layer's positions [B, S]
+  shifted, k and v [B, S, K, H] as they are."""
   def move(layer: LayerKV) -> LayerKV:
     filled = layer.positions != EMPTY
     return layer.replace(positions=jnp.where(filled, layer.positions + jnp.int32(delta),
@@ -222,6 +245,7 @@ class KVRows:
 
   @property
   def num_tokens(self) -> int:
+    """T, the tokens the rows cover."""
     return int(self.positions[0].shape[0]) if self.positions else 0
 
   def prefix(self, n: int) -> 'KVRows':
@@ -245,8 +269,8 @@ def _gather_rows(kv: KVState, start: jax.Array, count: int):
 
 def take_rows(kv: KVState, start: int, stop: int) -> KVRows:
   """Rows of sequence indices [start, stop) of batch row 0, copied to the host (only those rows
-  move). Every layer must still hold them: a local ring of S slots holds only the last S tokens
-  written."""
+  move): per layer k, v [stop - start, K, H] and positions int32 [stop - start]. Every layer
+  must still hold them: a local ring of S slots holds only the last S tokens written."""
   n = int(kv.fill[0])
   if not 0 <= start <= stop <= n:
     raise ValueError(f'rows [{start}, {stop}) of a state holding {n} tokens')
@@ -265,7 +289,8 @@ def assemble(empty: KVState, rows: list[KVRows], num_tokens: int) -> KVState:
   row 0, the shapes and dtype of `empty`). Each layer keeps the rows its slots hold after all
   `num_tokens` tokens, as a fresh computation leaves them (the last S on a ring of S slots);
   a layer a KVRows has no K/V for (None) takes nothing from it, so a caller reads for each
-  layer only the rows that layer keeps."""
+  layer only the rows that layer keeps. `empty` may be abstract (jax.eval_shape); the result
+  holds NumPy arrays: per layer k, v [1, S, K, H] and positions [1, S], fill [1]."""
   buffers = [(np.zeros(layer.k.shape[1:], layer.k.dtype), np.zeros(layer.v.shape[1:], layer.v.dtype),
               np.full(layer.positions.shape[1:], EMPTY, np.int32)) for layer in empty.layers]
   for block in rows:

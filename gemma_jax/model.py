@@ -41,8 +41,8 @@ PARAMS_TREE_VERSION = 2
 class Embedder(nnx.Module):
   """Token embedding (tied with the output head); Gemma 4 E-models add per-layer embeddings.
 
-  input_embedding [V, D]. Per-layer embeddings (PLE, width P): per_layer_embeddings [V, L, P],
-  per_layer_model_projection [D, L, P], per_layer_projection_norm over P.
+  input_embedding [V, D]. Per-layer embeddings (PLE, width E): per_layer_embeddings [V, L, E],
+  per_layer_model_projection [D, L, E], per_layer_projection_norm over E.
   """
 
   def __init__(self, config: TransformerConfig, *, dtype, rngs: nnx.Rngs):
@@ -59,7 +59,7 @@ class Embedder(nnx.Module):
 
   def encode(self, tokens: jax.Array,
              numerics: Numerics) -> tuple[jax.Array, jax.Array | None]:
-    """tokens [B, T] -> (x [B, T, D], per-layer inputs [B, T, L, P] or None)."""
+    """tokens [B, T] -> (x [B, T, D], per-layer inputs [B, T, L, E] or None)."""
     table = self.input_embedding[...]
     if table.ndim == 3:  # stored as the output table's column panels [V / P, D, P]: gathered
       rows = table[tokens // table.shape[2], :, tokens % table.shape[2]]  # [B, T, D]
@@ -144,6 +144,17 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
+  """The Gemma decoder: the embedder, L blocks (attention and MLP, each between norms) and the
+  final norm, as `config` describes them (gemma_jax.config: per-layer attention types, windows,
+  RoPE, KV sharing). Its state is the parameter tree (`Params`); `forward` and `compute_logits`
+  are the pure functions over it that engines call.
+
+  Args:
+    config: the model's TransformerConfig.
+    dtype: the parameters' dtype (float32 or bfloat16).
+    rngs: nnx.Rngs for seeded random weights; None gives every parameter as its
+      jax.ShapeDtypeStruct (no memory: `abstract_params`).
+  """
 
   def __init__(self, config: TransformerConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
     self.config = config
@@ -212,7 +223,7 @@ def bind(params: Params, config: TransformerConfig) -> Transformer:
 
 def dense_weights(config: TransformerConfig) -> dict[str, tuple[int, int]]:
   """Every dense projection's weight, by flat name ('layers/0/mlp/down_proj/w'), as the [I, O]
-  matrix it is contracted as (K the product of its input dims)."""
+  matrix it is contracted as (I the product of its input dims, O of its outputs)."""
   out = {}
   for path, node in nnx.iter_graph(Transformer(config, rngs=None)):
     if isinstance(node, Dense):
@@ -244,9 +255,41 @@ def _packed(w: jax.Array, k: int, n: int) -> jax.Array:
 def forward(params: Params, config: TransformerConfig, tokens: jax.Array, positions: jax.Array,
             kv: kvs.KVState, attention_fn: AttendFn = attend,
             numerics: Numerics = XLA) -> tuple[jax.Array, kvs.KVState]:
+  """One model call: the tokens' hidden states, and the KV state with their K and V written.
+
+  Args:
+    params: the parameter tree (`Params`: `init_params`, gemma_jax.weights.load).
+    config: the model's TransformerConfig.
+    tokens: int32 [B, T] token ids.
+    positions: int32 [B, T] RoPE positions; kv_state.EMPTY (-1) marks a padding row, which
+      attends to nothing and writes nothing.
+    kv: the KV state (`init_kv_state`): per cache layer k, v [B, S, K, H] and positions
+      [B, S]; the tokens go at sequence indices kv.fill .. kv.fill + T - 1.
+    attention_fn: the attention implementation (gemma_jax.attention.IMPLEMENTATIONS).
+    numerics: how every operation is computed (gemma_jax.numerics).
+
+  Returns:
+    (hidden [B, T, D] after the final norm, in the parameters' dtype; the new KV state, fill
+    advanced by each row's real tokens).
+  """
   return bind(params, config)(tokens, positions, kv, attention_fn, numerics)
 
 
 def compute_logits(params: Params, config: TransformerConfig, hidden: jax.Array,
                    numerics: Numerics = XLA, output_table: jax.Array | None = None) -> jax.Array:
+  """The logits of hidden states against the tied embedding (soft-capped where the family
+  caps them).
+
+  Args:
+    params: the parameter tree.
+    config: the model's TransformerConfig.
+    hidden: [B, T, D] hidden states from `forward`.
+    numerics: how the contraction is computed.
+    output_table: the numerics' output table where it is not the embedding itself (a
+      float32 [D, V] copy, or its column panels [V / P, D, P]; `Numerics.output_table`); None:
+      the embedding [V, D].
+
+  Returns:
+    float32 [B, T, V] logits.
+  """
   return bind(params, config).embedder.decode(hidden, numerics, output_table)

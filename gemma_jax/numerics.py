@@ -83,7 +83,8 @@ def spec_multiply(a: jax.Array, b: jax.Array, opaque=lambda x: x) -> jax.Array:
 def tree_sum(x: jax.Array) -> jax.Array:
   """Sum over the last axis (kept, size 1) in a fixed pairwise order: halves are added
   elementwise until one element is left (an odd element rides along to the next level).
-  Elementwise adds have no order to choose, so the result is the same for any leading shape."""
+  Elementwise adds have no order to choose, so the result is the same for any leading shape.
+  [..., X] -> [..., 1]."""
   while x.shape[-1] > 1:
     n = x.shape[-1]
     h = n // 2
@@ -105,12 +106,12 @@ class Numerics:
   rows: Any = dataclasses.field(default=None, compare=False, repr=False)
 
   def with_zero(self, zero: jax.Array | None) -> 'Numerics':
-    """This value with a run-time zero: a uint32 scalar that is 0 at run time but unknown to the
-    compiler (the model derives it from its inputs while tracing a call)."""
+    """This value with a run-time zero: a uint32 scalar [] that is 0 at run time but unknown to
+    the compiler (the model derives it from its inputs while tracing a call)."""
     return dataclasses.replace(self, zero=zero)
 
   def with_rows(self, rows: jax.Array | None) -> 'Numerics':
-    """This value computing only the first `rows` (an int32 scalar known at run time) of every
+    """This value computing only the first `rows` (an int32 scalar [] known at run time) of every
     projection's rows, where its kernels can (the rest are the call's padding rows, whose
     values nothing reads; None: every row). A row's bits never depend on it."""
     return dataclasses.replace(self, rows=rows)
@@ -144,15 +145,16 @@ class Numerics:
   # Fusion barriers ------------------------------------------------------------------------------
 
   def materialize(self, x: jax.Array) -> jax.Array:
-    """x as a value no later add can be contracted with (identity here)."""
+    """x as a value no later add can be contracted with (identity here). Any shape."""
     return x
 
   def barrier(self, x: jax.Array) -> jax.Array:
-    """x computed into its own buffer (identity here)."""
+    """x computed into its own buffer (identity here). Any shape."""
     return x
 
   def product(self, a: jax.Array, b: jax.Array) -> jax.Array:
-    """a * b where the product feeds an add (rotations): here XLA may contract the two."""
+    """a * b where the product feeds an add (rotations): here XLA may contract the two. Any
+    shape (broadcast)."""
     return a * b
 
   def mul(self, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -160,8 +162,8 @@ class Numerics:
     return a * b
 
   def whole(self, x: jax.Array) -> jax.Array:
-    """x, about to be contracted by a row-parallel projection: whole on every device under the
-    'gather' layout (so the contraction is never split), unchanged otherwise."""
+    """x [B, ...], about to be contracted by a row-parallel projection: whole on every device
+    under the 'gather' layout (so the contraction is never split), unchanged otherwise."""
     if self.mesh is None:
       return x
     batch = 'data' if x.shape[0] % self.mesh.shape['data'] == 0 else None  # sequences stay apart
@@ -223,26 +225,29 @@ class Numerics:
     return jnp.einsum('bkjrs,bkjsh->bkjrh', p, v)
 
   def mean_square(self, x: jax.Array) -> jax.Array:
-    """mean(x^2) over the last axis (kept), float32 in and out."""
+    """mean(x^2) over the last axis (kept), float32 in and out: [..., X] -> [..., 1]."""
     return jnp.mean(jnp.square(x), axis=-1, keepdims=True)
 
   # Elementwise functions -----------------------------------------------------------------------
 
   def rsqrt(self, x: jax.Array) -> jax.Array:
+    """1 / sqrt(x), elementwise (any shape)."""
     return jax.lax.rsqrt(x)
 
   def exp(self, x: jax.Array) -> jax.Array:
+    """e^x, elementwise (any shape)."""
     return jnp.exp(x)
 
   def tanh(self, x: jax.Array) -> jax.Array:
+    """tanh x, elementwise (any shape)."""
     return jnp.tanh(x)
 
   def gelu(self, x: jax.Array) -> jax.Array:
-    """GELU with the tanh approximation, as every Gemma uses."""
+    """GELU with the tanh approximation, as every Gemma uses; elementwise (any shape)."""
     return jax.nn.gelu(x, approximate=True)
 
   def softcap(self, x: jax.Array, cap: float) -> jax.Array:
-    """tanh(x / cap) * cap."""
+    """tanh(x / cap) * cap, elementwise (any shape)."""
     return jnp.tanh(x / cap) * cap
 
   def timescales(self, head_dim: int, base: float) -> jax.Array:
@@ -257,8 +262,8 @@ class Numerics:
     return angles if scale == 1.0 else angles / jnp.float32(scale)
 
   def sin_cos(self, angles: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """sin and cos of float32 angles, each computed into its own buffer when the value has
-    barriers (XLA:CPU otherwise recomputes them inside every layer's fusions)."""
+    """sin and cos of float32 angles [..., H/2], each computed into its own buffer when the value
+    has barriers (XLA:CPU otherwise recomputes them inside every layer's fusions)."""
     return jnp.sin(angles), jnp.cos(angles)
 
 
@@ -287,7 +292,7 @@ class FixedOrder(Numerics):
     run-time zero), so that no later add can be contracted with the multiply that produced x.
     XLA:CPU contracts a multiply and an add that share a fusion into an FMA, and which ops share
     a fusion follows the shapes; an XLA optimization barrier does not stop it (XLA:CPU removes
-    barriers before fusion)."""
+    barriers before fusion). Any shape, 16- or 32-bit floats."""
     if self.zero is None:
       return x
     bits = {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
@@ -298,7 +303,7 @@ class FixedOrder(Numerics):
     """x computed into its own buffer: the value leaves a `lax.cond` on a run-time predicate,
     which XLA:CPU cannot fuse through. Without it XLA fuses the residual stream's cheap adds
     into every consumer and recomputes the whole stream inside each later norm and projection
-    input. Also a `materialize`."""
+    input. Also a `materialize`. Any shape."""
     if self.zero is None:
       return x
     return jax.lax.cond(self.zero == 0, lambda y: y, jnp.zeros_like, self.materialize(x))

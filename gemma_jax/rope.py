@@ -41,6 +41,7 @@ def timescales(head_dim: int, base: float) -> jax.Array:
 
 
 def num_rotated_pairs(head_dim: int, rotary_fraction: float) -> int:
+  """The pairs of a head of `head_dim` that RoPE turns: the first rotary_fraction of H/2."""
   return int(rotary_fraction * (head_dim // 2))
 
 
@@ -58,7 +59,8 @@ def quarter_turn_sin_cos(positions: jax.Array, head_dim: int, numerics: Numerics
                          rotary_fraction: float = 1.0, **unused):
   """Exact sin/cos for angles (position * m_i) * pi/2 with m_i = 1 + i mod 3 (a linear function
   of the position, so shifts compose exactly). Values are exactly 0, 1 or -1. (The base and
-  scale of a layer and the numerics do not enter.)"""
+  scale of a layer and the numerics do not enter.) positions [...] -> (sin, cos) float32
+  [..., H/2]."""
   del numerics, unused
   half = head_dim // 2
   multiplier = 1 + jnp.arange(half, dtype=jnp.int32) % 3
@@ -202,6 +204,7 @@ class RelativeScores:
 
   @classmethod
   def for_layer(cls, spec, numerics: Numerics) -> 'RelativeScores':
+    """The scores of a layer of LayerSpec `spec` under `numerics`."""
     return cls(spec.head_dim, spec.rope_base, spec.rope_scale, spec.rotary_fraction, numerics)
 
   @property
@@ -210,6 +213,8 @@ class RelativeScores:
     return num_rotated_pairs(self.head_dim, self.rotary_fraction)
 
   def table(self, size: int):
+    """(sin, cos) float32 [size, H/2]: the turn of every offset 0 .. size - 1
+    (`offset_sin_cos`)."""
     return offset_sin_cos(size, self.head_dim, self.numerics, base=self.base, scale=self.scale,
                           rotary_fraction=self.rotary_fraction)
 
@@ -271,6 +276,7 @@ MODES: dict[str, RopeMode] = {m.name: m for m in (
 
 
 def get_mode(name: str) -> RopeMode:
+  """The RoPE mode `name` of MODES (ValueError naming the modes otherwise)."""
   if name not in MODES:
     raise ValueError(f'unknown RoPE mode {name!r}; expected one of {tuple(MODES)}')
   return MODES[name]

@@ -96,13 +96,15 @@ def initialize_distributed(coordinator: str, num_processes: int, process_id: int
 def to_host(x) -> np.ndarray:
   """A jax.Array as one NumPy array in every process: as is where this process holds all of it
   (one process, or replicated), else gathered from every process (multihost_utils; every
-  process must call it, as with any computation on a global array)."""
+  process must call it, as with any computation on a global array). Any shape, kept."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(x)
 
 
 def make_mesh(axes: dict[str, int]) -> Mesh:
+  """A Mesh of the first data x model devices, axes AXES ('data', 'model'), from
+  `parse_mesh`'s sizes (ValueError when this process has fewer devices)."""
   count = math.prod(axes.values())
   devices = jax.devices()
   if len(devices) < count:

@@ -125,12 +125,15 @@ class TiledAttention:
                         max_tiles=self.max_tiles, scores=scores, numerics=numerics)
 
   def reading(self, max_tiles: int | None) -> 'TiledAttention':
+    """This attention reading only the first `max_tiles` tiles (None: all)."""
     return dataclasses.replace(self, max_tiles=max_tiles)
 
   def blocks(self, head_dims, dtype) -> dict:
+    """Per head dim, the tile size: it orders the sums, so the fingerprint records it."""
     del dtype
     return {str(h): {'tile_size': self.tile} for h in head_dims}
 
   def slot_multiple(self, head_dims, dtype) -> int:
+    """The tile: caches are whole tiles."""
     del head_dims, dtype
     return self.tile

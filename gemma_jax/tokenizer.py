@@ -64,10 +64,12 @@ class Tokenizer:
 
   @classmethod
   def from_model_proto(cls, model_proto: bytes) -> 'Tokenizer':
+    """From a serialized SentencePiece model."""
     return cls(spm.SentencePieceProcessor(model_proto=model_proto))
 
   @classmethod
   def from_file(cls, path: str) -> 'Tokenizer':
+    """From a SentencePiece .model file."""
     with open(path, 'rb') as f:
       return cls.from_model_proto(f.read())
 
@@ -89,20 +91,25 @@ class Tokenizer:
 
   @property
   def vocab_size(self) -> int:
+    """V, the pieces of the vocabulary."""
     return self._sp.get_piece_size()
 
   @property
   def model_proto(self) -> bytes:
+    """The serialized SentencePiece model (what the model fingerprint hashes)."""
     return self._sp.serialized_model_proto()
 
   def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+    """The token ids of `text`, BOS first unless add_bos is False."""
     ids = self._sp.encode(text)
     return [BOS_ID] + ids if add_bos else ids
 
   def decode(self, ids) -> str:
+    """The text of token ids (BOS and EOS dropped)."""
     return self._sp.decode([int(i) for i in ids if int(i) not in (BOS_ID, EOS_ID)])
 
   def id_to_piece(self, token_id: int) -> str:
+    """The vocabulary piece of one id."""
     return self._sp.id_to_piece(int(token_id))
 
   def gguf_vocab(self) -> tuple[list[str], list[float], list[int]]:

@@ -39,6 +39,7 @@ _CODE = ('gemma_jax', os.path.join('graft', 'engine'))
 
 
 def directory() -> str:
+  """Where verdicts are kept: $GEMMA_JAX_VERDICTS, else $GEMMA_JAX_CACHE/verdicts."""
   return os.environ.get(DIRECTORY_ENV) or os.path.join(cache_root(), 'verdicts')
 
 

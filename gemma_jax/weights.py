@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma_jax import model
+from gemma_jax import model, numerics
 from gemma_jax.checkpoints import gguf_io, orbax_io, param_cache, safetensors_io, tree
 from gemma_jax.config import TransformerConfig, get_config
+from gemma_jax.kernels import native_dot
 from gemma_jax.tokenizer import Tokenizer, synthetic_tokenizer
 
 EMBEDDED_CONFIG = 'gemma3_270m'
@@ -91,10 +92,11 @@ def _as_jax(params, dtype: str):
 # kernels read them (gemma_jax.kernels.native_dot.pack; projections of at most SMALL weights, the
 # tiny configs' pairwise products, are never packed) with the embedding stored as the panels of
 # its transpose, the output table the engine's logits read and its lookup gathers from.
-PACKING = {'panel': 64, 'small': 65536}
+PACKING = {'panel': native_dot.PANEL, 'small': numerics.FixedOrder.small}
 
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
+  """The SHA-256 of a file's bytes (hex), read in chunks."""
   digest = hashlib.sha256()
   with open(path, 'rb') as f:
     while block := f.read(chunk):
@@ -207,6 +209,18 @@ _MAPPED: 'weakref.WeakValueDictionary' = weakref.WeakValueDictionary()
 
 def load(model_name: str | TransformerConfig, weights: str = 'embedded',
          dtype: str = 'float32') -> LoadedModel:
+  """A model's config, parameters and tokenizer.
+
+  Args:
+    model_name: a name of gemma_jax.config (`model_names()`), or a TransformerConfig.
+    weights: a `--weights` spec (this module's docstring): 'embedded', 'random:SEED' or a path.
+    dtype: 'float32' or 'bfloat16', the parameters' dtype.
+
+  Returns:
+    A LoadedModel (its params: the tree gemma_jax.model defines, e.g. embedder/input_embedding
+    [V, D], in `dtype`; the embedded model's float32 weights are mapped from the parameter
+    cache, not copied).
+  """
   config = get_config(model_name) if isinstance(model_name, str) else model_name
   if dtype not in DTYPES:
     raise ValueError(f'unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}')

@@ -5,11 +5,16 @@ For a (library, query) pair:
          query position) and a greedy continuation;
   graft  a graft source gives a context holding the library, or a prefix of it, computed
          elsewhere: an artifact a separately constructed engine wrote to disk (`artifact_graft`),
-         or the longest prefix a store holds (graft/store/_store.py); the engine verifies and grafts it
-         at its own positions, computes the rest of the library and the query, and continues.
+         or the longest prefix a store holds (graft/store/_store.py); the engine verifies and
+         grafts it at its own positions, computes the rest of the library and the query, and
+         continues.
 Equal means the SHA-256 of the two float32 query-logit arrays is the same. Every experiment that
 compares a graft with a fresh computation does it here (`fresh_logits`, `graft_logits`,
 `check_sample`).
+
+Why in the library: it is the project's claim as a function. graft.replay checks committed
+manifests with it, a user checks a graft of their own with `check_sample`, and the tests call it
+directly; the entry points only add flags and output.
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ Slots never move: a token's slot is its sequence index (gemma_jax/kv_state.py), 
 graft changes keys and positions in place and the query that follows lands in the same slots
 as in a fresh computation at the new positions. A shift maps rows to rows (`KVRows`);
 `Engine.graft` puts them in a context, as for every other graft.
+
+Why in the library: a shifted graft is a graft a user can make (a library reused at other
+positions, knowing what it costs in exactness); the position experiments, the benchmark, the
+RoPE fidelity check and graft.exactness all call `graft_shifted` and `layer_divergence`.
 """
 
 from __future__ import annotations

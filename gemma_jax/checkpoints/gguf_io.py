@@ -53,6 +53,8 @@ _GLOBAL_NAMES = {
 
 
 def gguf_name(hf_name: str) -> str:
+  """llama.cpp's name of the tensor HF names `hf_name` ('model.layers.0.mlp.down_proj.weight'
+  -> 'blk.0.ffn_down.weight')."""
   if hf_name in _GLOBAL_NAMES:
     return _GLOBAL_NAMES[hf_name]
   _, _, index, suffix = hf_name.split('.', 3)  # model.layers.{i}.{suffix}
@@ -66,6 +68,8 @@ def _norm_offset(hf_name: str, config: TransformerConfig) -> float:
 
 
 def expected_metadata(config: TransformerConfig) -> dict[str, object]:
+  """The GGUF metadata keys and values a file of `config` must hold (architecture, layer count,
+  widths, heads, window)."""
   arch = _ARCH[config.family]
   return {
       'general.architecture': arch,
@@ -80,6 +84,8 @@ def expected_metadata(config: TransformerConfig) -> dict[str, object]:
 
 
 def open_reader(path: str):
+  """A gguf.GGUFReader of `path` (FileNotFoundError, or ValueError naming the file where it is
+  not a GGUF)."""
   import gguf  # heavy: only where a GGUF file is read or written
   if not os.path.isfile(path):
     raise FileNotFoundError(f'GGUF file not found: {path}')
@@ -90,6 +96,8 @@ def open_reader(path: str):
 
 
 def check_metadata(reader, config: TransformerConfig, path: str) -> None:
+  """Raises ValueError naming every metadata field of the file at `path` that differs from
+  `expected_metadata(config)`."""
   for key, want in expected_metadata(config).items():
     field = reader.fields.get(key)
     got = None if field is None else field.contents()

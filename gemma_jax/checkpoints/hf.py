@@ -20,6 +20,9 @@ from gemma_jax.config import TransformerConfig
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
+  """One HF tensor: its name, where it lives in the params tree, and the layout conversions
+  both ways."""
+
   hf_name: str
   path: tuple  # path in the gemma_jax params tree
   to_hf: Callable[[np.ndarray], np.ndarray]
@@ -115,13 +118,17 @@ def entries(config: TransformerConfig) -> list[Entry]:
 
 
 def params_to_hf(params, config: TransformerConfig) -> dict[str, np.ndarray]:
+  """Every parameter under its HF name, in HF's layout (projections [out, in]; each tensor any
+  shape its HF name has)."""
   return {e.hf_name: np.ascontiguousarray(e.to_hf(tree.get(params, e.path, e.part)))
           for e in entries(config)}
 
 
 def params_from_hf(tensors: Mapping[str, np.ndarray], config: TransformerConfig, *,
                    source: str, dtype=np.float32) -> dict:
-  """Params from HF-named tensors; missing or misshapen tensors raise ValueError naming them."""
+  """Params from HF-named tensors (each any shape its HF name has, converted to the params
+  tree's layout, e.g. q_proj [D, N, H]); missing or misshapen tensors raise ValueError naming
+  them."""
   missing = [e.hf_name for e in entries(config) if e.hf_name not in tensors]
   if missing:
     raise ValueError(f'{source}: {len(missing)} tensors that {config.name} needs are missing, '

@@ -77,7 +77,8 @@ def _permutation(internal: str) -> tuple[int, ...] | None:
 
 
 def to_official(params, config: TransformerConfig) -> dict[str, dict[str, np.ndarray]]:
-  """The official flat tree {module key: {leaf name: array}} of `params`."""
+  """The official flat tree {module key: {leaf name: array}} of `params` (each leaf any shape
+  the official layout gives it, e.g. attn/q_einsum/w [N, D, H])."""
   out: dict[str, dict[str, np.ndarray]] = {}
   for internal, leaf in tree.flatten(params).items():
     key, leaf_name = official_name(internal, config)

@@ -14,6 +14,7 @@ from absl import logging
 
 @contextlib.contextmanager
 def quiet(level=logging.WARNING):
+  """A context in which absl logs at `level` and above only (Orbax's INFO lines hidden)."""
   previous = logging.get_verbosity()
   logging.set_verbosity(level)
   try:
@@ -29,6 +30,7 @@ def raw_checkpointer():
 
 
 def save(path: str, tree) -> None:
+  """Saves a PyTree of arrays at `path`, uncompressed (`raw_checkpointer`), quietly."""
   with quiet():
     raw_checkpointer().save(path, tree)
 

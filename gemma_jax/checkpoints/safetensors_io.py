@@ -49,7 +49,8 @@ _MODEL_TYPES = {
 
 
 def read_file(path: str) -> dict[str, np.ndarray]:
-  """All tensors of one .safetensors file, as arrays of the stored dtype (memory-mapped)."""
+  """All tensors of one .safetensors file, as arrays of the stored dtype and any shape the file
+  gives them (memory-mapped)."""
   size = os.path.getsize(path)
   with open(path, 'rb') as f:
     prefix = f.read(8)
@@ -109,7 +110,7 @@ def checkpoint_files(path: str) -> list[str]:
 
 
 def read_checkpoint(path: str) -> dict[str, np.ndarray]:
-  """Every tensor of a file or sharded directory, by its stored name."""
+  """Every tensor of a file or sharded directory, by its stored name (any shape, as stored)."""
   tensors: dict[str, np.ndarray] = {}
   for file in checkpoint_files(path):
     for name, value in read_file(file).items():
@@ -147,8 +148,8 @@ def check_hf_config(path: str, config: TransformerConfig) -> None:
 
 
 def normalize_names(tensors: Mapping[str, np.ndarray], *, source: str) -> dict[str, np.ndarray]:
-  """Text-model tensors under `model.` names; other towers dropped; a tied lm_head checked and
-  dropped."""
+  """Text-model tensors under `model.` names (any shape, unchanged); other towers dropped; a tied
+  lm_head checked and dropped."""
   multimodal = any(name.startswith(_LANGUAGE_PREFIXES) for name in tensors)
   out, head = {}, None
   for name, value in tensors.items():

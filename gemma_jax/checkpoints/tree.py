@@ -16,7 +16,8 @@ def _key(entry) -> str:
 
 
 def flatten(params) -> dict[str, np.ndarray]:
-  """{'layers/0/attn/q_einsum/w': array, ...}, sorted by name."""
+  """{'layers/0/attn/q_einsum/w': array, ...}, sorted by name (each leaf any shape: the
+  parameter's own)."""
   flat = {'/'.join(_key(k) for k in path): leaf
           for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
   return dict(sorted(flat.items()))
@@ -34,6 +35,8 @@ def params_digest(params) -> str:
 
 
 def unflatten(flat: Mapping[str, np.ndarray]) -> dict:
+  """The nested params tree of a flat {'layers/0/...': array} (`flatten`'s inverse; numeric
+  parts become int keys, as the NNX state has them; leaves of any shape, unchanged)."""
   out: dict = {}
   for name, leaf in flat.items():
     parts = [int(p) if p.isdigit() else p for p in name.split('/')]
@@ -45,7 +48,8 @@ def unflatten(flat: Mapping[str, np.ndarray]) -> dict:
 
 
 def get(params, path: tuple, part: tuple[int, int] | None = None) -> np.ndarray:
-  """The leaf at `path`, or its slice `index` along `axis` when part = (axis, index)."""
+  """The leaf at `path` (any shape), or its slice `index` along `axis` when
+  part = (axis, index)."""
   node = params
   for key in path:
     node = node[key]
@@ -56,7 +60,8 @@ def get(params, path: tuple, part: tuple[int, int] | None = None) -> np.ndarray:
 def assemble(leaves: Mapping[tuple, np.ndarray], config, *, source: str, dtype) -> dict:
   """Builds the params tree of `config` from leaves keyed by (path, part): part None for a whole
   leaf, (axis, index) for slices that are stacked along `axis` (e.g. the gate and up halves of
-  gate_up_proj). Missing leaves and wrong shapes raise ValueError naming them."""
+  gate_up_proj); each leaf of any shape, checked against `abstract_params(config)`. Missing
+  leaves and wrong shapes raise ValueError naming them."""
   pieces: dict[tuple, dict] = {}
   for (path, part), value in leaves.items():
     pieces.setdefault(path, {})[part] = np.asarray(value)

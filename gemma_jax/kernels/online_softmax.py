@@ -39,6 +39,8 @@ def visible_slots(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax
 
 
 def initial_state(block_q: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The state before any tile: running max m [bq, 1] (MASKED), row sum l [bq, 1] and
+  accumulator acc [bq, H], float32 (bq = block_q, H = head_dim)."""
   return (jnp.full((block_q, 1), MASKED, jnp.float32),
           jnp.zeros((block_q, 1), jnp.float32),
           jnp.zeros((block_q, head_dim), jnp.float32))

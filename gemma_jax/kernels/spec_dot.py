@@ -1,9 +1,9 @@
 """The written arithmetic's dot as a Pallas kernel: one sequential FMA chain per output.
 
     dot = make_spec_dot()                      # backend defaults
-    out = dot(a, b)                            # a [J, M, C], b [J, C, N] float32 -> [J, M, N]
+    out = dot(a, b)                            # a [J, M, I], b [J, I, O] float32 -> [J, M, O]
 
-Every output is c = fma(a[j, m, k], b[j, k, n], c) for k = 0, 1, ..., C - 1 from c = +0, each
+Every output is c = fma(a[j, m, i], b[j, i, o], c) for i = 0, 1, ..., I - 1 from c = +0, each
 FMA rounded once to binary32 (nearest even) and a subnormal result flushed to a zero of its sign:
 the dot of docs/determinism.md ("Dots"), which gemma_jax.spec.binary32.dot computes in NumPy and
 which Eigen's dot computes on XLA:CPU for the contraction sizes the spec engine uses (checked by
@@ -12,10 +12,10 @@ Triton's tensor-core dots split and reorder the contraction), so the spec engine
 through this kernel there (EngineConfig.dot_library='pallas').
 
 Kernel. A program owns a [block_m, block_n] block of outputs of one batch entry j and walks
-k = 0 .. C - 1 in order, folding the outer product of a's column k and b's row k into its
+i = 0 .. I - 1 in order, folding the outer product of a's column i and b's row i into its
 accumulator with one FMA per output. Nothing is split, reordered or shared between programs,
 so an output's bits depend only on its row of a and column of b. Block shapes are powers of two
-(as Triton requires): M and N are padded with zero rows and columns (sliced off), and C with
+(as Triton requires): M and O are padded with zero rows and columns (sliced off), and I with
 zero terms *in front*, which keep c = +0 exactly (fma(0, 0, +0) = +0), so the chain over the
 real terms starts from +0 as specified. (Zero terms after them would not be exact: they turn a
 -0 result into +0.)
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gemma_jax import numerics
-from gemma_jax.sizes import next_power_of_two
+from gemma_jax.sizes import next_power_of_two, round_up
 
 PLATFORMS = ('cpu', 'gpu')
 KERNEL_NAME = 'gemma_spec_dot'  # pl.pallas_call(name=...): how lowering finds it
@@ -106,7 +106,7 @@ class SpecDot:
     return self._batched(p, v)
 
   def _batched(self, a, b):
-    """a [..., M, C] . b [..., C, N] through the kernel."""
+    """a [..., M, I] . b [..., I, O] through the kernel."""
     lead = a.shape[:-2]
     out = self(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
     return out.reshape(*lead, *out.shape[-2:])
@@ -114,7 +114,7 @@ class SpecDot:
 
 def fma_emulated(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
   """RN_binary32(a * b + c), flushed when tiny, from binary64 operations (exact; see the module
-  doc and gemma_jax.spec.binary32, whose semantics these are)."""
+  doc and gemma_jax.spec.binary32, whose semantics these are); elementwise, any shape."""
   with jax.enable_x64(True):
     f64 = jnp.float64
     p = a.astype(f64) * b.astype(f64)
@@ -141,13 +141,14 @@ def _round_sum(p: jax.Array, c: jax.Array) -> jax.Array:
 
 
 def flush(x: jax.Array) -> jax.Array:
-  """Subnormal binary32 values as zeros of their sign."""
+  """Subnormal binary32 values as zeros of their sign (any shape, kept)."""
   tiny = (jax.lax.bitcast_convert_type(x, jnp.uint32) & 0x7F800000) == 0
   return jnp.where(tiny, jnp.copysign(jnp.zeros_like(x), x), x)
 
 
 def fma_ptx(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
-  """RN_binary32(a * b + c), flushed, as one PTX instruction (Triton only)."""
+  """RN_binary32(a * b + c), flushed, as one PTX instruction (Triton only); elementwise, any
+  shape."""
   from jax.experimental.pallas import triton as pltriton  # Pallas's GPU backend: only on a GPU
   [out] = pltriton.elementwise_inline_asm(
       FMA_PTX, args=[a, b, c], constraints='=r,r,r,r', pack=1,
@@ -187,7 +188,7 @@ def _kernel(a_ref, b_ref, o_ref, *, fma):
 
 @functools.partial(jax.jit, static_argnames=('config',))
 def spec_dot(a: jax.Array, b: jax.Array, *, config: SpecDot) -> jax.Array:
-  """a [J, M, C] @ b [J, C, N] -> [J, M, N], float32, each output one sequential FMA chain."""
+  """a [J, M, I] @ b [J, I, O] -> [J, M, O], float32, each output one sequential FMA chain."""
   if a.dtype != jnp.float32 or b.dtype != jnp.float32:
     raise ValueError(f'the spec dot is binary32; got {a.dtype} and {b.dtype}')
   (j, m, c), n = a.shape, b.shape[-1]
@@ -195,7 +196,7 @@ def spec_dot(a: jax.Array, b: jax.Array, *, config: SpecDot) -> jax.Array:
     raise ValueError(f'spec dot shapes do not contract: {a.shape} @ {b.shape}')
   bm = min(config.block_m, next_power_of_two(m))
   bn = min(config.block_n, next_power_of_two(n))
-  mp, np_, cp = -(-m // bm) * bm, -(-n // bn) * bn, next_power_of_two(c)
+  mp, np_, cp = round_up(m, bm), round_up(n, bn), next_power_of_two(c)
   # Zero terms in front (exact: the chain stays +0 through them), zero rows and columns after.
   a = jnp.pad(a, ((0, 0), (0, mp - m), (cp - c, 0)))
   b = jnp.pad(b, ((0, 0), (cp - c, 0), (0, np_ - n)))

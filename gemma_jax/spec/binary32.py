@@ -46,7 +46,7 @@ def _tiny(r: np.ndarray, exact) -> np.ndarray:
 
 
 def flush(x: np.ndarray) -> np.ndarray:
-  """Subnormal values as zeros of their sign (flush-to-zero)."""
+  """Subnormal values as zeros of their sign (flush-to-zero); any shape, kept, as binary32."""
   x = np.asarray(x, F32)
   tiny = (x.view(np.int32) & 0x7F800000) == 0
   if not tiny.any():
@@ -59,19 +59,23 @@ class Ops:
 
   @staticmethod
   def const(x) -> np.ndarray:
+    """x as a binary32 value. Elementwise over arrays of any shape."""
     return F32(x)
 
   @staticmethod
   def add(a, b):
+    """a + b, rounded to binary32, flushed. Elementwise over arrays of any shape."""
     with np.errstate(over='ignore', invalid='ignore'):
       return flush(np.add(a, b, dtype=F32))
 
   @staticmethod
   def sub(a, b):
+    """a - b, rounded to binary32, flushed. Elementwise over arrays of any shape."""
     return flush(np.subtract(a, b, dtype=F32))
 
   @staticmethod
   def mul(a, b):
+    """a * b, rounded once to binary32 (also below 2^-126), flushed. Elementwise over arrays of any shape."""
     with np.errstate(over='ignore'):
       r = flush(np.multiply(a, b, dtype=F32))
     # The binary64 product is exact; scaled, one rounding to binary32 is the unbounded one.
@@ -79,6 +83,7 @@ class Ops:
 
   @staticmethod
   def div(a, b):
+    """a / b, rounded to binary32, flushed. Elementwise over arrays of any shape."""
     with np.errstate(divide='ignore', invalid='ignore', over='ignore'):
       r = flush(np.divide(a, b, dtype=F32))
       # A binary64 quotient rounded again: the unbounded rounding but where it lands exactly on
@@ -87,43 +92,53 @@ class Ops:
 
   @staticmethod
   def sqrt(a):
+    """The square root of a, correctly rounded to binary32, flushed. Elementwise over arrays of any shape."""
     return flush(np.sqrt(a, dtype=F32))
 
   @staticmethod
   def neg(a):
+    """-a (exact). Elementwise over arrays of any shape."""
     return np.negative(a, dtype=F32)
 
   @staticmethod
   def abs(a):
+    """|a| (exact). Elementwise over arrays of any shape."""
     return np.abs(a).astype(F32)
 
   @staticmethod
   def min(a, b):
+    """The smaller of a and b (exact). Elementwise over arrays of any shape."""
     return np.minimum(a, b, dtype=F32)
 
   @staticmethod
   def max(a, b):
+    """The larger of a and b (exact). Elementwise over arrays of any shape."""
     return np.maximum(a, b, dtype=F32)
 
   @staticmethod
   def floor(a):
+    """The largest integer <= a, as binary32 (exact). Elementwise over arrays of any shape."""
     return np.floor(a).astype(F32)
 
   @staticmethod
   def lt(a, b):
+    """a < b (bool). Elementwise over arrays of any shape."""
     return np.less(a, b)
 
   @staticmethod
   def where(mask, a, b):
+    """a where mask holds, else b. Elementwise over arrays of any shape."""
     return np.where(mask, a, b).astype(F32)
 
   @staticmethod
   def ldexp(y, n):
+    """y * 2^n for integer n, built from the exponent bits (flushed). Elementwise over arrays of any shape."""
     scale = ((np.asarray(n).astype(np.int32) + 127) << 23).astype(np.int32).view(F32)
     return flush(np.multiply(y, scale, dtype=F32))
 
   @staticmethod
   def quadrant(k):
+    """k mod 4 of integer-valued k (the quadrant of a reduced angle), as integers. Elementwise over arrays of any shape."""
     return np.asarray(k).astype(np.int64) & 3
 
 
@@ -131,7 +146,7 @@ OPS = Ops()
 
 
 def fma(a, b, c) -> np.ndarray:
-  """a * b + c, rounded once (broadcasting binary32 arrays), then flushed."""
+  """a * b + c, rounded once (binary32 arrays of any shape, broadcast), then flushed."""
   p = np.multiply(np.asarray(a, F64), np.asarray(b, F64))
   return _round_sum(p, np.asarray(c, F64))
 
@@ -191,7 +206,8 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def tree_sum(x: np.ndarray) -> np.ndarray:
-  """The pairwise tree sum of gemma_jax.numerics.tree_sum over the last axis (kept)."""
+  """The pairwise tree sum of gemma_jax.numerics.tree_sum over the last axis (kept):
+  [..., X] -> [..., 1]."""
   while x.shape[-1] > 1:
     n = x.shape[-1]
     h = n // 2
@@ -214,9 +230,10 @@ def chunked_dot(x: np.ndarray, w: np.ndarray, k_chunk: int) -> np.ndarray:
 
 def matmul(x: np.ndarray, w: np.ndarray, *, k_chunk: int, small: int,
            weight_count: int | None = None) -> np.ndarray:
-  """A projection as the written arithmetic contracts it: with at most `small` weights, the
-  products rounded and summed by a pairwise tree; otherwise `chunked_dot`. weight_count: the
-  whole weight's size when `w` holds some of its columns (it decides the form)."""
+  """A projection x [M, I] @ w [I, O] as the written arithmetic contracts it -> binary32
+  [M, O]: with at most `small` weights, the products rounded and summed by a pairwise tree;
+  otherwise `chunked_dot`. weight_count: the whole weight's size when `w` holds some of its
+  columns (it decides the form)."""
   k, n = w.shape
   if (k * n if weight_count is None else weight_count) <= small:
     return tree_sum(OPS.mul(x[:, None, :], w.T[None]))[..., 0]

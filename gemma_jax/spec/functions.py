@@ -62,6 +62,8 @@ def _horner(o, coefficients, x):
 
 
 def exp(o, x):
+  """e^x over backend `o`: Cody-Waite reduction by ln 2, Cephes expf's polynomial, then
+  scaling by 2^n (x of any shape, clamped to [EXP_LO, EXP_HI])."""
   x = o.max(o.min(x, o.const(EXP_HI)), o.const(EXP_LO))
   n = o.floor(o.add(o.mul(x, o.const(LOG2E)), o.const(0.5)))
   r = o.sub(x, o.mul(n, o.const(LN2_HI)))
@@ -72,6 +74,8 @@ def exp(o, x):
 
 
 def tanh(o, x):
+  """tanh x over backend `o`: an odd polynomial for |x| < TANH_SMALL, else
+  1 - 2 / (e^(2|x|) + 1) with x's sign (any shape)."""
   z = o.mul(x, x)
   small = o.add(o.mul(o.mul(_horner(o, TANH_P, z), z), x), x)
   e = exp(o, o.add(o.abs(x), o.abs(x)))
@@ -81,12 +85,17 @@ def tanh(o, x):
 
 
 def gelu(o, x):
+  """GELU's tanh approximation, x * 0.5 * (1 + tanh(GELU_C (x + GELU_A x^3))), over backend
+  `o` (any shape)."""
   cube = o.mul(o.mul(x, x), x)
   inner = o.mul(o.const(GELU_C), o.add(x, o.mul(o.const(GELU_A), cube)))
   return o.mul(x, o.mul(o.const(0.5), o.add(o.const(1.0), tanh(o, inner))))
 
 
 def sin_cos(o, angle):
+  """(sin, cos) of float32 angles over backend `o`: reduction by pi/2 in PIO2_PARTS, Cephes
+  sinf / cosf polynomials, the quadrant's signs (any shape; exact reduction for
+  |angle| < 2^19 pi/2)."""
   k = o.floor(o.add(o.mul(angle, o.const(TWO_OVER_PI)), o.const(0.5)))
   r = angle
   for part in PIO2_PARTS:

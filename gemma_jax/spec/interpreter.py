@@ -29,6 +29,7 @@ import numpy as np
 
 from gemma_jax.config import AttentionType, TransformerConfig
 from gemma_jax.numerics import MASKED
+from gemma_jax.sizes import round_up
 from gemma_jax.spec import binary32 as b32
 from gemma_jax.spec import functions as fn
 
@@ -88,7 +89,8 @@ class Interpreter:
     return y.reshape(batch + out_shape)
 
   def norm(self, x: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
-    """RMSNorm over the last axis (gemma_jax.layers.RMSNorm under the spec)."""
+    """RMSNorm over the last axis (gemma_jax.layers.RMSNorm under the spec): x [..., X] float32,
+    scale [X] or None -> [..., X]."""
     mean_square = O.mul(b32.tree_sum(O.mul(x, x)), fn.reciprocal(O, F32(x.shape[-1])))
     normed = O.mul(x, fn.rsqrt(O, O.add(mean_square, F32(self.config.rms_norm_eps))))
     if scale is None:
@@ -121,10 +123,11 @@ class Interpreter:
   # Attention --------------------------------------------------------------------------------------
 
   def slots(self, spec, num_tokens: int) -> int:
+    """The slots a layer of LayerSpec `spec` has for `num_tokens` tokens, in whole tiles: the
+    ring a call of rows_per_call rows needs on a local layer, every token on a global one."""
     if spec.attention_type is AttentionType.LOCAL:
-      ring = spec.window + self.rows_per_call - 1
-      return -(-ring // self.tile) * self.tile
-    return -(-num_tokens // self.tile) * self.tile
+      return round_up(spec.window + self.rows_per_call - 1, self.tile)
+    return round_up(num_tokens, self.tile)
 
   def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, spec,
              offset_table=None) -> np.ndarray:
@@ -197,6 +200,9 @@ class Interpreter:
   # The model --------------------------------------------------------------------------------------
 
   def run(self, tokens, logit_rows=()) -> Output:
+    """The KV state and logits of `tokens` (T ids from position 0), computed whole: an Output
+    with every cache layer's k, v [T, K, H] float32 and the float32 logits [V] of each row in
+    `logit_rows`."""
     cfg, p = self.config, self.p
     tokens = np.asarray(tokens, np.int64)
     positions = np.arange(len(tokens))

@@ -264,7 +264,8 @@ def row_dependence_failures(numerics, compiler_options, weights: dict[str, np.nd
   rows are compared with one-row calls of them and its last rows with the largest call's (on a
   sample of columns). XLA:CPU hands Eigen a thread pool of max(CPUs in the affinity mask, host
   devices) threads, and Eigen blocks a contraction by the thread count: on some counts a 16-row
-  dot over 160-224 terms stops being the one-row dot (docs/determinism.md)."""
+  dot over 160-224 terms stops being the one-row dot (docs/determinism.md). weights: name ->
+  [I, O] (or its panels [O / P, I, P]); returns a line per differing probe."""
   weights = {n: w for n, w in weights.items() if n != 'output_table'}
   most = max(rows)
   xs = {name: _inputs(len(name), (most, w.shape[0])) for name, w in weights.items()}

@@ -6,8 +6,11 @@
     ctx, logits = engine.prefill(tokens)                            # a Context
     ctx = engine.graft(rows, tokens)                                # verified KVRows -> Context
 
-Modules: plans (PLANS: one plan per mode), config (EngineConfig), fingerprint (what names a
-model and an engine), lowering (the engine's functions for GPU and TPU without the hardware).
+Modules: _engine (Engine), context (Context, Decoded, a call's rows, sampling), plans (PLANS:
+one plan per mode), config (EngineConfig), shared (what engines of one model share),
+fingerprint (what names a model and an engine), canary and spec_check (the spec engine against
+the interpreter: at build, and whole), lowering (the engine's functions for GPU and TPU without
+the hardware).
 """
 
 from graft.engine import fingerprint, plans

@@ -271,6 +271,7 @@ class Engine:
 
   @functools.cached_property
   def model_fingerprint(self) -> dict:
+    """{'sha256', and what went into it}: what names the loaded model (graft.engine.fingerprint)."""
     return fingerprint.model_fingerprint(self.loaded)
 
   @functools.cached_property
@@ -292,8 +293,13 @@ class Engine:
     """One weight per distinct projection shape the model contracts through a dot (the first
     layer's of each; projections of at most `numerics.small` weights are elementwise products
     and sums), and the output table: what a self-check probes, each in the form the engine
-    stores it (`numerics.stored`: [I, O], or the native kernels' panels). Read from the model's
-    unplaced parameters: on a mesh across processes nothing here waits on another process."""
+    stores it. Read from the model's unplaced parameters: on a mesh across processes nothing
+    here waits on another process.
+
+    Returns:
+      {'<I>x<O>': the weight as stored ([I, O], or the native kernels' panels [O / P, I, P]),
+      'output_table': [D, V] or its panels [V / P, D, P], where the numerics keep one}.
+    """
     out = {}
     small = getattr(self.numerics, 'small', 0)
     # Unplaced where on a mesh; else as this engine stores them (the packed form: no copy).
@@ -313,6 +319,7 @@ class Engine:
 
   @property
   def dtype(self):
+    """The KV state's and activations' dtype: the loaded model's."""
     return jnp.dtype(self.loaded.dtype)
 
   @property
@@ -321,7 +328,12 @@ class Engine:
     return min(self._cache_slots, self._local_slots or self._cache_slots)
 
   def empty_kv(self) -> kvs.KVState:
-    """The engine's one fixed-size KV state, empty."""
+    """The engine's one fixed-size KV state, empty.
+
+    Returns:
+      A KVState: per cache layer k, v [1, S, K, H] in the model's dtype (S: the engine's slots,
+      a local ring's on local layers) and positions int32 [1, S], all EMPTY; fill [1] = 0.
+    """
     kv = kvs.init_kv_state(self.config, batch_size=1, cache_len=self._cache_slots,
                            dtype=self.dtype, local_cache_len=self._local_slots)
     return kv if self.mesh is None else jax.device_put(kv, sharding.kv_shardings(kv, self.mesh))
@@ -390,10 +402,20 @@ class Engine:
 
   def extend(self, ctx: Context, tokens: Sequence[int], *, logits: str | int = 'none',
              consume: bool = False) -> tuple[Context, np.ndarray | None]:
-    """Appends tokens to the context and returns float32 logits for the last rows asked for:
-    `logits` is 'none', 'last' ([1, V]), 'all' ([n, V]) or a count k of trailing rows ([k, V]).
-    `consume=True` promises that `ctx` will not be used again, so its KV buffers are updated in
-    place instead of copied."""
+    """Appends tokens to the context, in the calls the plan cuts them into.
+
+    Args:
+      ctx: the context to extend (unchanged unless `consume`).
+      tokens: the T token ids to append.
+      logits: which rows' logits to return: 'none', 'last', 'all', or a count k of trailing
+        rows.
+      consume: a promise that `ctx` will not be used again, so its KV buffers are updated in
+        place instead of copied.
+
+    Returns:
+      (the new context, float32 logits [k, V] of the last k tokens: [1, V] for 'last',
+      [T, V] for 'all', None for 'none').
+    """
     tokens = self._check_tokens(ctx, tokens)
     wanted = {'none': 0, 'last': 1, 'all': len(tokens)}.get(logits, logits)
     if not isinstance(wanted, int) or not 0 <= wanted <= len(tokens):
@@ -596,5 +618,14 @@ class Engine:
 
   def prefill(self, tokens: Sequence[int], *, logits: str = 'last',
               start_position: int = 0) -> tuple[Context, np.ndarray | None]:
-    """A fresh context holding `tokens`."""
+    """A fresh context holding `tokens`.
+
+    Args:
+      tokens: the T token ids, the first at `start_position`.
+      logits: 'last', 'all' or 'none', as for `extend`.
+      start_position: the position of the first token.
+
+    Returns:
+      (the context, float32 logits [1, V] for 'last', [T, V] for 'all', None for 'none').
+    """
     return self.extend(self.empty(start_position), tokens, logits=logits, consume=True)

@@ -55,8 +55,16 @@ def call_inputs(chunks: Sequence[Sequence[int]], first_positions: Sequence[int],
 
 
 def sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
-  """Argmax at temperature 0; otherwise a draw from softmax(logits / temperature) in float64.
-  logits: [V] (float32)."""
+  """One token drawn from logits.
+
+  Args:
+    logits: float32 [V].
+    temperature: 0 or less: the argmax; else the softmax of logits / temperature, in float64.
+    rng: the generator the draw comes from.
+
+  Returns:
+    The token id.
+  """
   if temperature <= 0:
     return int(np.argmax(logits))
   scaled = np.asarray(logits, np.float64) / temperature

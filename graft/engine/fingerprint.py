@@ -31,6 +31,8 @@ _ISA_PREFIXES = ('sse', 'ssse', 'avx', 'fma', 'f16c', 'amx', 'bmi', 'vnni', 'neo
 
 
 def canonical_json(value) -> str:
+  """`value` as JSON with sorted keys and no spaces (dataclasses as their fields, enums as their
+  values): the one text a digest is taken of."""
   def default(obj):
     if dataclasses.is_dataclass(obj):
       return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
@@ -41,6 +43,7 @@ def canonical_json(value) -> str:
 
 
 def digest(value) -> str:
+  """The SHA-256 (hex) of `canonical_json(value)`."""
   return hashlib.sha256(canonical_json(value).encode()).hexdigest()
 
 
@@ -154,6 +157,8 @@ _cpuinfo = host_lib.cpuinfo
 
 
 def cpu_features() -> list[str]:
+  """The CPU's vector-extension flags that can change which kernels XLA emits, sorted (the
+  machine name where /proc/cpuinfo has none)."""
   flags = _cpuinfo().get('flags') or _cpuinfo().get('Features')
   if not flags:
     return [platform.machine()]

@@ -18,6 +18,10 @@ TPU compile (`needs_layout_passes: true` in the backend config: libtpu runs them
 compile to PTX (XLA:GPU runs it), and numerics. A device check runs the same functions.
 
 Missing components raise `MissingComponent` naming the component, never a silent pass.
+
+Why in graft.engine: it builds the engine's own functions (`Engine.step_function`,
+`head_function`, with `kernel_platform` naming the target) and must follow every change to them;
+no user calls it, tests/test_lowering.py and a device check do.
 """
 
 from __future__ import annotations

@@ -200,6 +200,9 @@ class _Shaped(Plan):
 
 @dataclasses.dataclass(frozen=True)
 class Blocked(_Shaped):
+  """The first pinned design, kept bit-identical so its manifests replay: every call exactly
+  rows_per_call rows aligned to the sequence, XLA's numerics, attention over the whole cache."""
+
   name: ClassVar[str] = 'blocked'
   default_rows: ClassVar[int] = 16
 
@@ -223,6 +226,9 @@ class Blocked(_Shaped):
 
 @dataclasses.dataclass(frozen=True)
 class Pinned(_Shaped):
+  """Fixed reduction orders (numerics.FixedOrder): calls of one row or a row bucket, padding
+  after the tokens, the tiled attention reading the tiles that hold the context."""
+
   name: ClassVar[str] = 'pinned'
   default_attention: ClassVar[str] = 'tiled'
   batch_slots: ClassVar[bool] = True
@@ -273,6 +279,9 @@ class Pinned(_Shaped):
 
 @dataclasses.dataclass(frozen=True)
 class Spec(Pinned):
+  """The written arithmetic (numerics.Spec): pinned's calls, every value a stated sequence of
+  binary32 operations; checked against the spec when an engine is built (self-check, canary)."""
+
   name: ClassVar[str] = 'spec'
   dot_libraries: ClassVar[tuple[str, ...]] = tuple(DOT_LIBRARIES)
 
@@ -405,6 +414,7 @@ PLANS: dict[str, type[Plan]] = {p.name: p for p in (Spec, Pinned, Blocked, Plan)
 
 
 def plan_class(mode: str) -> type[Plan]:
+  """The plan of engine mode `mode` (ValueError naming the modes otherwise)."""
   if mode not in PLANS:
     raise ValueError(f'unknown engine mode {mode!r}; expected one of {tuple(PLANS)}')
   return PLANS[mode]

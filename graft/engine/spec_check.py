@@ -59,7 +59,8 @@ def engine_rows(engine: Engine, ctx) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def reference_rows(engine: Engine, reference, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
-  """The interpreter's K and V rows of `compared_rows`, as `engine_rows` gives the engine's."""
+  """The interpreter's K and V rows of `compared_rows`, as `engine_rows` gives the engine's:
+  per cache layer (k, v) [n - lo, K, H]."""
   spans = compared_rows(engine, n)
   return [(reference.k[j][spans[layer][0]:n], reference.v[j][spans[layer][0]:n])
           for j, layer in enumerate(engine.config.cache_layers)]

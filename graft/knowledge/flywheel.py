@@ -50,12 +50,15 @@ class Meter:
     self.wall, self.cpu, self.energy = time.perf_counter(), time.process_time(), rapl_joules()
 
   def seconds(self) -> float:
+    """Wall seconds since the meter started."""
     return time.perf_counter() - self.wall
 
   def cpu_seconds(self) -> float:
+    """This process's CPU seconds (every thread) since the meter started."""
     return time.process_time() - self.cpu
 
   def joules(self) -> float | None:
+    """Package energy since the meter started, from RAPL; None where there is no RAPL."""
     now = rapl_joules()
     return None if now is None or self.energy is None else now - self.energy
 
@@ -372,6 +375,8 @@ def run(engine, library: Library, task_list, heldout_sets, solutions, examples,
 
 
 def task_row(row: dict) -> dict:
+  """One task's row of the result: its base attempts and library answer, what each decoded and
+  cost, and what it deposited."""
   base, lib, text = row['base'], row.get('library'), row.get('text')
   return {
       'id': row['task'].id, 'split': row['split'], 'round': row.get('round', 1),
@@ -401,6 +406,9 @@ def task_row(row: dict) -> dict:
 
 
 def summarize(config, results: dict, *, seed: int = 0) -> dict:
+  """The flywheel result (schema flywheel, analysis/results.py) of `run`'s results: per-task
+  rows, the recurring and held-out phases' accuracies with Wilson intervals, and the decode
+  tokens, FLOPs and energy the library saved."""
   rows = results['rows']
   recurring = [r for r in rows if r['split'] == 'recurring']
   by_round = collections.defaultdict(list)
@@ -501,6 +509,8 @@ def summarize(config, results: dict, *, seed: int = 0) -> dict:
 
 
 def manifest(config: dict, engine, results: dict) -> dict:
+  """The replayable record of a run: the config, the engine and model fingerprints, and every
+  answer's prompt token ids, decoding settings, tokens and logits SHA-256 (graft.replay)."""
   answers = []
   for row in results['rows']:
     task = row['task']

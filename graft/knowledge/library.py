@@ -52,6 +52,8 @@ class LibraryError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
+  """A verified worked solution: the problem, its solution, the answer, and who solved it."""
+
   id: str
   problem: str
   solution: str  # the worked solution, without its final "Answer:" line
@@ -59,6 +61,7 @@ class Entry:
   source: str  # who solved it: 'self' (this model), 'solutions' (handed over), ...
 
   def text(self) -> str:
+    """The entry as the library's prefix holds it (`ENTRY`)."""
     return ENTRY.format(problem=self.problem, solution=self.solution, answer=self.answer)
 
 
@@ -102,6 +105,7 @@ class Library:
     return report
 
   def find(self, problem: str) -> Entry | None:
+    """The entry of `problem` (whitespace and case normalized), or None."""
     return self._by_problem.get(_normal(problem))
 
   def retrieve(self, problem: str, k: int) -> list[Entry]:

@@ -38,6 +38,8 @@ _UNITS = (('meters', 'centimeters', 100), ('kilometers', 'meters', 1000),
 
 @dataclasses.dataclass(frozen=True)
 class Task:
+  """A problem with its expected answer and the verifier that judges an answer to it."""
+
   id: str
   problem: str
   answer: str
@@ -129,6 +131,8 @@ def read_tasks(path: str) -> list[Task]:
 
 
 def read_solutions(path: str) -> dict[str, str]:
+  """{task id: solution text} from a JSONL file of {"id", "solution"} records (ValueError
+  naming the line of a malformed or duplicate record)."""
   solutions = {}
   for number, record in files.jsonl_records(path):
     if not isinstance(record.get('solution'), str) or 'id' not in record:

@@ -41,6 +41,8 @@ _DECIMAL = re.compile(r'-?\d+(?:\.\d+)?')
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
+  """Whether an answer is correct, why, and what was read from it."""
+
   correct: bool
   reason: str
   extracted: str | None
@@ -86,6 +88,7 @@ def ends_statement(text: str) -> bool:
 
 
 def extract_number(text: str, finished: bool = True) -> str | None:
+  """The number `text` states as its answer (the module's rule; commas removed), or None."""
   stated = stated_answer(text, finished)
   if stated is not None and NUMBER.search(stated.rpartition('=')[2]):
     stated = stated.rpartition('=')[2]  # a stated equation states its result
@@ -108,6 +111,7 @@ def extract_text(text: str, expected: str = '', finished: bool = True) -> str:
 
 
 def integer(expected: str, output: str, finished: bool = True) -> Verdict:
+  """Correct when the stated number is an integer equal to `expected`."""
   got = extract_number(output, finished)
   if got is None:
     return Verdict(False, 'no number in the answer', None)
@@ -118,6 +122,7 @@ def integer(expected: str, output: str, finished: bool = True) -> Verdict:
 
 
 def exact_decimal(expected: str, output: str, finished: bool = True) -> Verdict:
+  """Correct when the stated number equals `expected` as a decimal (3.50 == 3.5)."""
   got = extract_number(output, finished)
   if got is None:
     return Verdict(False, 'no number in the answer', None)
@@ -126,12 +131,14 @@ def exact_decimal(expected: str, output: str, finished: bool = True) -> Verdict:
 
 
 def exact_string(expected: str, output: str, finished: bool = True) -> Verdict:
+  """Correct when the stated answer equals `expected` after stripping whitespace."""
   got = extract_text(output, expected, finished)
   ok = got == expected.strip()
   return Verdict(ok, 'equal' if ok else f'{got[:40]!r} != {expected[:40]!r}', got)
 
 
 def regex(expected: str, output: str, finished: bool = True) -> Verdict:
+  """Correct when the stated answer matches the pattern `expected` in full."""
   got = extract_text(output, finished=finished)
   try:
     ok = re.fullmatch(expected, got) is not None

@@ -76,7 +76,8 @@ class Artifact:
 
 def describe(leaves: dict[str, np.ndarray], hash_name: str = 'blake3',
              digests: dict[str, str] | None = None) -> dict[str, dict]:
-  """{name: {dtype, shape, <hash_name>}} of each leaf; `digests` gives hashes already made."""
+  """{name: {dtype, shape, <hash_name>}} of each leaf (any shape); `digests` gives hashes already
+  made."""
   names = sorted(leaves)
   if digests is None:
     digests = dict(zip(names, digest.POOL.map(

@@ -28,8 +28,9 @@ class HostCache:
     self._items: collections.OrderedDict = collections.OrderedDict()
 
   def get(self, name: str, global_only: bool) -> dict[str, np.ndarray] | None:
-    """The leaves of object `name` held here (all of them, or at least its global layers'),
-    marked as the most recently used; None when it is not held."""
+    """The leaves of object `name` held here (all of them, or at least its global layers'; each
+    'layer_<i>/k' and '/v' [T, K, H]), marked as the most recently used; None when it is not
+    held."""
     for part in (('all', 'global') if global_only else ('all',)):
       if (name, part) in self._items:
         self._items.move_to_end((name, part))
@@ -37,8 +38,9 @@ class HostCache:
     return None
 
   def put(self, name: str, global_only: bool, leaves: dict[str, np.ndarray]) -> None:
-    """Holds object `name`'s verified leaves (its global layers' only, or all), dropping the
-    least recently used blocks past the capacity; a block larger than all of it is not held."""
+    """Holds object `name`'s verified leaves ('layer_<i>/k', '/v' [T, K, H]; its global layers'
+    only, or all), dropping the least recently used blocks past the capacity; a block larger
+    than all of it is not held."""
     size = sum(a.nbytes for a in leaves.values())
     if size > self.capacity:
       return
@@ -119,7 +121,8 @@ class Reads:
 
   def read_object(self, entry: dict, global_only: bool) -> dict[str, np.ndarray]:
     """The leaves of an entry's object read from the backing store, as `read_blocks` gives
-    them (global layers only, or all), verified; raises BlockError if the object is bad."""
+    them ('layer_<i>/k', '/v' [T, K, H]; global layers only, or all), verified; raises
+    BlockError if the object is bad."""
     (probe,) = self._backing.read_many([self._request(entry, global_only)])
     return self._decode_object(entry, global_only, probe)
 
