@@ -5,7 +5,7 @@
   python -m experiments.spec_check --model=tiny_gemma4 --weights=random:0 --rope=relative
 
 Computes --tokens tokens with the spec engine (one-shot, and cut at --splits) and with the
-interpreter (graft/spec_check.py), and writes {"config", "summary": {"tokens", "kv_equal",
+interpreter (graft/engine/spec_check.py), and writes {"config", "summary": {"tokens", "kv_equal",
 "logits_equal", "first_difference"}}; exits with status 1 when anything differs. A run that
 passes on two machines has shown that their bits are equal. Tokens: the start of the project's
 corpus text for a trained model, seeded random ids for random weights.

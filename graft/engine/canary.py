@@ -11,8 +11,8 @@ without bumping `SPEC_VERSION` (gemma_jax/spec/__init__.py):
     elementwise functions are written once for both (gemma_jax.spec.functions).
   - the canary: the tiny model of the engine's family (weights NumPy draws exactly) computes a
     fixed token sequence in a spec engine of the same dot library, whole and in pieces, and the
-    SHA-256 of its K and V rows and logits (graft.spec_check.rows_digest) must equal the digest
-    committed here for the spec version. The digests are the NumPy interpreter's
+    SHA-256 of its K and V rows and logits (graft.engine.spec_check.rows_digest) must equal the
+    digest committed here for the spec version. The digests are the NumPy interpreter's
     (tests/test_canary.py recomputes them), so a changed coefficient, a reordered sum in the
     model or the engine's calls, or another slot layout is refused at build, naming the version
     to bump.
