@@ -36,6 +36,7 @@ import jaxlib
 
 from gemma_jax import files
 from gemma_jax.files import cache_root
+from gemma_jax.spec import functions as fn
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'csrc')
 SOURCES = ('chains.h', 'attention.h', 'isa.cc', 'ffi.cc')
@@ -111,7 +112,6 @@ def constants_header() -> str:
   cos's), generated from gemma_jax/spec/functions.py, their one home. Each is written as the
   exact decimal of the binary64 that Python holds; the kernels round it to binary32 as NumPy
   does (attention.h `C`)."""
-  from gemma_jax.spec import functions as fn
   values = {'kExpLo': fn.EXP_LO, 'kExpHi': fn.EXP_HI, 'kLog2e': fn.LOG2E, 'kLn2Hi': fn.LN2_HI,
             'kLn2Lo': fn.LN2_LO, 'kExpP': fn.EXP_P, 'kTanhSmall': fn.TANH_SMALL,
             'kTanhP': fn.TANH_P, 'kTwoOverPi': fn.TWO_OVER_PI, 'kPio2Parts': fn.PIO2_PARTS,

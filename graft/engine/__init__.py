@@ -7,10 +7,10 @@
     ctx = engine.graft(rows, tokens)                                # verified KVRows -> Context
 
 Modules: _engine (Engine), context (Context, Decoded, a call's rows, sampling), plans (PLANS:
-one plan per mode), config (EngineConfig), shared (what engines of one model share),
-fingerprint (what names a model and an engine), canary and spec_check (the spec engine against
-the interpreter: at build, and whole), lowering (the engine's functions for GPU and TPU without
-the hardware).
+one plan per mode), config (EngineConfig), placement (where and in which form an engine holds
+its weights), shared (what engines of one model share), fingerprint (what names a model and an
+engine), canary and spec_check (the spec engine against the interpreter: at build, and whole),
+lowering (the engine's functions for GPU and TPU without the hardware).
 """
 
 from graft.engine import fingerprint, plans

@@ -28,26 +28,13 @@ from gemma_jax import kv_state as kvs
 from gemma_jax import model
 from gemma_jax import rope
 from gemma_jax import sharding
-from gemma_jax.checkpoints import tree
 from gemma_jax.config import EOS_ID
-from gemma_jax.kernels import native_dot
 from gemma_jax.sizes import next_power_of_two
 from gemma_jax.weights import LoadedModel
-from graft.engine import fingerprint, plans
+from graft.engine import fingerprint, placement, plans
 from graft.engine.config import EngineConfig
 from graft.engine.context import Context, Decoded, call_inputs, sample
 from graft.engine.shared import shared
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _output_table(table: jax.Array, packed: bool) -> jax.Array:
-  """The [D, V] float32 copy of a [V, D] table, in the native kernels' column panels where
-  `packed` (gemma_jax.kernels.native_dot.pack), in one pass over it (an eager transpose and copy
-  made two)."""
-  table = table.astype(jnp.float32).T
-  if packed:
-    return native_dot.pack(table)
-  return table
 
 
 class Engine:
@@ -102,10 +89,11 @@ class Engine:
     # Weights placed on the mesh and in the form the numerics read them (the native kernels'
     # panels; else as loaded), shared with every other engine of this model that places and
     # stores them alike.
-    placement = (config.mesh, config.mesh_layout, self.numerics.storage)
-    self._params = shared(self._held, loaded, ('params', placement), self._place_weights)
+    held_as = (config.mesh, config.mesh_layout, self.numerics.storage)
+    self._params = shared(self._held, loaded, ('params', held_as), lambda: placement.place_weights(
+        loaded, self.config, self.numerics, self.mesh, config.mesh_layout))
     # The numerics' output table where they read one ('transposed'): the embedding itself,
-    # stored as the [D, V] table or its panels (`_place_weights`), one array for both.
+    # stored as the [D, V] table or its panels (graft.engine.placement), one array for both.
     table = self._params['embedder']['input_embedding']
     abstract = isinstance(table, jax.ShapeDtypeStruct)  # an engine that lowers, never runs
     self._output_table = table if self.numerics.output_table == 'transposed' else None
@@ -129,41 +117,6 @@ class Engine:
     if not abstract:
       self._preload()
       self.plan.check_engine(self)
-
-  def _place_weights(self) -> dict:
-    """The parameters as this engine reads them: the loaded model's stored form as it is, where
-    it is laid out as this engine's numerics store weights (the embedded model's packed cache
-    entry: mapped, not copied); else placed on the mesh and stored by the numerics (a copy)."""
-    entry, numerics = self.loaded.stored, self.numerics
-    layout = entry.layout if entry is not None else {}
-    if (self.mesh is None and layout.get('packed') is not None
-        and numerics.storage == ('panels', layout.get('small'))
-        and layout.get('panel') == native_dot.PANEL):
-      return tree.unflatten({name: jax.device_put(leaf) for name, leaf in entry.stored.items()})
-    params = self.loaded.params
-    transposed = numerics.output_table == 'transposed'
-    if transposed:  # set apart: it becomes the output table, placed on its own
-      embedder = dict(params['embedder'])
-      table = embedder.pop('input_embedding')
-      params = {**params, 'embedder': embedder}
-    if self.mesh is not None:
-      params = sharding.shard_params(params, self.mesh, self.engine_config.mesh_layout)
-    if transposed:  # its shape stands in while the projections are stored
-      params['embedder']['input_embedding'] = jax.ShapeDtypeStruct(table.shape, table.dtype)
-    params = model.store_weights(params, self.config, numerics)
-    if transposed:
-      # The embedding as the [D, V] output table (in the numerics' panels where they keep
-      # them), its one copy: the lookup gathers from it (gemma_jax.model.Embedder). On a mesh
-      # its columns are split over 'model' (sharding.vocabulary_sharding: a column split, no
-      # bit moves), so each device holds its share of it, not the whole.
-      packed = numerics.packs(*table.shape[::-1])
-      make = ((lambda t: _output_table(t, packed)) if self.mesh is None else
-              jax.jit(lambda t: t.astype(jnp.float32).T, out_shardings=sharding.vocabulary_sharding(
-                  self.mesh, table.shape[0])))
-      table = (jax.eval_shape(make, table) if isinstance(table, jax.ShapeDtypeStruct)
-               else make(table))
-      params['embedder'] = {**params['embedder'], 'input_embedding': table}
-    return params
 
   def _check_weights(self) -> None:
     """Raises where the loaded weights do not match their recorded hashes (once; see
@@ -290,32 +243,15 @@ class Engine:
     return getattr(self._attention_fn, 'tile', None)
 
   def projection_weights(self) -> dict[str, jax.Array]:
-    """One weight per distinct projection shape the model contracts through a dot (the first
-    layer's of each; projections of at most `numerics.small` weights are elementwise products
-    and sums), and the output table: what a self-check probes, each in the form the engine
-    stores it. Read from the model's unplaced parameters: on a mesh across processes nothing
-    here waits on another process.
+    """What a self-check probes: one weight per distinct projection shape contracted through a
+    dot, and the output table, each as this engine stores it.
 
     Returns:
-      {'<I>x<O>': the weight as stored ([I, O], or the native kernels' panels [O / P, I, P]),
-      'output_table': [D, V] or its panels [V / P, D, P], where the numerics keep one}.
+      As graft.engine.placement.projection_weights: {'<I>x<O>': [I, O] or its panels
+      [O / P, I, P], 'output_table': [D, V] or its panels [V / P, D, P]}.
     """
-    out = {}
-    small = getattr(self.numerics, 'small', 0)
-    # Unplaced where on a mesh; else as this engine stores them (the packed form: no copy).
-    params = self.loaded.params if self.mesh is not None else self._params
-    for path, (k, n) in model.dense_weights(self.config).items():
-      name = f'{k}x{n}'
-      if k * n <= small or name in out:
-        continue
-      leaf = params
-      for key in path.split('/'):
-        leaf = leaf[int(key) if key.isdigit() else key]
-      stored = leaf.ndim == 3 and self.numerics.packs(k, n) and self.mesh is None
-      out[name] = leaf if stored else self.numerics.stored(leaf.reshape(k, n))
-    if self._output_table is not None and self._output_table.size > small:
-      out['output_table'] = self._output_table
-    return out
+    return placement.projection_weights(self.loaded, self.config, self.numerics, self.mesh,
+                                        self._params, self._output_table)
 
   @property
   def dtype(self):

@@ -150,7 +150,8 @@ def _code_only(source: str) -> str:
 _SOURCES = tuple(f'gemma_jax/{m}.py' for m in (
     'model', 'layers', 'attention', 'tiled_attention', 'rope', 'numerics', 'kv_state', 'sizes',
     'spec/functions', 'kernels/online_softmax', 'kernels/pallas_attention')) + (
-    'graft/engine/_engine.py', 'graft/engine/context.py', 'graft/engine/plans.py')
+    'graft/engine/_engine.py', 'graft/engine/context.py', 'graft/engine/placement.py',
+    'graft/engine/plans.py')
 
 
 _cpuinfo = host_lib.cpuinfo
