@@ -32,8 +32,7 @@ import time
 
 from absl import flags, logging
 
-from experiments import common
-from experiments.spec_check import tokens_for
+from experiments import common, samples
 from gemma_jax import compare
 from graft import context_shift
 
@@ -90,7 +89,7 @@ def main(argv):
     raise ValueError(f'--drop={FLAGS.drop} must be below --window={FLAGS.window}')
   loaded = common.load_model()
   text_tokens = FLAGS.text_tokens or FLAGS.window
-  text = tokens_for(loaded, text_tokens, FLAGS.seed)
+  text = samples.tokens_for(loaded, text_tokens, FLAGS.seed)
   cache_len = FLAGS.cache_len or FLAGS.window + 1 + FLAGS.continuation
   engines = context_shift.make_engines(loaded, common.engine_config(cache_len=cache_len))
   output = FLAGS.output or common.default_output('context_shift', FLAGS.model, FLAGS.dtype,

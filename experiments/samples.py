@@ -30,6 +30,17 @@ def corpus_text() -> str:
   return '\n\n'.join(topics.topics[name] for name in sorted(topics.topics))
 
 
+def tokens_for(loaded, count: int, seed: int) -> list[int]:
+  """The start of the corpus text for a trained model (BOS first); seeded ids otherwise."""
+  if loaded.weights.startswith('random'):
+    vocab = loaded.config.vocab_size
+    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, count)]
+  ids = loaded.tokenizer.encode(corpus_text())
+  if len(ids) < count:
+    raise ValueError(f'the corpus holds {len(ids)} tokens, fewer than --tokens={count}')
+  return ids[:count]
+
+
 def long_corpus_texts():
   """Real text by the megabyte, present on any machine with CPython: the documentation topics,
   then every module of the standard library (sources with their docstrings), in path order."""

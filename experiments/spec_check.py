@@ -17,7 +17,6 @@ import dataclasses
 import sys
 
 from absl import app, flags, logging
-import numpy as np
 
 from experiments import common, samples
 from graft.engine import spec_check
@@ -37,17 +36,6 @@ def define_flags() -> None:
   common.define_engine_flags(engine_default='spec', cache_len=0)
 
 
-def tokens_for(loaded, count: int, seed: int) -> list[int]:
-  """The start of the corpus text for a trained model (BOS first); seeded ids otherwise."""
-  if loaded.weights.startswith('random'):
-    vocab = loaded.config.vocab_size
-    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, count)]
-  ids = loaded.tokenizer.encode(samples.corpus_text())
-  if len(ids) < count:
-    raise ValueError(f'the corpus holds {len(ids)} tokens, fewer than --tokens={count}')
-  return ids[:count]
-
-
 def default_splits(count: int, window: int) -> list[int]:
   return sorted(s for s in {count // 3, 2 * count // 3, window} if 0 < s < count)
 
@@ -59,7 +47,7 @@ def main(argv):
   loaded = common.load_model()
   engine = common.make_engine(loaded, mode='spec', cache_len=FLAGS.cache_len or
                               max(4096, FLAGS.tokens))
-  tokens = tokens_for(loaded, FLAGS.tokens, FLAGS.seed)
+  tokens = samples.tokens_for(loaded, FLAGS.tokens, FLAGS.seed)
   splits = ([int(s) for s in FLAGS.splits] if FLAGS.splits
             else default_splits(len(tokens), loaded.config.sliding_window))
   result = spec_check.run(engine, tokens, splits, progress=logging.info)
