@@ -88,8 +88,8 @@ def other_engines(loaded, engine: Engine) -> dict[str, Engine]:
                                    'bfloat16' if loaded.dtype == 'float32' else 'float32'),
                       dataclasses.replace(config, mode='pinned', dot_library=None)),  # the spec is float32
       'engine': Engine(loaded, dataclasses.replace(config, rows_per_call=2 * config.rows_per_call)),
-      'tokenizer': Engine(dataclasses.replace(
-          loaded, tokenizer=Tokenizer.from_model_proto(proto.SerializeToString())), config),
+      'tokenizer': Engine(loaded.replace(
+          tokenizer=Tokenizer.from_model_proto(proto.SerializeToString())), config),
   }
 
 
