@@ -35,8 +35,13 @@ import sys
 
 from absl import flags
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from experiments import common
+from gemma_jax import numerics
+from gemma_jax.kernels import native_build, native_dot, spec_dot
+from gemma_jax.spec import selfcheck
 
 FLAGS = flags.FLAGS
 
@@ -60,12 +65,6 @@ def edge_probe() -> dict:
   flushes and with the rule in code; then the self-check's edge probes (the spec dot kernel on a
   GPU, the native kernels or XLA's dots elsewhere) with the hardware's rule and with the rule in
   code. `*_keeps_edge`: whether that computation gives the spec's [2^-126, 0]."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from gemma_jax import numerics
-  from gemma_jax.kernels import spec_dot
-  from gemma_jax.spec import selfcheck
   a = np.array([selfcheck.UNDERFLOW_EDGE[0], 1 - 2.0 ** -24], np.float32)
   b = np.array([selfcheck.UNDERFLOW_EDGE[1], 2.0 ** -126], np.float32)
   words = lambda x: [f'{w:#010x}' for w in np.asarray(x, np.float32).view(np.uint32).ravel()]
@@ -85,7 +84,6 @@ def edge_probe() -> dict:
       out[f'{name}_keeps_edge'] = out[name] == spec
   dot = spec_dot.make_spec_dot() if gpu else None
   if not gpu:
-    from gemma_jax.kernels import native_build, native_dot
     try:
       dot = native_dot.make_native_dot()
     except native_build.BuildError:

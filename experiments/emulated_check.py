@@ -61,6 +61,7 @@ import numpy as np
 
 from experiments import common
 from gemma_jax import numerics
+from gemma_jax.kernels import native_build, native_dot
 from gemma_jax.spec import binary32, functions, selfcheck
 from graft.engine import fingerprint
 
@@ -122,7 +123,6 @@ def probe(dump: str) -> dict:
   # XLA's own dots and with the native kernels (the spec engine's on a CPU).
   os.environ.pop(selfcheck.SKIP_UNDERFLOW_ENV, None)
   underflow = selfcheck.underflow_failures(numerics.Spec(), None)
-  from gemma_jax.kernels import native_build, native_dot
   try:
     native = selfcheck.underflow_failures(numerics.Spec(dot=native_dot.make_native_dot()), None)
   except native_build.BuildError as e:

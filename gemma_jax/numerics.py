@@ -72,7 +72,7 @@ def spec_multiply(a: jax.Array, b: jax.Array, opaque=lambda x: x) -> jax.Array:
   "aarch64"): r = a b, and s = (a 2^24) b, which rounds the exact product times 2^24 at 24 bits in
   the normal range; where |s| < 2^-101 the result is s 2^-24 (2^-126 where the product rounds up
   to it, a zero of its sign where it is tiny), elsewhere r. `opaque` (a numerics' `materialize`)
-  keeps XLA from refolding the scalings."""
+  keeps XLA from refolding the scalings. a, b float32 of any shape (broadcast)."""
   with jax.named_scope('spec_flush'):
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
     r = a * b
@@ -158,7 +158,8 @@ class Numerics:
     return a * b
 
   def mul(self, a: jax.Array, b: jax.Array) -> jax.Array:
-    """a * b, elementwise: the hardware's product here (the spec's flush rule in Spec)."""
+    """a * b, elementwise (any shape): the hardware's product here (the spec's flush rule in
+    Spec)."""
     return a * b
 
   def whole(self, x: jax.Array) -> jax.Array:
