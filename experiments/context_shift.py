@@ -48,7 +48,7 @@ def define_flags() -> None:
                        'over (default: --window).', lower_bound=1)
   flags.DEFINE_integer('continuation', 32, 'Greedy tokens decoded from the shifted and the '
                        'reference context at each measurement.', lower_bound=0)
-  flags.DEFINE_integer('seed', 0, 'Seed of the token ids for random weights.')
+  flags.DEFINE_integer('seed', 0, 'Seed of the token ids for random weights.', lower_bound=0)
   flags.DEFINE_string('output', None, 'Results JSON (default: results/context_shift_<model>_'
                       '<dtype>_<rope>.json).')
   common.define_model_flags()

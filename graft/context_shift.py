@@ -144,7 +144,7 @@ def make_engines(loaded: LoadedModel, engine_config: EngineConfig) -> Engines:
   model = Engine(loaded, engine_config)
   if mode == 'relative':
     return Engines(model, model)
-  raw = dataclasses.replace(loaded, config=loaded.config.replace(kv_cache_pre_rope=True))
+  raw = loaded.replace(config=loaded.config.replace(kv_cache_pre_rope=True))
   return Engines(model, Engine(raw, engine_config))
 
 
