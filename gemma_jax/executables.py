@@ -148,9 +148,10 @@ class Saved:
     try:
       with open(self._path(args), 'rb') as f:
         serialized, in_tree, out_tree = pickle.load(f)
-      # (onto the one device a saved function runs on: the process may have more)
+      # (onto the one device a saved function runs on, this process's first: it may have more,
+      # and other processes theirs)
       compiled = serialize_executable.deserialize_and_load(
-          serialized, in_tree, out_tree, execution_devices=jax.devices()[:1])
+          serialized, in_tree, out_tree, execution_devices=jax.local_devices()[:1])
     except Exception:  # none saved, or a damaged or foreign entry: compiled again and replaced
       return None
     monitoring.record_event(LOADED_EVENT, name=self.name)

@@ -22,7 +22,8 @@ from gemma_jax import kv_state as kvs
 from gemma_jax import weights
 from gemma_jax.compare import sha256_bytes
 from gemma_jax.config import get_config
-from graft import context_shift, spec_check
+from graft import context_shift
+from graft.engine import spec_check
 from graft.engine import Context, EngineConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
