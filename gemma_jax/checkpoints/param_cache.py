@@ -1,18 +1,25 @@
 """A cache of dequantized float32 parameters in the layout an engine reads, memory-mapped at start.
 
 Dequantizing the embedded GGUF takes tens of seconds; mapping the cached entry takes
-milliseconds. An entry holds each parameter's raw bytes, one file per parameter
-(orbax_util.save_leaf_files: an Orbax checkpoint), in its *stored* form: as the builder laid
-it out for the kernels that read it (the native kernels' column panels, gemma_jax.weights), or
-as it is; the tokenizer model; and `hashes.json`: the format, the BLAKE3 of every stored
-parameter's bytes, the layout (which parameters are stored in panels, and their canonical
-shapes), the SHA-256 of the canonical parameters (what the model fingerprint binds: recorded
-once, when the entry is built, so that no process hashes 1 GB to name its model) and the
-tokenizer's SHA-256.
+milliseconds. An entry holds each parameter's raw C-order bytes, one file per parameter, in its
+*stored* form: as the builder laid it out for the kernels that read it (the native kernels'
+column panels, gemma_jax.weights), or as it is; the tokenizer model; and `hashes.json`: the
+format, the BLAKE3 of every stored parameter's bytes, the layout (which parameters are stored in
+panels, and their canonical shapes), the SHA-256 of the canonical parameters (what the model
+fingerprint binds: recorded once, when the entry is built, so that no process hashes 1 GB to
+name its model) and the tokenizer's SHA-256.
 
-Reads. `mapped` maps every parameter file read-only (np.memmap: the OS pages it in as it is
-used, and jax.device_put of a mapped array on a CPU aliases it, so a process holds one copy of
-each weight, the page cache's) and starts hashing the files in a background thread; a caller
+Writes. An entry is written one parameter at a time, packed, hashed and written before the next
+is packed (the build holds the canonical parameters and one stored copy of one of them), and
+each file in one write: the page cache then holds it in large folios (on a kernel and file
+system that have them, e.g. ext4 since Linux 6.16), which a mapping maps with 2 MB pages. A
+decode step streams every weight once, and with 4 KB pages that is one TLB miss per 4 KB: the
+embedded model decoded about 20% slower from files written in small pieces (by Orbax, before
+this) than from the same weights in anonymous memory (docs/performance.md).
+
+Reads. `mapped` maps every parameter file read-only (the OS pages it in as it is used, asked
+for 2 MB pages with MADV_HUGEPAGE, and jax.device_put of a mapped array on a CPU aliases it, so
+a process holds one copy of each weight, the page cache's) and starts hashing the files in a background thread; a caller
 must `Entry.check()` before it hands out anything computed from them (gemma_jax.weights and the
 engine do): a file that does not match its hash (a flipped bit) raises CacheEntryError there,
 and the entry is moved aside so that the next process rebuilds it. `load_entry` reads and
@@ -28,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import mmap
 import os
 import shutil
 import threading
@@ -39,22 +48,23 @@ import numpy as np
 
 from gemma_jax import digest, files
 from gemma_jax.files import cache_root
-from gemma_jax.checkpoints import orbax_util, tree
+from gemma_jax.checkpoints import tree
 from gemma_jax.compare import sha256_bytes
 from gemma_jax.tokenizer import Tokenizer
 
 _TOKENIZER_FILE = 'tokenizer.model'
 _PARAMS_DIR = 'params'
 _HASHES_FILE = 'hashes.json'
-FORMAT = 'gemma-jax-param-cache/3'
+FORMAT = 'gemma-jax-param-cache/4'
 
 
 class CacheEntryError(ValueError):
   """A cache entry that does not match the hashes written with it."""
 
 
-def _leaf_file(name: str, ndim: int) -> str:
-  return os.path.join(_PARAMS_DIR, orbax_util.leaf_file(orbax_util.stored_name(name), ndim))
+def _leaf_file(name: str) -> str:
+  """Where parameter `name` ('layers/0/mlp/down_proj/w') is stored in an entry."""
+  return os.path.join(_PARAMS_DIR, name.replace('/', '.'))
 
 
 @dataclasses.dataclass
@@ -105,27 +115,27 @@ def unpack(panels: np.ndarray, shape, name: str) -> np.ndarray:
 OUTPUT_TABLE = 'embedder/input_embedding'
 
 
-def _record(stored: dict[str, np.ndarray], tokenizer_proto: bytes, layout: dict,
-            params_sha256: str) -> dict:
-  return {'format': FORMAT,
-          'params': {name: {'dtype': leaf.dtype.name, 'shape': list(leaf.shape),
-                            'blake3': digest.hexdigest('blake3', leaf)}
-                     for name, leaf in sorted(stored.items())},
-          'layout': layout, 'params_sha256': params_sha256,
-          'tokenizer_sha256': sha256_bytes(np.frombuffer(tokenizer_proto, np.uint8))}
-
-
 def save_entry(directory: str, params, tokenizer: Tokenizer,
-               pack: Callable[[dict], tuple[dict, dict]] | None = None) -> None:
-  """Writes params (float32, canonical), in the form `pack` stores them (flat {name: array} ->
-  (flat stored form, layout); None: as they are), the tokenizer and their hashes into
-  `directory` (which must not exist), atomically."""
+               pack: Callable[[dict], tuple[dict, Callable[[str], np.ndarray]]] | None = None
+               ) -> None:
+  """Writes params (float32, canonical), in the form `pack` stores them, the tokenizer and their
+  hashes into `directory` (which must not exist), atomically. pack(flat {name: array}) ->
+  (layout, stored): the entry's layout and stored(name) -> that parameter's stored form, made
+  when it is written (None: every parameter as it is)."""
   flat = {name: np.asarray(leaf, np.float32) for name, leaf in tree.flatten(params).items()}
-  stored, layout = pack(flat) if pack else (flat, {})
-  record = _record(stored, tokenizer.model_proto, layout, tree.params_digest(flat))
+  layout, stored = pack(flat) if pack else ({}, flat.__getitem__)
+  record = {'format': FORMAT, 'params': {}, 'layout': layout,
+            'params_sha256': tree.params_digest(flat),
+            'tokenizer_sha256': sha256_bytes(np.frombuffer(tokenizer.model_proto, np.uint8))}
   with files.atomic_directory(directory) as staging:
-    orbax_util.save_leaf_files(os.path.join(staging, _PARAMS_DIR),
-                               {orbax_util.stored_name(n): leaf for n, leaf in stored.items()})
+    os.mkdir(os.path.join(staging, _PARAMS_DIR))
+    for name in sorted(flat):
+      leaf = np.ascontiguousarray(stored(name))
+      with open(os.path.join(staging, _leaf_file(name)), 'wb') as f:
+        f.write(leaf.reshape(-1).view(np.uint8))  # one write: see the module's docstring
+      record['params'][name] = {'dtype': leaf.dtype.name, 'shape': list(leaf.shape),
+                                'blake3': digest.hexdigest('blake3', leaf)}
+      del leaf  # the next parameter's stored form is made after this one's is released
     with open(os.path.join(staging, _TOKENIZER_FILE), 'wb') as f:
       f.write(tokenizer.model_proto)
     with open(os.path.join(staging, _HASHES_FILE), 'w') as f:
@@ -157,12 +167,11 @@ def map_entry(directory: str) -> Entry:
     record, proto = _read_record(directory)
     stored = {}
     for name, meta in record['params'].items():
-      path = os.path.join(directory, _leaf_file(name, len(meta['shape'])))
+      path = os.path.join(directory, _leaf_file(name))
       shape = tuple(meta['shape'])
       if os.path.getsize(path) != int(np.prod(shape)) * np.dtype(meta['dtype']).itemsize:
         raise CacheEntryError(_mismatch(directory, [name]))
-      stored[name] = (np.memmap(path, dtype=meta['dtype'], mode='r', shape=shape)
-                      if np.prod(shape) else np.zeros(shape, meta['dtype']))
+      stored[name] = _map(path, np.dtype(meta['dtype']), shape)
   except CacheEntryError:
     raise
   except Exception as e:  # missing files, damaged JSON
@@ -183,6 +192,21 @@ def map_entry(directory: str) -> Entry:
 
   threading.Thread(target=verify, name='param-cache-verify', daemon=True).start()
   return entry
+
+
+def _map(path: str, dtype: np.dtype, shape: tuple) -> np.ndarray:
+  """The file at `path` as a read-only array, mapped with 2 MB pages where the kernel can (see
+  the module's docstring; advice only: a kernel without it maps 4 KB pages)."""
+  if not math.prod(shape):
+    return np.zeros(shape, dtype)
+  with open(path, 'rb') as f:
+    mapping = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+  if hasattr(mmap, 'MADV_HUGEPAGE'):
+    try:
+      mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without transparent huge pages
+      pass
+  return np.frombuffer(mapping, dtype).reshape(shape)
 
 
 def load_entry(directory: str):
@@ -218,11 +242,11 @@ def _set_aside(final: str) -> None:
 
 
 def mapped(key: str, build: Callable[[], tuple], root: str | None = None,
-           pack: Callable[[dict], tuple[dict, dict]] | None = None) -> Entry:
+           pack: Callable[[dict], tuple[dict, Callable]] | None = None) -> Entry:
   """The mapped entry `key` (`map_entry`), built from build() -> (canonical params, tokenizer)
   and cached in the form `pack` stores them (see save_entry) on a miss, or when the cached entry
-  cannot be mapped or has another layout than `pack` gives (an entry that is mapped and later
-  fails its background hash is rejected by `Entry.check`)."""
+  cannot be mapped (an entry that is mapped and later fails its background hash is rejected by
+  `Entry.check`)."""
   root = root or cache_root()
   final = os.path.join(root, key)
   if os.path.isdir(final):
@@ -236,6 +260,7 @@ def mapped(key: str, build: Callable[[], tuple], root: str | None = None,
     save_entry(final, params, tokenizer, pack)
   except FileExistsError:  # another process won the race; its entry is verified as it is read
     pass
+  del params  # the canonical copy: the mapped entry is the one this process holds
   return map_entry(final)
 
 

@@ -30,7 +30,7 @@ def params_digest(params) -> str:
   for name, leaf in flatten(params).items():  # a flat tree's '/' names are its own
     array = np.ascontiguousarray(np.asarray(leaf))
     h.update(f'{name}|{array.dtype.name}|{array.shape}|'.encode())
-    h.update(array.tobytes())
+    h.update(array.reshape(-1).view(np.uint8))  # the bytes in place, not a copy
   return h.hexdigest()
 
 
@@ -83,5 +83,5 @@ def assemble(leaves: Mapping[tuple, np.ndarray], config, *, source: str, dtype) 
     if value.shape != struct.shape:
       raise ValueError(f'{source}: {name} has shape {value.shape}, but {config.name} expects '
                        f'{struct.shape}')
-    flat[name] = value.astype(dtype)
+    flat[name] = np.asarray(value, dtype)  # a copy only where the dtype changes
   return unflatten(flat)
