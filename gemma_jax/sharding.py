@@ -20,7 +20,10 @@ Two layouts (LAYOUTS), because where a contraction is split decides the bits:
   gather   no contraction is ever split: row-parallel weights are replicated and the activation
            entering them is gathered whole (`Numerics.whole`, a sharding constraint the model
            applies before every row-parallel projection, bound by the engine with
-           `numerics.on_mesh`); the vocabulary is replicated too. More communication, but every dot sees the whole contraction on every mesh.
+           `numerics.on_mesh`). The output table [D, V] (the embedding's one copy) is split by
+           its columns, the vocabulary (`vocabulary_sharding`: a column split moves no bit;
+           the lookup is exact, `table_rows`). More communication, but every dot sees the
+           whole contraction on every mesh.
 
 The KV state is sharded over KV heads ('model') where they divide, and over the batch
 ('data').

@@ -425,6 +425,14 @@ class Engine:
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0) if len(xs) > 1 else jnp.copy(xs[0]),
                         *[c.kv for c in ctxs])
 
+  @staticmethod
+  def _unstack(kv, n: int) -> list:
+    """A stacked state's n slots, each a state of one slot: one split per array (not a slice
+    per slot and array: each eager op is a dispatch of its own)."""
+    leaves, tree = jax.tree.flatten(kv)
+    parts = [jnp.split(x, n, axis=0) for x in leaves]
+    return [jax.tree.unflatten(tree, [p[i] for p in parts]) for i in range(n)]
+
   def _extend_stacked(self, kv, ctxs: Sequence[Context], tokens: list[list[int]],
                       wanted: list[int]):
     """extend_batch on a stacked state (donated): -> (the new stacked state, each slot's list
@@ -463,8 +471,7 @@ class Engine:
       logits = sharding.to_host(logits)[0]
       return kv, [[logits[i]] if wanted[i] else [] for i in range(len(ctxs))]
     parts, out = [], []
-    for i, (ctx, t) in enumerate(zip(ctxs, tokens)):
-      part = jax.tree.map(lambda x, i=i: x[i:i + 1], kv)
+    for i, (ctx, t, part) in enumerate(zip(ctxs, tokens, self._unstack(kv, len(ctxs)))):
       if t:
         alone = Context(kv=part, tokens=ctx.tokens, next_position=ctx.next_position)
         new, logits = self.extend(alone, t, logits=wanted[i], consume=True)
@@ -506,7 +513,7 @@ class Engine:
     while True:
       for i in range(n):
         if not done[i]:
-          digests[i].update(np.ascontiguousarray(logits[i], np.float32).tobytes())
+          digests[i].update(np.ascontiguousarray(logits[i], np.float32))
           new[i].append(sample(logits[i], temperatures[i], rngs[i]))
           done[i] = (len(new[i]) >= max_new_tokens[i]
                      or (stop is not None and stop(new[i])))
@@ -519,9 +526,9 @@ class Engine:
       state = [Context(kv=None, tokens=c.tokens + tuple(t), next_position=c.next_position + len(t))
                for c, t in zip(state, step)]
       logits = [r[-1] if r else l for r, l in zip(rows, logits)]
-    return [Decoded(context=Context(kv=ctxs[i].kv if kv is None else
-                                    jax.tree.map(lambda x, i=i: x[i:i + 1], kv),
-                                    tokens=state[i].tokens, next_position=state[i].next_position,
+    slots = [c.kv for c in ctxs] if kv is None else self._unstack(kv, n)
+    return [Decoded(context=Context(kv=slots[i], tokens=state[i].tokens,
+                                    next_position=state[i].next_position,
                                     last_logits=logits[i]),
                     tokens=new[i], logits_sha256=digests[i].hexdigest()) for i in range(n)]
 
