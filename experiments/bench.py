@@ -205,7 +205,9 @@ def measure_peer_start(name: str, repeats: int) -> dict:
   path = llama_cpp.gguf_for(name.removeprefix('llama_cpp_'))
   if path is None:
     return {}
-  command = [sys.executable, '-m', 'experiments.peers.llama_cpp', path]
+  command = [sys.executable, '-P', os.path.join(common.REPO, 'experiments', 'peers',
+                                                'llama_start.py'),
+             path, json.dumps(llama_cpp.settings())]
   process_phases(command)
   warm = _medians([process_phases(command) for _ in range(repeats)])
   return {'ttft_warm_start_s': warm['total_s'], 'start_phases_s': {'warm': warm}}

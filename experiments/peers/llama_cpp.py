@@ -14,10 +14,8 @@ read from the context.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -75,11 +73,16 @@ def write_gguf(src_path: str, dst_path: str, dtype: str) -> dict:
   return counts
 
 
-def _llama(gguf_path: str, n_ctx: int = 4096, n_threads: int = 2, n_batch: int = 512):
+def settings(n_ctx: int = 4096, n_threads: int = 2, n_batch: int = 512) -> dict:
+  """llama_cpp.Llama's arguments as every measurement here makes one (the start's process,
+  experiments/peers/llama_start.py, is given them as JSON)."""
+  return dict(n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads, n_batch=n_batch,
+              n_ubatch=n_batch, logits_all=False, verbose=False)
+
+
+def _llama(gguf_path: str, **kw):
   import llama_cpp  # the peer: optional (the bench extra)
-  return llama_cpp.Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=n_threads,
-                         n_threads_batch=n_threads, n_batch=n_batch, n_ubatch=n_batch,
-                         logits_all=False, verbose=False)
+  return llama_cpp.Llama(model_path=gguf_path, **settings(**kw))
 
 
 def last_logits(llm) -> np.ndarray:
@@ -229,24 +232,3 @@ def measure(gguf_path: str, prompt_ids: list[int], decode_tokens: int, library_i
   closures, info = ops(gguf_path, prompt_ids, decode_tokens, library_ids, query_ids, **kw)
   info['repeats'] = repeats
   return summarize(time_ops(closures, repeats), info, len(prompt_ids), decode_tokens)
-
-
-def start(gguf_path: str, phases_path: str, prompt: str = 'The capital of France is') -> None:
-  """A fresh process's start as experiments.bench times ours: the wall-clock stamps after the
-  import, after loading the model (`engine`: the same, llama.cpp has no separate step) and at
-  the prompt's first logits, written as JSON to `phases_path`."""
-  stamps = {}
-  import llama_cpp  # noqa: F401  (timed: the peer's import is part of its start)
-  stamps['imported'] = time.time()
-  llm = _llama(gguf_path)
-  stamps['loaded'] = stamps['engine'] = time.time()
-  llm.eval(llm.tokenize(prompt.encode(), add_bos=True))
-  last_logits(llm)
-  stamps['first_logits'] = time.time()
-  with open(phases_path, 'w') as f:
-    json.dump(stamps, f)
-
-
-if __name__ == '__main__':
-  # python -m experiments.peers.llama_cpp GGUF --phases=PATH (experiments.bench's start timing)
-  start(sys.argv[1], sys.argv[2].removeprefix('--phases='))

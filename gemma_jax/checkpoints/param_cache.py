@@ -120,8 +120,9 @@ def save_entry(directory: str, params, tokenizer: Tokenizer,
                ) -> None:
   """Writes params (float32, canonical), in the form `pack` stores them, the tokenizer and their
   hashes into `directory` (which must not exist), atomically. pack(flat {name: array}) ->
-  (layout, stored): the entry's layout and stored(name) -> that parameter's stored form, made
-  when it is written (None: every parameter as it is)."""
+  (layout, stored): the entry's layout and stored(name) -> that parameter's stored form (of any
+  shape: e.g. a [I, O] matrix's column panels [O / P, I, P]), made when it is written (None:
+  every parameter as it is)."""
   flat = {name: np.asarray(leaf, np.float32) for name, leaf in tree.flatten(params).items()}
   layout, stored = pack(flat) if pack else ({}, flat.__getitem__)
   record = {'format': FORMAT, 'params': {}, 'layout': layout,
