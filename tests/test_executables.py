@@ -10,7 +10,11 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from gemma_jax import weights
+from graft.engine import Engine, EngineConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,3 +97,27 @@ def test_saved_executables_are_loaded_and_an_edit_is_compiled_again(tree, tmp_pa
   damaged = run(tree, cache)
   assert loads(damaged) == 0 and compiles(damaged) >= 3
   assert (damaged['logits'], damaged['decode']) == (first['logits'], first['decode'])
+
+
+def test_a_spec_engine_obtains_at_most_four_executables_whatever_the_lengths():
+  """By length (the native kernels), every request is cut into calls of a few fixed shapes: a
+  block, a one-row decode step with its logits, a logits call of gathered rows, and one decode
+  step per batch-slot count. Prefills, extensions and logits of many lengths, decoding, and
+  batches of one slot count must not obtain another executable (loaded or compiled)."""
+  engine = Engine(weights.load('tiny_gemma3', 'random:0', 'float32'),
+                  EngineConfig(mode='spec', rows_per_call=16, attention_tile=16, cache_len=256))
+  assert engine.by_length
+  rng = np.random.default_rng(0)
+  ids = lambda n: [int(t) for t in rng.integers(3, 512, n)]
+  contexts = []
+  for length, logits in ((1, 'last'), (5, 'all'), (16, 'last'), (17, 'all'), (40, 'none'),
+                         (100, 'last')):
+    ctx, _ = engine.prefill(ids(length), logits=logits)
+    ctx, _ = engine.extend(ctx, ids(length % 7 + 1), logits='all')
+    contexts.append(engine.decode(ctx, 3).context)
+  engine.generate_batch(contexts[:3], 4)
+  engine.generate_batch(contexts[3:], 2)
+  functions = {**{f'step{key}': f for key, f in engine._steps.items()},
+               'head': engine.head_function()}
+  obtained = {name: len(f._compiled) for name, f in functions.items()}
+  assert sum(obtained.values()) <= 4, obtained
