@@ -19,11 +19,11 @@ this) than from the same weights in anonymous memory (docs/performance.md).
 
 Reads. `mapped` maps every parameter file read-only (the OS pages it in as it is used, asked
 for 2 MB pages with MADV_HUGEPAGE, and jax.device_put of a mapped array on a CPU aliases it, so
-a process holds one copy of each weight, the page cache's) and starts hashing the files in a background thread; a caller
-must `Entry.check()` before it hands out anything computed from them (gemma_jax.weights and the
-engine do): a file that does not match its hash (a flipped bit) raises CacheEntryError there,
-and the entry is moved aside so that the next process rebuilds it. `load_entry` reads and
-verifies at once and returns the canonical parameters.
+a process holds one copy of each weight, the page cache's) and starts hashing the files in a
+background thread; a caller must `Entry.check()` before it hands out anything computed from
+them (gemma_jax.weights and the engine do): a file that does not match its hash (a flipped bit)
+raises CacheEntryError there, and the entry is moved aside so that the next process rebuilds it.
+`load_entry` reads and verifies at once and returns the canonical parameters.
 
 Entries are written under a staging name and renamed into place once complete
 (gemma_jax.files.atomic_directory), so a reader sees a whole entry or none; an entry that does
