@@ -6,7 +6,6 @@ SHA-256 and index entry are all correct for its bytes, but one K value of a glob
 by 1e-3.
 """
 
-import hashlib
 import json
 import os
 import pathlib
@@ -17,9 +16,9 @@ import time
 import numpy as np
 import pytest
 
+from experiments.fault_campaign.damage import forge  # a self-consistent forgery
 from gemma_jax import weights
 from gemma_jax.compare import sha256_bytes
-from gemma_jax.config import AttentionType
 from graft.engine import Engine, EngineConfig
 from graft.store import Store, blocks, signing
 from graft.store.kvstore import KvStore
@@ -49,29 +48,6 @@ def answer(store, context, query):
 def fresh(eng, context, query):
   return sha256_bytes(eng.extend(eng.empty(), list(context) + list(query),
                                  logits=len(query))[1])
-
-
-def forge(store: Store, entry: dict) -> None:
-  """Rewrites a published block self-consistently with one global-layer K value off by 1e-3."""
-  name = f'objects/{entry["object"]}'
-  data = store.backing.read(name)
-  offset, length = blocks.header_span(data)
-  header = json.loads(data[offset:offset + length])
-  leaves = blocks.decode_leaves(header, data[offset + length:], offset + length,
-                                global_only=False, layout=store.block_layout)
-  cfg = store.engine.config
-  layer = next(i for i in cfg.cache_layers
-               if cfg.layer_spec(i).attention_type is AttentionType.GLOBAL)
-  leaves = {k: v.copy() for k, v in leaves.items()}
-  leaves[f'layer_{layer}/k'][0, 0, 0] += np.float32(1e-3)
-  hashed = blocks.hash_leaves(leaves, len(header['tokens']), store.block_layout)
-  _, forged, new_header = blocks.encode_block(
-      store.namespace, header['parent'], header['parent_header_sha256'], header['start'],
-      header['tokens'], hashed, store.block_layout)
-  store.backing.write(name, forged)
-  offset, length = blocks.header_span(forged)
-  store.backing.write(f'index/{header["parent"]}/{header["key"]}', blocks.encode_entry(
-      new_header, entry['object'], len(forged), forged[offset:offset + length]))
 
 
 def test_a_self_consistent_forgery_is_found_by_recomputation_not_by_hashes(eng):

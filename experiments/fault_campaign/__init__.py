@@ -1,7 +1,5 @@
-"""Nothing silently wrong: a fault-injection campaign over the store and artifacts.
-
-  python -m experiments.faults --trials=150 --output=results/faults_tiny_gemma3_float32.json
-  python -m experiments.faults --kinds=bitflip_data,truncate --trials=20
+"""The fault-injection campaign behind `python -m experiments.faults` (its entry point, which says
+how to run it): the trials, the kinds of fault and how each trial's outcome is judged.
 
 Each trial deposits content (contexts with shared prefixes, some ending mid-block), injects one
 fault of its kind at a random place, then answers: a reader that has cached nothing grafts the
