@@ -250,8 +250,9 @@ def load(model_name: str | TransformerConfig, weights: str = 'embedded',
     if not seed.isdigit():
       raise ValueError(f'--weights={weights}: the seed after "random:" must be a non-negative '
                        'integer')
-    params = model.init_params(config, int(seed), jnp.float32)
-    tokenizer = tokenizer_for(config, None)
+    # Drawn parameter by parameter straight into `dtype` (one copy of the weights at a time).
+    return LoadedModel(config=config, params=model.init_params(config, int(seed), DTYPES[dtype]),
+                       tokenizer=tokenizer_for(config, None), weights=weights, dtype=dtype)
   else:
     params, tokenizer = _load_path(config, weights)
   params = _as_jax(params, dtype)
