@@ -283,6 +283,16 @@ def test_flywheel_runs_on_gemma4_and_its_manifest_replays(tmp_path):
                            f'--manifest={manifest}'], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
   assert replay.returncode == 0 and 'reproduce' in replay.stdout, replay.stderr[-2000:]
+  # Its sampled answers were drawn by the spec's sampler, which the manifest names; read as a
+  # manifest that names none (drawn by sampling.LEGACY), the replay draws otherwise and says so.
+  from gemma_jax import sampling
+  from graft import replay as replays
+  recorded = json.loads(manifest.read_text())
+  assert recorded['sampler'] == sampling.SAMPLER
+  sampled = next(i for i, a in enumerate(recorded['answers']) if a['temperature'] == 0) or 1
+  assert all(a['temperature'] > 0 for a in recorded['answers'][:sampled])
+  del recorded['sampler']
+  assert replays.replay(recorded, limit=sampled), 'sampled answers replayed by another sampler'
 
 
 def test_a_solution_that_fails_verification_is_rejected_and_counted(tmp_path):
