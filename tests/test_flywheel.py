@@ -377,14 +377,15 @@ def _scripted_sampler(monkeypatch, script):
   """The engine's sampler replaced by one that writes `script`, token by token, in every decode
   (each decode and each batch slot has its own generator, and so its own place in the script):
   the model on random weights never writes an answer line, so a stop rule could never fire."""
-  from graft.engine import _engine
+  from graft.engine import _engine, batch
   places = {}
 
-  def sample(logits, temperature, rng):
-    places[rng] = places.get(rng, -1) + 1
-    return script[min(places[rng], len(script) - 1)]
+  def sample(logits, temperature, draws):
+    places[draws] = places.get(draws, -1) + 1
+    return script[min(places[draws], len(script) - 1)]
 
-  monkeypatch.setattr(_engine, 'sample', sample)
+  monkeypatch.setattr(_engine, 'sample', sample)  # one stream
+  monkeypatch.setattr(batch, 'sample', sample)  # batch slots
 
 
 def test_a_recall_stops_at_the_end_of_its_answer_line(engine, monkeypatch):
