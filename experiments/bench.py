@@ -62,18 +62,24 @@ SYSTEMS = tuple(OURS) + peers.NAMES + tuple(RELATIVE)
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_list('systems', list(OURS) + list(peers.NAMES),
-                    f'Systems to measure: any of {", ".join(SYSTEMS)}.')
-  flags.DEFINE_multi_integer('prompt_tokens', [2000], 'Prompt lengths for prefill throughput '
+  common.define_list('systems', list(OURS) + list(peers.NAMES),
+                     f'Systems to measure: any of {", ".join(SYSTEMS)}.', integers=False,
+                     words=SYSTEMS)
+  flags.DEFINE_multi_integer('prompt_tokens', [2000], 'Prompt length in tokens, for prefill '
+                             'throughput '
                              '(repeat the flag for several: --prompt_tokens=512 '
                              '--prompt_tokens=2048); prefill_tok_s is the first\'s, '
                              'prefill_tok_s_by_length every one\'s.', lower_bound=1)
-  flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps for decode throughput.', lower_bound=1)
-  flags.DEFINE_integer('library_tokens', 2048, 'Library length for time to first token.',
+  flags.DEFINE_integer('decode_tokens', 32, 'Greedy decode steps for decode throughput.',
                        lower_bound=1)
-  flags.DEFINE_integer('query_tokens', 64, 'Query length for time to first token.', lower_bound=1)
-  flags.DEFINE_list('batch_slots', [], 'Also measure the spec engine\'s decode with N contexts '
-                    'per call (Engine.generate_batch) for each N listed, e.g. 1,2,4,8.')
+  flags.DEFINE_integer('library_tokens', 2048, 'Library length in tokens, for time to first '
+                       'token.', lower_bound=1)
+  flags.DEFINE_integer('query_tokens', 64, 'Query length in tokens, for time to first token.',
+                       lower_bound=1)
+  flags.DEFINE_multi_integer('batch_slots', [], 'Batch slots: also measure the spec engine\'s '
+                             'decode with N contexts per call (Engine.generate_batch), for each '
+                             'N (repeat the flag: --batch_slots=1 --batch_slots=8).',
+                             lower_bound=1)
   flags.DEFINE_bool('start', True, 'Also time a fresh process to its first logits, on an empty '
                     'compilation cache and on a warm one, by phase (import, load, engine, first '
                     'logits: start_phases_s), ours and llama.cpp\'s on the same GGUF.')
@@ -81,7 +87,7 @@ def define_flags() -> None:
                     'throughput: a quick run of the start phases.')
   flags.DEFINE_integer('repeats', 3, 'Timed repetitions (after one warm-up); medians reported.',
                        lower_bound=1)
-  flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
+  common.define_output_flag()
   flags.DEFINE_bool('processes', False, 'Measure each of our systems in a fresh process of its '
                     "own (this bench, run once per system): each row's peak_rss_bytes is then "
                     "that system's alone.")
@@ -91,6 +97,12 @@ def define_flags() -> None:
                       'NAME@REVISION and their ratios, side by side in this run.')
   common.define_model_flags()
   common.define_engine_flags(cache_len=common.GRAFT_CACHE_LEN)
+
+
+OWN_DEFAULTS = {
+    'cache_len': "the graft samples' longest context, as experiments.graft_exactness",
+    'repeats': 'medians of 3, as the committed benches',
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,7 +397,7 @@ def main(argv):
     rows.append(row)
   by_name = {r['name']: r for r in rows if not r['skipped']}
   batches = measure_batches(common.make_engine(loaded, mode='spec'), work,
-                            [int(n) for n in FLAGS.batch_slots]) if FLAGS.batch_slots else []
+                            list(FLAGS.batch_slots)) if FLAGS.batch_slots else []
   ratios = {f'batch_decode_speedup_{row["batch_slots"]}': row['speedup_vs_one_stream']
             for row in batches}
   if 'ours_spec' in by_name and 'batch_decode_speedup_8' in ratios:
@@ -419,10 +431,10 @@ def main(argv):
             'prompt_tokens': [len(p) for p in work.prompts], 'baseline': FLAGS.baseline,
             'decode_tokens': work.decode_tokens,
             'library_tokens': len(work.library), 'query_tokens': len(work.query),
-            'repeats': work.repeats, 'batch_slots': [int(n) for n in FLAGS.batch_slots],
+            'repeats': work.repeats, 'batch_slots': list(FLAGS.batch_slots),
             'prefill_flops_per_token': flops_per_token,
             'decode_bytes_per_token': bytes_per_token, 'environment': fingerprint.environment()}
-  output = FLAGS.output or common.default_output('bench', FLAGS.model, FLAGS.dtype)
+  output = common.output_path('bench', FLAGS.model, FLAGS.dtype)
   common.write_result(output, 'bench', {'config': config, 'ceilings': limits, 'systems': rows,
                                         'ratios': ratios, 'batches': batches})
   print(f"ceilings: matmul {limits['matmul_gflops']:.0f} GFLOP/s, read {limits['read_gbps']:.1f} "
@@ -454,7 +466,7 @@ def start_only() -> None:
     rows.append({'name': name, 'skipped': None, **row})
   config = {**common.model_config_json(), 'systems': list(FLAGS.systems), 'start_only': True,
             'repeats': FLAGS.repeats, 'environment': fingerprint.environment()}
-  output = FLAGS.output or common.default_output('bench', FLAGS.model, FLAGS.dtype, 'start')
+  output = common.output_path('bench', FLAGS.model, FLAGS.dtype, 'start')
   common.write_result(output, 'bench', {'config': config, 'ceilings': {}, 'systems': rows})
   for row in rows:
     if row['skipped']:

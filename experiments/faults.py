@@ -39,21 +39,32 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_string('store', None, 'Where trial stores go (a file:// URL of a directory; '
-                      'default: a temporary directory). In-process kinds use memory:// stores.')
+  flags.DEFINE_string('store', None, 'Store URL where trial stores go (a file:// URL of a '
+                      'directory; unset: a temporary directory). In-process kinds use memory:// '
+                      'stores.')
   flags.DEFINE_integer('trials', 100, 'Trials per in-process kind.', lower_bound=1)
   flags.DEFINE_integer('process_trials', 8, 'Trials per kind that starts processes.', lower_bound=1)
   flags.DEFINE_bool('signed', False, 'The golden store is written by an honest writer\'s key '
                     'and every reader trusts only it (forgeries are then misses).')
   flags.DEFINE_integer('seed', 0, 'Seed of the contexts and of every fault\'s place.',
                        lower_bound=0)
-  flags.DEFINE_list('kinds', list(KINDS), f'Fault kinds: any of {", ".join(KINDS)}.')
-  flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
+  common.define_list('kinds', list(KINDS), f'Fault kinds: any of {", ".join(KINDS)}.',
+                     integers=False, words=KINDS)
+  common.define_output_flag()
   common.define_model_flags('tiny_gemma3', 'random:0')  # tiny: thousands of trials in minutes
-  flags.DEFINE_integer('rows_per_call', 8, 'Token rows per call of the pinned engine.',
+  flags.DEFINE_integer('rows_per_call', 8, 'The most token rows per call of the campaign\'s spec '
+                       'engine.',
                        lower_bound=1)
-  flags.DEFINE_alias('block_size', 'rows_per_call')
-  flags.DEFINE_integer('cache_len', 512, 'KV slots.', lower_bound=1)
+  flags.DEFINE_integer('cache_len', 512, 'KV slots of the campaign\'s spec engine.',
+                       lower_bound=1)
+
+
+OWN_DEFAULTS = {
+    'model': 'tiny: thousands of trials in minutes',
+    'weights': 'the tiny model has random weights only',
+    'rows_per_call': "small calls and blocks, so a trial's contexts cross many of them",
+    'cache_len': "the campaign's contexts are short",
+}
 
 
 def main(argv):
@@ -94,7 +105,7 @@ def main(argv):
             'seed': FLAGS.seed, 'kinds': list(FLAGS.kinds), 'signed': FLAGS.signed,
             'contexts': [len(c) for c in world.contexts],
             'engine_fingerprint': engine.fingerprint}
-  output = FLAGS.output or common.default_output('faults', FLAGS.model, FLAGS.dtype,
+  output = common.output_path('faults', FLAGS.model, FLAGS.dtype,
                                                  'signed' if FLAGS.signed else '')
   common.write_result(output, 'faults', {'config': config, 'kinds': kinds, 'summary': summary})
   for kind, t in kinds.items():

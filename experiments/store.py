@@ -36,20 +36,21 @@ COMMANDS = ('put', 'get', 'ls', 'verify', 'gc', 'stats', 'keygen')
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_string('store', None, 'Store URL (file:///abs/path/, memory://, gs://...).')
-  flags.DEFINE_string('input', None, 'put: JSONL of {"text": ...} or {"tokens": [...]}.')
+  flags.DEFINE_string('input', None, 'JSONL input for put: {"text": ...} or {"tokens": [...]} '
+                      'a line.')
   flags.DEFINE_bool('recompute_put', False, 'put: compute every block and compare it with what '
                     'is stored (conflicts replaced and reported).')
   flags.DEFINE_string('text', None, 'get: the text whose longest stored prefix to find.')
-  flags.DEFINE_integer('host_cache_bytes', 1 << 30, 'Bound of the host LRU of verified blocks.',
+  flags.DEFINE_integer('host_cache_bytes', 1 << 30, 'Bound of the store\'s host LRU of verified '
+                       'blocks.',
                        lower_bound=0)
   flags.DEFINE_float('recompute', 0.0, 'verify: also recompute this fraction of the blocks (1.0: '
                      'every one) with this engine and compare bytes: forgeries and what was '
-                     'built on them.')
+                     'built on them.', lower_bound=0.0, upper_bound=1.0)
   flags.DEFINE_float('lease_seconds', None, 'gc: age after which a put\'s lease on its '
                      'unpublished objects has expired (its writer died) and they are removed; '
-                     f'default {LEASE_SECONDS:g} s. 0: remove every unpublished object (only '
-                     'when no put is running).')
-  flags.DEFINE_string('output', None, 'keygen: where the private key goes (and OUTPUT.pub).')
+                     f'unset: {LEASE_SECONDS:g} s. 0: remove every unpublished object (only '
+                     'when no put is running).', lower_bound=0.0)
   # Test hooks (tests/test_store.py, experiments/fault_campaign): a writer made to stop inside a put.
   flags.DEFINE_string('pause_at', None, f'put, for tests: STEP:N ({"|".join(STEPS)}): at the '
                       'N-th time the put reaches STEP, print the batch\'s object names on stderr '
@@ -88,10 +89,10 @@ def main(argv):
     raise app.UsageError(f'expected one command: {" | ".join(COMMANDS)}')
   command = argv[1]
   if command == 'keygen':
-    if not FLAGS.output:
-      raise app.UsageError('keygen needs --output=KEY (KEY and KEY.pub are written)')
-    key = signing.generate(FLAGS.output)
-    print(f'wrote {FLAGS.output} and {FLAGS.output}.pub (key {key.public.id})')
+    if not FLAGS.signing_key:
+      raise app.UsageError('keygen needs --signing_key=KEY (KEY and KEY.pub are written)')
+    key = signing.generate(FLAGS.signing_key)
+    print(f'wrote {FLAGS.signing_key} and {FLAGS.signing_key}.pub (key {key.public.id})')
     return
   if not FLAGS.store:
     raise app.UsageError('--store=URL is required')

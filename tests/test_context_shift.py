@@ -152,7 +152,7 @@ def _experiment(tmp_path, *flags):
 def test_the_experiment_writes_its_result_and_refuses_bad_flags_in_one_line(tmp_path):
   output = tmp_path / 'shift.json'
   out = _experiment(tmp_path, '--rope=relative', '--window=20', '--drop=2', '--shifts=1,3',
-                    '--continuation=2', f'--output={output}')
+                    '--continuation_tokens=2', f'--output={output}')
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(output.read_text())
   assert result['schema'] == 'context_shift/1' and result['summary']['exact']

@@ -29,7 +29,7 @@ ALWAYS_REFUSED = ('bitflip_header', 'truncate', 'empty', 'delete', 'rename', 'co
 def _setup(tmp_path_factory, signed):
   loaded = weights.load('tiny_gemma3', 'random:0', 'float32')
   engine = Engine(loaded, EngineConfig(rows_per_call=8, cache_len=512, attention_tile=8))
-  model_args = ['--model=tiny_gemma3', '--weights=random:0', '--block_size=8',
+  model_args = ['--model=tiny_gemma3', '--weights=random:0', '--rows_per_call=8',
                 '--cache_len=512', '--attention_tile=8']
   world = faults.make_world(engine, np.random.default_rng(1), model_args, signed=signed)
   return world, faults.other_engines(loaded, engine), str(tmp_path_factory.mktemp('faults'))

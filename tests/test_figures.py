@@ -199,8 +199,8 @@ def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True
 
 def _run_main(results: pathlib.Path, output: pathlib.Path) -> str:
   """Runs `python -m analysis.figures` as a researcher does; returns its log (stderr)."""
-  out = subprocess.run([sys.executable, '-m', 'analysis.figures', f'--results={results}',
-                        f'--output={output}'], cwd=REPO, capture_output=True, text=True,
+  out = subprocess.run([sys.executable, '-m', 'analysis.figures', f'--results_dir={results}',
+                        f'--output_dir={output}'], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, 'PYTHONPATH': str(REPO)}, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stderr

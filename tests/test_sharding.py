@@ -63,7 +63,7 @@ def mesh_exactness(tmp_path, *flags) -> list[dict]:
   output = tmp_path / 'mesh.json'
   out = subprocess.run(
       [sys.executable, '-m', 'experiments.mesh_exactness', '--model=tiny_gemma3',
-       '--weights=random:0', '--meshes=,model:2', '--cache_len=2304', f'--output={output}',
+       '--weights=random:0', '--mesh=', '--mesh=model:2', '--cache_len=2304', f'--output={output}',
        *flags],
       cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True,
       timeout=900)
@@ -76,7 +76,8 @@ def test_pinned_engine_grafts_exactly_on_every_mesh(tmp_path):
   # (two host CPU devices stand in for accelerators): within every mesh an own-position graft
   # is SHA-256 equal to fresh. Across device counts only the 'gather' layout can keep bits;
   # what it does is recorded (equal_to_one_device) and checked below.
-  runs = mesh_exactness(tmp_path, '--layouts=gather,split', '--samples=3')
+  runs = mesh_exactness(tmp_path, '--engine=pinned', '--mesh_layout=gather', '--mesh_layout=split',
+                        '--samples=3')
   assert [(r['mesh'], r['layout']) for r in runs] == [('', None), ('model:2', 'gather'),
                                                        ('model:2', 'split')]
   for r in runs:
