@@ -34,7 +34,7 @@ import os
 import re
 import sys
 
-from absl import flags
+from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,6 +168,10 @@ def main(argv):
     with open(FLAGS.edge_probe_only, 'w') as f:
       json.dump(edge_probe(), f)
     return
+  if jax.default_backend() == 'cpu':
+    raise app.UsageError('device_check checks an accelerator (GPU or TPU), and jax sees only the '
+                         'CPU here: run it on the accelerator host (the CPU has its checks in '
+                         'tests/)')
   device = jax.devices()[0]
   kind = re.sub(r'[^a-z0-9]+', '_', device.device_kind.lower()).strip('_')
   report = {'backend': jax.default_backend(), 'device_kind': device.device_kind,

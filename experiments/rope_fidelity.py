@@ -77,7 +77,8 @@ def compare_text(engines: dict[str, Engine], ids: list[int], continuation_tokens
 
 
 def perplexity(engine: Engine, passages: list[list[int]]) -> float:
-  """exp of the mean negative log-likelihood of every passage's next tokens."""
+  """exp of the mean negative log-likelihood of every passage's next tokens (passages of at
+  least two tokens)."""
   nll, count = 0.0, 0
   for ids in passages:
     _, logits = engine.extend(engine.empty(), ids, logits=len(ids))
@@ -107,7 +108,8 @@ def main(argv):
   corpus = tokenizer.encode(samples.corpus_text())
   passages = [corpus[i * FLAGS.ppl_tokens:(i + 1) * FLAGS.ppl_tokens]
               for i in range(min(FLAGS.ppl_texts, len(corpus) // FLAGS.ppl_tokens))]
-  ppl = {mode: perplexity(engine, passages) for mode, engine in engines.items()}
+  ppl = ({mode: perplexity(engine, passages) for mode, engine in engines.items()}
+         if passages else None)  # --ppl_texts=0: no perplexity measured
   summary = {'texts': len(rows), 'max_abs': max(r['max_abs'] for r in rows),
              'max_abs_over_max_logit': max(r['max_abs_over_max_logit'] for r in rows),
              'max_kl': max(r['max_kl'] for r in rows),
@@ -126,8 +128,9 @@ def main(argv):
   print(f"relative vs float on {len(rows)} texts: max |Δlogit| {summary['max_abs']:.3g} "
         f"({summary['max_abs_over_max_logit']:.2g} of max |logit|), max KL "
         f"{summary['max_kl']:.3g}, argmax agreement >= {summary['min_argmax_agreement']:.4f}, "
-        f"{summary['continuations_equal']}/{len(rows)} continuations equal; perplexity float "
-        f"{ppl['float']:.4f}, relative {ppl['relative']:.4f}")
+        f"{summary['continuations_equal']}/{len(rows)} continuations equal"
+        + (f"; perplexity float {ppl['float']:.4f}, relative {ppl['relative']:.4f}" if ppl
+           else ''))
 
 
 if __name__ == '__main__':

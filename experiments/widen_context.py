@@ -34,7 +34,7 @@ import statistics
 import tempfile
 import time
 
-from absl import flags, logging
+from absl import app, flags, logging
 import jax
 import numpy as np
 
@@ -57,7 +57,7 @@ def define_flags() -> None:
   flags.DEFINE_integer('target_tokens', 0, 'Deposit at least this many tokens (0: by --ratio).',
                        lower_bound=0)
   flags.DEFINE_integer('library_tokens', 2048, 'Library length in tokens: each deposited '
-                       'library.', lower_bound=1)
+                       'library (BOS and text; more than --query_tokens).', lower_bound=2)
   flags.DEFINE_integer('queries', 48, 'Queries served from the store.', lower_bound=1)
   flags.DEFINE_integer('query_tokens', 16, 'Query length in tokens.', lower_bound=1)
   flags.DEFINE_integer('sampled', 8, 'Served queries checked against a fresh computation.',
@@ -169,6 +169,10 @@ def median(values) -> float | None:
 
 def main(argv):
   del argv
+  if FLAGS.library_tokens <= FLAGS.query_tokens:
+    raise app.UsageError(f'--library_tokens={FLAGS.library_tokens}: a query is the last '
+                         f'--query_tokens={FLAGS.query_tokens} tokens of a library, so a library '
+                         'needs more')
   loaded = common.load_model()
   engine = common.make_engine(loaded)
   cache_len = engine.engine_config.cache_len

@@ -124,7 +124,9 @@ def choose(found: Found, figure: Figure, machine: str | None = None
     out[kind].append((path, data))
   others = len(candidates) - len(picked)
   names = ', '.join(p.name for _, p, _ in picked)
-  caption = (f'Drawn from results made on {chosen} ({names})'
+  where = ('results whose machine is not recorded' if chosen == NOT_RECORDED
+           else f'results made on {chosen}')
+  caption = (f'Drawn from {where} ({names})'
              + (f'; {others} of other machines left out (--machine picks one)' if others else '')
              + '.') if picked else ''
   return out, chosen if picked else None, caption
