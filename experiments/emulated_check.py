@@ -23,8 +23,8 @@ Debian package qemu-user; 7.2 or later emulates AVX2 and FMA):
    natively in processes of other configurations: `devices:N` host devices, `threads:1` (one
    core of the affinity mask), `isa:X` (XLA_FLAGS=--xla_cpu_max_isa=X); --cpu= (empty) skips
    the emulated steps;
-5. everything to results/emulated_<cpu>.json (or --output), with what each step printed and
-   its time.
+5. everything to --output (unset: the run folder runs/emulated_check/), with what each step
+   printed and its time.
 
 Each spec_check or replay ends `equal` (the spec's bits, the manifest's hashes) or `refused`
 (the engine's self-check named the probes this machine does not compute as the spec says);

@@ -1,4 +1,4 @@
-"""The main job on the embedded model: a tour that ends with every figure redrawn from results/.
+"""The main job on the embedded model: a tour that ends with every figure drawn from results/.
 
   python -m experiments.main
 

@@ -29,10 +29,10 @@ offset whose positions would leave [0, max_context) is skipped with a logged war
 under config.skipped). Offsets may be written `max` or `max-N`: the largest δ whose last query
 token still sits inside the context (max_context - L - Q), minus N.
 
-Output: schema position_sweep (analysis/results.py), by default
-results/position_sweep_<label>_<dtype>_<rope>.json; each file's config.command repeats its
-command line (the README lists the committed runs). Then
-`python -m analysis.figures --results=results --output=figures`.
+Output: schema position_sweep (analysis/results.py), in --output or the run folder
+(runs/position_sweep/); each file's config.command names every flag that decides its bits
+(docs/claims.md, claim 5, lists the committed runs). Then
+`python -m analysis.figures --only=position_exactness`.
 
 rerotate's K bytes can differ from fresh even where the logits are equal (δ = 0, and the
 controls): a rotation by 0 computes x cos 0 - y sin 0, which turns a key element -0.0 into +0.0

@@ -1,4 +1,4 @@
-"""The floating-point account of RoPE (analysis/rope_float.py), run and written to results/.
+"""The floating-point account of RoPE (analysis/rope_float.py), run and written as a result.
 
   python -m experiments.rope_float --output=results/rope_float.json
 
