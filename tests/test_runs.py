@@ -22,6 +22,8 @@ TINY = ['--model=tiny_gemma3', '--weights=random:0']
 # Per entry point, runs at the edges of its bounds ({tmp}: a scratch folder; {manifest}: a
 # graft-exactness manifest of tiny_gemma3, made once). Sizes sit at their lower bounds unless a
 # bound is only reachable through a run of minutes (then the smallest that runs in seconds).
+# Each must end with a result, or where listed in USAGE_ERRORS with a one-line usage error
+# naming that flag: never with another error.
 EDGES = {
     'experiments.bench': [TINY + [
         '--systems=ours_spec', '--prompt_tokens=1', '--decode_tokens=1', '--library_tokens=1',
@@ -33,6 +35,7 @@ EDGES = {
         TINY + ['--window=2', '--drop=1', '--shifts=1', '--continuation_tokens=0',
                 '--text_tokens=1'],
         TINY + ['--window=2']],  # --drop's default is not below it: a usage error naming it
+    # Not an accelerator host: a one-line refusal that says so.
     'experiments.device_check': [['--samples=1', '--mesh_samples=1']],
     'experiments.emulated_check': [['--cpu=', '--tokens=2', '--config_models=tiny_gemma3',
                                     '--dot_library=native']],
@@ -65,6 +68,13 @@ EDGES = {
         '--ratio=1', '--cache_len=16', '--library_tokens=2', '--queries=1', '--query_tokens=1',
         '--sampled=0', '--misses=0']],
     'analysis.figures.__main__': [['--only=faults', '--composition_offsets=0']],
+}
+# (module, the run's last argument) -> what its one-line usage error must name.
+USAGE_ERRORS = {
+    ('experiments.context_shift', '--window=2'): '--drop=8 must be below --window=2',
+    ('experiments.device_check', '--mesh_samples=1'): 'device_check checks an accelerator',
+    ('experiments.graft_exactness', '--cache_len=1'): 'raise cache_len',
+    ('experiments.logits', '--cache_len=1'): 'raise cache_len',
 }
 # Entry points not run here, and why.
 NOT_RUN = {
@@ -104,10 +114,12 @@ def scratch(tmp_path_factory):
 def test_every_entry_point_is_run_at_its_edges_or_says_why_not():
   assert set(EDGES) | set(NOT_RUN) == set(cli_reference.entry_points())
   assert not set(EDGES) & set(NOT_RUN)
+  assert all(last in [a[-1] for a in EDGES[module]] for module, last in USAGE_ERRORS)
 
 
 @pytest.mark.parametrize('module, args', [(m, a) for m, cases in EDGES.items() for a in cases],
-                         ids=lambda v: v if isinstance(v, str) else ' '.join(v)[:60])
+                         ids=lambda v: v if isinstance(v, str) else ' '.join(
+                             a for a in v if a not in TINY)[:70])
 def test_a_bare_run_at_the_edges_of_its_bounds_ends_well_and_leaves_git_clean(
     module, args, scratch):
   before, made_before = status(), runs()
@@ -116,7 +128,9 @@ def test_a_bare_run_at_the_edges_of_its_bounds_ends_well_and_leaves_git_clean(
   made = runs() - made_before
   try:
     assert status() == before, f'{module} changed the working tree:\n{status()}'
-    if out.returncode == 0:
+    expected = USAGE_ERRORS.get((module, args[-1]))
+    if expected is None:
+      assert out.returncode == 0, out.stderr[-3000:]
       # Its result (where it writes one) went to the run folder.
       assert all(str(p.relative_to(REPO)).startswith('runs/') for p in made)
     else:
@@ -124,7 +138,7 @@ def test_a_bare_run_at_the_edges_of_its_bounds_ends_well_and_leaves_git_clean(
                if not line.startswith(('I1', 'W1', 'WARNING', 'INFO', 'note: '))]
       assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith('error: '), (
           out.returncode, out.stderr[-3000:])
-      assert 'Traceback' not in out.stderr
+      assert expected in lines[0] and 'Traceback' not in out.stderr, lines[0]
   finally:
     for path in sorted(made, reverse=True):
       if path.is_dir():
