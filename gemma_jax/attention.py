@@ -215,5 +215,5 @@ class Attention(nnx.Module):
     encoded = attention_fn(q, keys, cache.v, positions, cache.positions,
                            window=self.spec.window, softcap=self.config.attn_logits_softcap,
                            scores=scores, numerics=numerics)
-    return self.o_proj(numerics.whole(encoded), numerics), cache
+    return numerics.whole(self.o_proj(numerics.whole(encoded), numerics)), cache
 

@@ -88,4 +88,4 @@ class FeedForward(nnx.Module):
   def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
     gate_up = self.gate_up_proj(x, numerics)  # [B, T, 2, F]
     hidden = numerics.mul(numerics.gelu(gate_up[..., 0, :]), gate_up[..., 1, :])
-    return self.down_proj(numerics.whole(hidden), numerics)
+    return numerics.whole(self.down_proj(numerics.whole(hidden), numerics))

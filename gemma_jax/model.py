@@ -137,7 +137,7 @@ class Block(nnx.Module):
     if per_layer_input is not None:
       gated = n.mul(n.gelu(self.per_layer_input_gate(x, n)), per_layer_input)
       x = n.barrier(x + self.post_per_layer_input_norm(
-          self.per_layer_projection(n.whole(gated), n), n))
+          n.whole(self.per_layer_projection(n.whole(gated), n)), n))
     if self.skip_scale is not None:
       x = n.barrier(n.mul(x, self.skip_scale[...]))
     return x, cache
