@@ -191,7 +191,8 @@ def render() -> str:
   shared = {name for rows in groups.values() for name in rows}
   for module in entry_points():
     values = own(defined_flags(module))
-    taken = [title for title, rows in groups.items() if set(rows) <= set(values)]
+    taken = [title for title, rows in groups.items()
+             if set(rows) <= set(values) or title == 'runner']  # every tool runs in the runner
     differing = {name: flag for name, flag in values.items() if name in shared and
                  any(name in rows and default(rows[name]) != default(flag)
                      for rows in groups.values())}
