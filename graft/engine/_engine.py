@@ -38,6 +38,12 @@ from graft.engine.context import Context, Decoded, call_inputs, sample
 from graft.engine.shared import shared
 
 
+# A cache of at most this many slots is read whole by every call of a tiled attention (one
+# executable per call shape, not one per tile count: the tiny models of the tests); a larger one
+# reads the tiles that hold the context. Neither changes a bit (`Engine._tiles_for`).
+WHOLE_CACHE_SLOTS = 1024
+
+
 class Engine:
   """Runs a loaded model under an EngineConfig, through its plan (graft.engine.plans)."""
 
@@ -217,8 +223,11 @@ class Engine:
   def _tiles_for(self, end: int) -> int | None:
     """Tiles the tiled attention reads for a call whose last token has sequence index end - 1:
     the tiles holding slots 0 .. end - 1, rounded up to a power of two (fewer compiled shapes);
-    reading more tiles than a row sees does not change its bits (gemma_jax.tiled_attention)."""
-    if self.by_length or not (self.plan.reads_tiles and hasattr(self._attention_fn, 'reading')):
+    reading more tiles than a row sees does not change its bits (gemma_jax.tiled_attention).
+    None (the whole cache) by length, and in a cache of at most WHOLE_CACHE_SLOTS slots, where
+    reading all of it costs less than an executable per tile count."""
+    if (self.by_length or self._cache_slots <= WHOLE_CACHE_SLOTS
+        or not (self.plan.reads_tiles and hasattr(self._attention_fn, 'reading'))):
       return None
     tile = self._attention_fn.tile
     return min(next_power_of_two(-(-end // tile)), self._cache_slots // tile)
