@@ -128,7 +128,7 @@ def test_a_bare_run_at_the_edges_of_its_bounds_ends_well_and_leaves_git_clean(
   made = runs() - made_before
   try:
     assert status() == before, f'{module} changed the working tree:\n{status()}'
-    expected = USAGE_ERRORS.get((module, args[-1]))
+    expected = USAGE_ERRORS.get((module, args[-1] if args else ''))
     if expected is None:
       assert out.returncode == 0, out.stderr[-3000:]
       # Its result (where it writes one) went to the run folder.
