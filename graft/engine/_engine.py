@@ -27,6 +27,7 @@ from gemma_jax import executables
 from gemma_jax import kv_state as kvs
 from gemma_jax import model
 from gemma_jax import rope
+from gemma_jax import sampling
 from gemma_jax import sharding
 from gemma_jax.config import EOS_ID
 from gemma_jax.sizes import next_power_of_two
@@ -507,7 +508,8 @@ class Engine:
   def decode_batch(self, ctxs: Sequence[Context], max_new_tokens: Sequence[int], *,
                    temperatures: Sequence[float] | None = None,
                    seeds: Sequence[int] | None = None,
-                   stop: Callable[[list[int]], bool] | None = None) -> list['Decoded']:
+                   stop: Callable[[list[int]], bool] | None = None,
+                   sampler: str = sampling.SAMPLER) -> list['Decoded']:
     """`decode` of N contexts together on one stacked state, a batch slot each: slot i gets
     exactly what decode(ctxs[i], max_new_tokens[i], temperature=temperatures[i],
     seed=seeds[i], stop=stop) gets alone (tokens, logits digest, context), by extend_batch's
@@ -523,9 +525,10 @@ class Engine:
       self._check_batch(ctxs, [[]], None)
       return [self.decode(ctxs[0], max_new_tokens[0],
                           temperature=temperatures[0] if temperatures else 0.0,
-                          seed=seeds[0] if seeds else 0, stop=stop)]
+                          seed=seeds[0] if seeds else 0, stop=stop, sampler=sampler)]
     batch = self.batch(ctxs)
-    drawn = batch.decode(max_new_tokens, temperatures=temperatures, seeds=seeds, stop=stop)
+    drawn = batch.decode(max_new_tokens, temperatures=temperatures, seeds=seeds, stop=stop,
+                         sampler=sampler)
     return [Decoded(context=c, tokens=t, logits_sha256=h)
             for c, (t, h) in zip(batch.contexts(), drawn)]
 
@@ -539,19 +542,22 @@ class Engine:
     return decoded.context, decoded.tokens
 
   def decode(self, ctx: Context, max_new_tokens: int, *, temperature: float = 0.0,
-             seed: int = 0, stop: Callable[[list[int]], bool] | None = None) -> 'Decoded':
+             seed: int = 0, stop: Callable[[list[int]], bool] | None = None,
+             sampler: str = sampling.SAMPLER) -> 'Decoded':
     """`generate` that stops once `stop(tokens so far)` holds, and also returns the SHA-256 of
-    the float32 logits every token was drawn from (the evidence a replay compares)."""
+    the float32 logits every token was drawn from (the evidence a replay compares). `sampler`:
+    how a temperature's draws are made (gemma_jax.sampling; LEGACY to replay an older
+    manifest)."""
     if ctx.last_logits is None:
       raise ValueError('the context has no logits at its last token; extend it with '
                        "logits='last' first")
-    rng = np.random.default_rng(seed)
+    draws = sampling.Draws(seed, sampler)
     new_tokens, digest = [], hashlib.sha256()
     while len(new_tokens) < max_new_tokens:
       if new_tokens:  # after the first step the context is this loop's own: update in place
         ctx, _ = self.extend(ctx, new_tokens[-1:], logits='last', consume=len(new_tokens) > 1)
       digest.update(np.ascontiguousarray(ctx.last_logits, np.float32).tobytes())
-      new_tokens.append(sample(ctx.last_logits, temperature, rng))
+      new_tokens.append(sample(ctx.last_logits, temperature, draws))
       if stop is not None and stop(new_tokens):
         break
     return Decoded(context=ctx, tokens=new_tokens, logits_sha256=digest.hexdigest())
