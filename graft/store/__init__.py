@@ -17,8 +17,11 @@ maintenance (verify, audit, gc), over shared (names, the codec, problems and the
 """
 
 from graft.store import artifact, blocks, kvstore, signing
-from graft.store._store import Kind, Match, Problem, Store, StoreError
+from graft.store._store import Composition, Kind, Match, Problem, Store, StoreError
+from graft.store.compose import ComposeError, Recompute
+from graft.store.documents import Document, DocumentError
 from graft.store.artifact import Artifact, ArtifactError
 
-__all__ = ['Artifact', 'ArtifactError', 'Kind', 'Match', 'Problem', 'Store', 'StoreError',
+__all__ = ['Artifact', 'ArtifactError', 'ComposeError', 'Composition', 'Document',
+           'DocumentError', 'Kind', 'Match', 'Problem', 'Recompute', 'Store', 'StoreError',
            'artifact', 'blocks', 'kvstore', 'signing']

@@ -1,0 +1,124 @@
+"""A retrieval task for experiments.compose: facts spread over documents, a question whose
+answer is in one of them.
+
+Each document is a record book: lines "<First> <Last> lives in <City>." until it reaches its
+length in tokens. Every person appears once in a context (its documents together); a question
+asks where one of them lives and ends as the fact's own line begins,
+
+    Question: Where does Maria Lopez live?
+    Answer: Maria Lopez lives in
+
+so the answer is the next token: a city, each of them one token of the Gemma tokenizer
+(`CITIES`, checked when a task is made). A question is answered right when the city's logit is
+the largest among every city's (the candidates' log-probabilities compared: one logits row per
+question, no decoding); `top1` also says whether it is the largest of the whole vocabulary.
+
+Seeded: the same seed, lengths and counts give the same tokens on any machine (NumPy's
+Generator draws integers exactly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+PREFIX_TEXT = ('The record books below say where people live. Answer the question from '
+               'them.\n\n')
+FIRST = ('Maria Anna Lena Sofia Clara Julia Nora Emma Alice Rosa Ines Marta Paula Elena Laura '
+         'Vera Irene Lucia Diana Helen Grace Olivia Ruth Sara Mila John Peter Paul Mark Luke '
+         'David Daniel Thomas James Robert Victor Oscar Hugo Felix Adam Leo Ivan Noah Simon '
+         'Tom Max Karl Omar Ali Yuri Igor Pedro Pablo Diego Marco Luca Jonas Erik Hans').split()
+LAST = ('Lopez Smith Brown Meyer Novak Rossi Silva Costa Garcia Martin Weber Fischer Wagner '
+        'Becker Schulz Dubois Moreau Laurent Petit Leroy Santos Pereira Ferreira Almeida '
+        'Romano Greco Conti Russo Ricci Marino Kowalski Nowak Horvat Popescu Ionescu Jensen '
+        'Hansen Larsen Olsen Nielsen Berg Lund Holm Strand Dahl Walsh Byrne Ryan Kelly '
+        'Murphy Evans Hughes Lewis Morgan Price Turner Parker Collins Edwards Stewart').split()
+CITIES = ('Lisbon Paris London Berlin Madrid Rome Vienna Prague Warsaw Dublin Oslo Stockholm '
+          'Helsinki Athens Cairo Tokyo Seoul Beijing Delhi Mumbai Sydney Toronto Chicago Boston '
+          'Denver Miami Dallas Seattle Houston Lima Havana Nairobi Lagos Istanbul Moscow '
+          'Budapest Munich Milan Naples Venice Geneva Zurich Brussels Amsterdam Hamburg '
+          'Barcelona Manila Jakarta Bangkok Dubai').split()
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+  """A question about one fact: its token ids, the answer's token id, and the document
+  (index in its context's order) that holds the fact."""
+
+  tokens: tuple[int, ...]
+  answer: int
+  document: int
+  text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """A prefix, documents (token ids each) and the questions asked about them."""
+
+  prefix: tuple[int, ...]
+  documents: tuple[tuple[int, ...], ...]
+  questions: tuple[Question, ...]
+
+
+def city_tokens(tokenizer) -> dict[str, int]:
+  """Each city's one token id (ValueError naming a city the tokenizer splits)."""
+  out = {}
+  for city in CITIES:
+    ids = tokenizer.encode(' ' + city, add_bos=False)
+    if len(ids) != 1:
+      raise ValueError(f'the city {city!r} is {len(ids)} tokens for this tokenizer, not one')
+    out[city] = ids[0]
+  return out
+
+
+def make_context(tokenizer, lengths, questions: int, rng: np.random.Generator) -> Context:
+  """A context of documents of at most `lengths[i]` tokens each (whole fact lines; a line is
+  ~10 tokens), and `questions` questions spread evenly over the documents."""
+  cities = city_tokens(tokenizer)
+  people = rng.permutation(len(FIRST) * len(LAST))
+  used = 0
+  documents, facts = [], []
+  for d, length in enumerate(lengths):
+    head = tokenizer.encode(f'Record book {d + 1}:\n', add_bos=False)
+    tokens, lines = list(head), []
+    while True:
+      person = int(people[used])
+      name = f'{FIRST[person // len(LAST)]} {LAST[person % len(LAST)]}'
+      city = CITIES[int(rng.integers(len(CITIES)))]
+      line = tokenizer.encode(f'{name} lives in {city}.\n', add_bos=False)
+      if len(tokens) + len(line) > length:
+        break
+      used += 1
+      tokens += line
+      lines.append((name, city))
+    if not lines:
+      raise ValueError(f'a document of {length} tokens holds no fact line')
+    documents.append(tuple(tokens))
+    facts.append(lines)
+  asked = []
+  for q in range(questions):
+    d = q % len(documents)
+    name, city = facts[d][int(rng.integers(len(facts[d])))]
+    text = f'\nQuestion: Where does {name} live?\nAnswer: {name} lives in'
+    asked.append(Question(tuple(tokenizer.encode(text, add_bos=False)), cities[city], d, text))
+  prefix = tuple(tokenizer.encode(PREFIX_TEXT))
+  return Context(prefix, tuple(documents), tuple(asked))
+
+
+def score(logits: np.ndarray, answer: int, candidates: np.ndarray) -> dict:
+  """Whether the answer's logit is the largest among the candidates' (`correct`) and of the
+  whole vocabulary (`top1`), from the question's last logits row [V]."""
+  best = int(candidates[np.argmax(logits[candidates])])
+  return {'correct': best == answer, 'top1': int(np.argmax(logits)) == answer,
+          'chosen': best}
+
+
+def wilson(correct: int, total: int, z: float = 1.959964) -> tuple[float, float]:
+  """The 95% Wilson score interval of a proportion."""
+  if not total:
+    return (0.0, 1.0)
+  p = correct / total
+  centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+  half = z * np.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+  return (float(centre - half), float(centre + half))
