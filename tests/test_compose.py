@@ -20,7 +20,7 @@ from gemma_jax import weights
 from gemma_jax.compare import sha256_bytes
 from gemma_jax.config import get_config
 from graft.engine import Engine, EngineConfig
-from graft.store import (ComposeError, Document, DocumentError, Kind, Recompute, Store,
+from graft.store import (ComposeError, Document, DocumentError, Kind, Recompute, Store, blocks,
                          compose as composing)
 from graft.store.kvstore import KvStore
 
@@ -52,10 +52,16 @@ def stored(eng: Engine) -> Store:
   return store
 
 
+def document_entries(store: Store, document) -> list[dict]:
+  """The published entries of a document's chain after PREFIX, in order."""
+  by_key = {e['key']: e for e in store.entries()}
+  return [by_key[k] for k in blocks.document_keys(store.namespace, PREFIX, document, 16)]
+
+
 def shifted(eng: Engine, store: Store, document, delta: int) -> kvs.KVRows:
   """The prefix and the document computed from position Δ: the document's rows."""
   prefix_ctx, _ = eng.prefill(PREFIX, logits='none', start_position=delta)
-  return store._documents.compute(prefix_ctx, document)
+  return composing.compute_rows(eng, prefix_ctx, document)
 
 
 def same(a: kvs.KVRows, b: kvs.KVRows) -> bool:
@@ -87,7 +93,7 @@ def test_relocated_rows_are_sha256_equal_to_the_document_computed_shifted(name, 
       offset += len(doc)
   # Offsets from 0 past the local window (8) and its ring (32) to the model's context.
   doc = DOCUMENTS[2]
-  rows, _ = store._documents.read(PREFIX, doc)
+  rows = store.read_document(PREFIX, doc)
   last = eng.config.max_context - p - len(doc)
   for delta in (0, 1, 7, 8, 9, 33, 300, last):
     assert same(composing.placed(eng, rows, p + delta, rerotate=False),
@@ -115,7 +121,7 @@ def test_a_float_engine_composes_only_with_re_rotation_asked_and_then_not_exactl
   turned = store.compose(PREFIX, DOCUMENTS, recompute=Recompute('window', 0.3), rerotate=True)
   assert turned.record['rerotate'] and turned.record['rope'] == 'float'
   doc, p = DOCUMENTS[2], len(PREFIX)
-  rows, _ = store._documents.read(PREFIX, doc)
+  rows = store.read_document(PREFIX, doc)
   moved = composing.placed(eng, rows, p + 30, rerotate=True)
   want = shifted(eng, store, doc, 30)
   assert sha256_bytes(moved.v[0]) == sha256_bytes(want.v[0])  # layer 0's V sees no position
@@ -132,7 +138,7 @@ def test_each_strategy_selects_its_tokens():
   lengths = [len(d) for d in DOCUMENTS]
   total = sum(lengths)
   rows = composing.concatenate([
-      composing.placed(eng, store._documents.read(PREFIX, d)[0], int(o), False)
+      composing.placed(eng, store.read_document(PREFIX, d), int(o), False)
       for d, o in zip(DOCUMENTS, np.cumsum([len(PREFIX)] + lengths[:-1]))])
   tokens = PREFIX + sum(DOCUMENTS, [])
   select = lambda strategy, f: composing.select(eng, Recompute(strategy, f), tokens, rows,
@@ -198,16 +204,17 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing():
 def test_document_keys_depend_on_prefix_and_tokens_not_on_placement():
   eng = engine()
   store = stored(eng)
-  keys = store._documents.keys(PREFIX, DOCUMENTS[0])
-  assert keys == store._documents.keys(list(PREFIX), tuple(DOCUMENTS[0]))
-  assert keys != store._documents.keys(PREFIX + [7], DOCUMENTS[0])
+  keys_of = lambda prefix, doc: blocks.document_keys(store.namespace, prefix, doc, 16)
+  keys = keys_of(PREFIX, DOCUMENTS[0])
+  assert keys == keys_of(list(PREFIX), tuple(DOCUMENTS[0]))
+  assert keys != keys_of(PREFIX + [7], DOCUMENTS[0])
   chain = {e['key'] for e in store.entries()}
   assert set(keys) <= chain  # published, reachable through the prefix's document root
   for order in (DOCUMENTS, DOCUMENTS[::-1]):
     record = store.compose(PREFIX, order).record
     assert all(d['source'] == 'store' for d in record['documents'])
     assert {d['key'] for d in record['documents']} == {
-        store._documents.keys(PREFIX, d)[-1] for d in DOCUMENTS}
+        keys_of(PREFIX, d)[-1] for d in DOCUMENTS}
   assert store.verify() == [] and store.audit() == []
 
 
@@ -215,7 +222,7 @@ def test_a_damaged_document_block_is_quarantined_and_the_composition_stays_exact
   eng = engine()
   store = stored(eng)
   clean = store.compose(PREFIX, DOCUMENTS, QUERY, recompute=Recompute('window', 0.2))
-  victim = store._documents.match(PREFIX, DOCUMENTS[2]).entries[1]
+  victim = document_entries(store, DOCUMENTS[2])[1]
   name = f'objects/{victim["object"]}'
   data = bytearray(store.backing.read(name))
   data[-3] ^= 4  # a bit of the last leaf
@@ -228,7 +235,7 @@ def test_a_damaged_document_block_is_quarantined_and_the_composition_stays_exact
   # A forgery (self-consistent) of a document block: audit finds it, and only it.
   from experiments.fault_campaign import damage
   store.put_document(PREFIX, DOCUMENTS[2])  # the honest writer repairs the block
-  forged = store._documents.match(PREFIX, DOCUMENTS[0]).entries[0]
+  forged = document_entries(store, DOCUMENTS[0])[0]
   damage.forge(store, forged)
   found = Store(store.backing, eng).audit()
   assert [(p.kind, p.key) for p in found][:1] == [(Kind.FORGED, forged['key'])]

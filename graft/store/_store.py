@@ -64,6 +64,7 @@ from typing import Callable
 
 import numpy as np
 
+from gemma_jax import kv_state as kvs
 from graft.engine import Context, Engine, fingerprint
 from graft.engine.fingerprint import differences
 from graft.store import blocks, signing
@@ -245,6 +246,14 @@ class Store:
     cache."""
     return self._documents.put(prefix, document, recompute=recompute)
 
+  def read_document(self, prefix, document) -> kvs.KVRows | None:
+    """A stored document's rows, verified: every layer's K and V [L, K, H] at sequence indices
+    and positions p .. p + L - 1 after the prefix (p = len(prefix)); None when it is not stored
+    whole and usable (a block refused on the way is quarantined and reported in `problems`)."""
+    prefix, document = self._documents.check(prefix, document)
+    found = self._documents.read(prefix, document)
+    return None if found is None else found[0]
+
   def compose(self, prefix, documents, query=(), *, recompute: Recompute = Recompute(),
               rerotate: bool = False) -> 'Composition':
     """The prefix followed by `documents` in the order given, each placed from its stored rows
@@ -303,7 +312,7 @@ class Store:
     for tokens in checked:
       found = self._documents.read(prefix, tokens)
       if found is None:
-        rows.append(self._documents.compute(prefix_ctx, tokens))
+        rows.append(composing.compute_rows(self.engine, prefix_ctx, tokens))
         sources.append({'source': 'computed', 'key': self._documents.keys(prefix, tokens)[-1]})
       else:
         rows.append(found[0])

@@ -99,6 +99,13 @@ def document_root(ns: str, prefix_key: str) -> str:
   return hashlib.sha256(DOCUMENT_DOMAIN + bytes.fromhex(ns) + bytes.fromhex(prefix_key)).hexdigest()
 
 
+def document_keys(ns: str, prefix, document, block_tokens: int) -> list[str]:
+  """The keys of a document's blocks stored after `prefix` (graft/store/documents.py): its
+  chain from the document root of the prefix's own last block."""
+  root = document_root(ns, chain_keys(ns, prefix, block_tokens)[-1])
+  return chain_keys(ns, document, block_tokens, root)
+
+
 def chain_keys(ns: str, tokens, block_tokens: int, root: str = ROOT) -> list[str]:
   """The keys of every block of a context (the last one partial when len(tokens) % B); `root`:
   the parent of its first block (ROOT for a context from position 0, a document root for a

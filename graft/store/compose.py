@@ -151,6 +151,18 @@ def turn(engine: Engine, layer_index: int, k: np.ndarray, positions: np.ndarray,
   return np.asarray(out)
 
 
+def compute_rows(engine: Engine, prefix_ctx: Context, document: Sequence[int]) -> kvs.KVRows:
+  """A document's rows computed by the engine after a context holding the prefix (left as it
+  is), in calls of the engine's rows per call: every layer's K and V [L, K, H] and positions,
+  at the sequence indices after the prefix's (what a stored document's blocks hold)."""
+  ctx, parts, step = prefix_ctx, [], engine.max_rows
+  for lo in range(0, len(document), step):
+    n = len(ctx.tokens)
+    ctx, _ = engine.extend(ctx, document[lo:lo + step], logits='none', consume=lo > 0)
+    parts.append(kvs.take_rows(ctx.kv, n, len(ctx.tokens)))
+  return concatenate(parts)
+
+
 def check_mode(engine: Engine, rerotate: bool) -> str:
   """The engine's RoPE mode when it can place documents elsewhere than where they were
   computed: 'relative' (position-free rows), or 'float' with rerotate=True (keys turned by Δ,

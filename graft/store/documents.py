@@ -26,7 +26,7 @@ import dataclasses
 import time
 
 from gemma_jax import kv_state as kvs
-from graft.engine import Context, Engine
+from graft.engine import Engine
 from graft.store import blocks
 from graft.store.compose import append_rows, concatenate
 from graft.store.lookup import BadBlock, Lookup
@@ -72,8 +72,7 @@ class Documents:
 
   def keys(self, prefix, document) -> list[str]:
     """The keys of a document's blocks after `prefix`."""
-    root = blocks.document_root(self._codec.namespace, self.prefix_key(prefix))
-    return blocks.chain_keys(self._codec.namespace, document, self._codec.block_tokens, root)
+    return blocks.document_keys(self._codec.namespace, prefix, document, self._codec.block_tokens)
 
   def check(self, prefix, document, what: str = 'the document') -> tuple[list[int], list[int]]:
     """(prefix, document) as int lists; DocumentError when the prefix or the document is empty,
@@ -127,19 +126,6 @@ class Documents:
         continue
       return concatenate(parts), match
 
-  def compute(self, prefix_ctx: Context, document) -> kvs.KVRows:
-    """A document's rows computed by the engine after a context holding the prefix (which
-    it leaves as it is): as `read` gives them."""
-    ctx = prefix_ctx
-    parts = []
-    block_tokens = self._codec.block_tokens
-    for start in range(0, len(document), block_tokens):
-      n = len(ctx.tokens)
-      ctx, _ = self._engine.extend(ctx, document[start:start + block_tokens], logits='none',
-                                   consume=start > 0)
-      parts.append(kvs.take_rows(ctx.kv, n, len(ctx.tokens)))
-    return concatenate(parts)
-
   # Writing --------------------------------------------------------------------------------------
 
   def put(self, prefix, document, *, recompute: bool = False) -> dict:
@@ -150,7 +136,7 @@ class Documents:
     `document` (a Document)."""
     prefix, document = self.check(prefix, document)
     t0 = time.perf_counter()
-    prefix_report = self._publication.put(prefix, own_last_block=True)
+    prefix_report = self._publication.put(prefix, recompute=recompute, own_last_block=True)
     prefix_match = self.prefix_match(prefix)
     if prefix_match is None:
       raise DocumentError('the prefix could not be stored under its own key (a block of it is '
@@ -159,18 +145,32 @@ class Documents:
     ns, block_tokens = self._codec.namespace, self._codec.block_tokens
     root = blocks.document_root(ns, last['key'])
     keys = blocks.chain_keys(ns, document, block_tokens, root)
-    match = Match(0, (), 0) if recompute else self._lookup.match(
-        document, root=root, root_header=last['header_sha256'])
-    # Whole blocks are built on; a match ending inside a block rewrites that block (unless the
-    # document ends there too: then its rows are addressable already).
-    done = match.tokens == len(document)
-    first_new = len(keys) if done else match.tokens // block_tokens
+    while True:  # each retry quarantines one bad block, so this ends
+      match = Match(0, (), 0) if recompute else self._lookup.match(
+          document, root=root, root_header=last['header_sha256'])
+      # Whole blocks are built on; a match ending inside a block rewrites that block (unless
+      # the document ends there too: then its rows are addressable already).
+      done = match.tokens == len(document)
+      first_new = len(keys) if done else match.tokens // block_tokens
+      used = match if done else Match(first_new * block_tokens, match.entries[:first_new],
+                                      len(match.entries[first_new - 1]['tokens'])
+                                      if first_new else 0)
+      try:  # what is built on is read and verified, as a put grafts it
+        stored = self._lookup.rows(used, first=len(prefix), every_layer=True) if used.tokens else []
+      except BadBlock:
+        continue
+      break
     report = {'tokens': len(document), 'prefix_tokens': len(prefix),
-              'reused_tokens': min(match.tokens, first_new * block_tokens),
-              'blocks_written': 0, 'blocks_existing': 0, 'bytes_written': 0, 'conflicts': 0,
+              'reused_tokens': used.tokens, 'blocks_written': 0, 'blocks_existing': 0,
+              'bytes_written': 0, 'conflicts': 0,
               'prefix_blocks_written': prefix_report['blocks_written']}
     if first_new < len(keys):
-      ctx = self._context(prefix, document, match, first_new)
+      ctx, prefix_match = self._lookup.graft(prefix)
+      if prefix_match.tokens < len(prefix):
+        ctx, _ = self._engine.extend(ctx, prefix[prefix_match.tokens:], logits='none',
+                                     consume=True)
+      if stored:
+        ctx = append_rows(self._engine, ctx, concatenate(stored), document[:used.tokens])
       parent_header = (match.entries[first_new - 1]['header_sha256'] if first_new
                        else last['header_sha256'])
       batch = []
@@ -193,25 +193,6 @@ class Documents:
     report['seconds'] = time.perf_counter() - t0
     report['document'] = Document(tuple(document), keys[-1], last['key'], len(prefix))
     return report
-
-  def _context(self, prefix, document, match: Match, whole_blocks: int) -> Context:
-    """A context holding the prefix and the document's first `whole_blocks` stored blocks,
-    grafted (what a put of the rest computes on)."""
-    ctx, prefix_match = self._lookup.graft(prefix)
-    if prefix_match.tokens < len(prefix):
-      ctx, _ = self._engine.extend(ctx, prefix[prefix_match.tokens:], logits='none',
-                                   consume=True)
-    if not whole_blocks:
-      return ctx
-    stored = whole_blocks * self._codec.block_tokens
-    used = Match(stored, match.entries[:whole_blocks],
-                 len(match.entries[whole_blocks - 1]['tokens']))
-    try:
-      rows = concatenate(self._lookup.rows(used, first=len(prefix), every_layer=True))
-    except BadBlock:  # quarantined: the document is computed from its start instead
-      return ctx
-    return append_rows(self._engine, ctx, rows, document[:stored])
-
 
 def _ids(tokens, what: str) -> list[int]:
   try:
