@@ -240,3 +240,19 @@ def test_a_damaged_document_block_is_quarantined_and_the_composition_stays_exact
   found = Store(store.backing, eng).audit()
   assert [(p.kind, p.key) for p in found][:1] == [(Kind.FORGED, forged['key'])]
   assert {p.kind for p in found} <= {Kind.FORGED, Kind.BUILT_ON_FORGERY}
+
+
+def test_a_document_stored_after_another_prefix_is_never_placed():
+  # Its keys hang from the other prefix's document root, and its first block records the other
+  # prefix's last header: either alone keeps it apart.
+  eng = engine()
+  store = stored(eng)
+  other = PREFIX[:-1] + [PREFIX[-1] + 1]
+  store.put_document(other, DOCUMENTS[3])  # the other prefix is stored too
+  composed = store.compose(other, DOCUMENTS[:2], QUERY)
+  assert [d['source'] for d in composed.record['documents']] == ['computed', 'computed']
+  prefix_ctx, _ = eng.prefill(other, logits='none')
+  rows = [composing.compute_rows(eng, prefix_ctx, d) for d in DOCUMENTS[:2]]
+  ctx, _ = composing.compose(eng, prefix_ctx, DOCUMENTS[:2], rows)
+  _, want = eng.extend(ctx, QUERY, logits='all')
+  assert sha256_bytes(composed.logits) == sha256_bytes(want)
