@@ -13,6 +13,10 @@ so the answer is the next token: a city, each of them one token of the Gemma tok
 the largest among every city's (the candidates' log-probabilities compared: one logits row per
 question, no decoding); `top1` also says whether it is the largest of the whole vocabulary.
 
+A tokenizer that splits the cities (the tiny models' synthetic one) gets the same task in ids
+(`make_id_context`): a fact is two key ids, a separator and a value id; a question is the keys
+and the separator, its answer the value.
+
 Seeded: the same seed, lengths and counts give the same tokens on any machine (NumPy's
 Generator draws integers exactly).
 """
@@ -74,8 +78,12 @@ def city_tokens(tokenizer) -> dict[str, int]:
 
 def make_context(tokenizer, lengths, questions: int, rng: np.random.Generator) -> Context:
   """A context of documents of at most `lengths[i]` tokens each (whole fact lines; a line is
-  ~10 tokens), and `questions` questions spread evenly over the documents."""
-  cities = city_tokens(tokenizer)
+  ~10 tokens), and `questions` questions spread evenly over the documents; in ids where the
+  tokenizer splits a city (`make_id_context`)."""
+  try:
+    cities = city_tokens(tokenizer)
+  except ValueError:
+    return make_id_context(tokenizer.vocab_size, lengths, questions, rng)
   people = rng.permutation(len(FIRST) * len(LAST))
   used = 0
   documents, facts = [], []
@@ -104,6 +112,44 @@ def make_context(tokenizer, lengths, questions: int, rng: np.random.Generator) -
     asked.append(Question(tuple(tokenizer.encode(text, add_bos=False)), cities[city], d, text))
   prefix = tuple(tokenizer.encode(PREFIX_TEXT))
   return Context(prefix, tuple(documents), tuple(asked))
+
+
+SEPARATOR, VALUES = 3, 32  # the id task: its separator id, and the values are ids 4 .. 4 + 31
+
+
+def candidates(tokenizer) -> np.ndarray:
+  """The answers a question is scored among: every city's token, or the id task's values."""
+  try:
+    return np.array(sorted(city_tokens(tokenizer).values()))
+  except ValueError:
+    return np.arange(SEPARATOR + 1, SEPARATOR + 1 + VALUES)
+
+
+def make_id_context(vocab: int, lengths, questions: int, rng: np.random.Generator) -> Context:
+  """The task in ids: facts [k1, k2, SEPARATOR, value] with distinct key pairs drawn above the
+  values, documents of whole facts, questions [k1, k2, SEPARATOR] -> value."""
+  low = SEPARATOR + 1 + VALUES
+  documents, facts, seen = [], [], set()
+  for length in lengths:
+    tokens, lines = [], []
+    while len(tokens) + 4 <= length:
+      keys = tuple(int(k) for k in rng.integers(low, vocab, 2))
+      if keys in seen:
+        continue
+      seen.add(keys)
+      value = int(rng.integers(SEPARATOR + 1, low))
+      tokens += [*keys, SEPARATOR, value]
+      lines.append((keys, value))
+    if not lines:
+      raise ValueError(f'a document of {length} tokens holds no fact')
+    documents.append(tuple(tokens))
+    facts.append(lines)
+  asked = []
+  for q in range(questions):
+    d = q % len(documents)
+    keys, value = facts[d][int(rng.integers(len(facts[d])))]
+    asked.append(Question((*keys, SEPARATOR), value, d, f'{keys} ->'))
+  return Context((2, int(rng.integers(low, vocab))), tuple(documents), tuple(asked))
 
 
 def score(logits: np.ndarray, answer: int, candidates: np.ndarray) -> dict:
