@@ -341,7 +341,7 @@ def select(engine: Engine, recompute: Recompute, tokens: Sequence[int], rows: kv
 
 
 def runs(mask: np.ndarray) -> list[tuple[int, int, bool]]:
-  """The maximal runs (lo, hi, value) of a bool array."""
+  """The maximal runs (lo, hi, value) of a bool mask [T] (T: the documents' tokens)."""
   out, lo = [], 0
   for i in range(1, len(mask) + 1):
     if i == len(mask) or mask[i] != mask[lo]:
