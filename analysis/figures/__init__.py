@@ -12,7 +12,8 @@ each is drawn.
 
 Modules, one per family: base (reading results, helpers, saving), position (the position
 sweep), rope (the RoPE float analysis), shift (the context shift), graft (graft exactness,
-usable context), store (the fault campaign), flywheel, bench (the benchmark and the profile).
+usable context), store (the fault campaign), flywheel, bench (the benchmark and the profile),
+compose (documents composed against full recompute).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from analysis import results as results_lib
 from analysis.figures import base
 from analysis.figures.base import (DPI, MAX_INCHES, Found, graft_exactness_results,
                                        newest_per_machine, position_sweep_rows, rope_float_result)
+from analysis.figures.compose import compose_fidelity, compose_ttft
 from analysis.figures.bench import (GRAFT_PHASES, bench, bench_ceiling_tok_s, bench_systems,
                                         profile)
 from analysis.figures.flywheel import decode_tokens_per_solved, flywheel, wilson
@@ -77,6 +79,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure('profile', ('profile',), lambda found, _: found['profile'], profile),
     Figure('context_shift', ('context_shift',), lambda found, _: found['context_shift'],
            context_shift),
+    Figure('compose_fidelity', ('compose',), lambda found, _: found['compose'], compose_fidelity),
+    Figure('compose_ttft', ('compose',), lambda found, _: found['compose'], compose_ttft),
 )
 
 
