@@ -2,7 +2,7 @@
 question, against the full recompute.
 
   python -m experiments.compose --output=results/compose_gemma3_270m_float32.json \\
-      --manifest=manifests/compose_gemma3_270m_float32_spec.json
+      --manifest_output=manifests/compose_gemma3_270m_float32_spec.json
   python -m experiments.compose --contexts=1 --questions=4 --strategies=none,window \\
       --fractions=0,1 --modes=relative --nottft          # a quick look (minutes)
 
@@ -10,7 +10,7 @@ A retrieval task (experiments/facts.py): each context holds --documents record b
 --lengths tokens (lines "<person> lives in <city>."), stored once after a prefix (BOS and an
 instruction) with Store.put_document, and --questions questions, each answered in one of them.
 Per RoPE mode in --modes ('relative': position-free rows; 'float': keys re-rotated by each
-document's shift, CacheBlend's, asked for and recorded), per placement order in --positions,
+document's shift, CacheBlend's, asked for and recorded), per placement order in --orders,
 the reference is the fresh prefill of prefix + documents + question in the same mode; then for
 each recompute strategy in --strategies (none; cacheblend: the largest K/V deviation at layer
 1; epic: each document's first tokens; window: ours, the last tokens before the question, which
@@ -20,7 +20,7 @@ Gemma's local layers read) at each fraction in --fractions (graft/store/compose.
   - each question's next-token logits: SHA-256 equality, KL(reference || composed), top-1;
   - the answer: right when the city's logit is the largest among every city's (the candidates'
     log-probabilities compared, one logits row per question), with 95% Wilson intervals;
-  - greedy continuations of --continuation tokens for --continued questions per context.
+  - greedy continuations of --continuation_tokens tokens for --continued questions per context.
 
 Built-in checks (exit status 1 when one fails): at fraction 1.0 every composed question's
 logits are SHA-256 equal to the reference's, for every strategy and mode; under 'relative' each
@@ -32,7 +32,7 @@ stored (host tier warm), the median of --repeats of: Store.compose of prefix, do
 question (reading, placing, recomputing, the question's logits) against the engine's prefill of
 all of it.
 
-Output: schema compose (analysis/results.py). --manifest also writes a replayable manifest
+Output: schema compose (analysis/results.py). --manifest_output also writes a replayable manifest
 (python -m experiments.replay --manifest=...): per mode and strategy, one composition's prefix,
 documents, question, strategy and the SHA-256 of its logits, KV and greedy continuation.
 Then `python -m analysis.figures` draws compose_fidelity and compose_ttft.
@@ -58,7 +58,7 @@ from graft.store import Recompute, Store, compose as composing
 from graft.store.kvstore import KvStore
 
 FLAGS = flags.FLAGS
-POSITIONS = ('given', 'reversed', 'shuffled')
+ORDERS = ('given', 'reversed', 'shuffled')
 
 
 def define_flags() -> None:
@@ -66,8 +66,8 @@ def define_flags() -> None:
                        lower_bound=1, upper_bound=64)
   flags.DEFINE_list('lengths', ['256'], 'Each document\'s length in tokens (whole fact lines up '
                     'to it), cycled over the documents.')
-  flags.DEFINE_list('positions', ['shuffled'], f'Orders the documents are placed in, each a '
-                    f'composition of its own: {", ".join(POSITIONS)} (a seeded permutation per '
+  flags.DEFINE_list('orders', ['shuffled'], f'Orders the documents are placed in, each a '
+                    f'composition of its own: {", ".join(ORDERS)} (a seeded permutation per '
                     'context).')
   flags.DEFINE_list('strategies', list(composing.STRATEGIES), 'Recompute strategies: '
                     f'{", ".join(composing.STRATEGIES)} (graft/store/compose.py).')
@@ -77,7 +77,7 @@ def define_flags() -> None:
                     'rows) and float (keys re-rotated by the shift, recorded).')
   flags.DEFINE_integer('contexts', 8, 'Contexts (sets of documents).', lower_bound=1)
   flags.DEFINE_integer('questions', 25, 'Questions per context.', lower_bound=1)
-  flags.DEFINE_integer('continuation', 16, 'Greedy tokens compared after a question.',
+  flags.DEFINE_integer('continuation_tokens', 16, 'Greedy tokens compared after a question.',
                        lower_bound=0)
   flags.DEFINE_integer('continued', 2, 'Questions per context whose greedy continuations are '
                        'compared.', lower_bound=0)
@@ -92,7 +92,7 @@ def define_flags() -> None:
   flags.DEFINE_integer('seed', 0, 'Seed of the task and of the shuffled orders.', lower_bound=0)
   flags.DEFINE_string('output', None, 'Results JSON (default results/compose_<model>_<dtype>.'
                       'json).')
-  flags.DEFINE_string('manifest', None, 'Also write a replayable manifest here.')
+  flags.DEFINE_string('manifest_output', None, 'Also write a replayable manifest here.')
   common.define_model_flags()
   common.define_engine_flags(engine_default='spec', cache_len=0)
 
@@ -230,7 +230,7 @@ def _measure_context(engine: Engine, store: Store, prefix, documents, questions,
     reference.asked_at[at] += 1
     reference.by_position[at] += scored['correct']
     if i < FLAGS.continued:
-      ref_continuations.append(engine.decode(ctx, FLAGS.continuation).tokens)
+      ref_continuations.append(engine.decode(ctx, FLAGS.continuation_tokens).tokens)
   failures = []
   for recompute in configs:
     start = time.perf_counter()
@@ -253,7 +253,7 @@ def _measure_context(engine: Engine, store: Store, prefix, documents, questions,
       tally.kl.append(compared['kl'])
       tally.agree += compared['top1_agrees']
       if i < FLAGS.continued:
-        tokens = engine.decode(ctx, FLAGS.continuation).tokens
+        tokens = engine.decode(ctx, FLAGS.continuation_tokens).tokens
         tally.continuations.append(composition.first_difference(tokens, ref_continuations[i]))
       if recompute.fraction == 1.0 and not compared['equal']:
         failures.append(f'{engine.config.rope_mode} {recompute.strategy} at 1.0: question {i} '
@@ -261,7 +261,7 @@ def _measure_context(engine: Engine, store: Store, prefix, documents, questions,
     if manifest is not None:
       q = questions[0]
       ctx, logits = engine.extend(composed.context, q.tokens, logits='all')
-      decoded = engine.decode(ctx, FLAGS.continuation)
+      decoded = engine.decode(ctx, FLAGS.continuation_tokens)
       manifest.append({
           'rope': engine.config.rope_mode, 'rerotate': rerotate, 'prefix': list(prefix),
           'documents': [list(d) for d in documents], 'query': list(q.tokens),
@@ -307,9 +307,9 @@ def main(argv):
   unknown = sorted(set(FLAGS.modes) - set(composing.MODES))
   if unknown or not FLAGS.modes:
     raise ValueError(f'--modes: unknown {unknown}; expected some of {composing.MODES}')
-  positions = list(FLAGS.positions)
-  if not positions or set(positions) - set(POSITIONS):
-    raise ValueError(f'--positions: expected some of {POSITIONS}, got {positions}')
+  positions = list(FLAGS.orders)
+  if not positions or set(positions) - set(ORDERS):
+    raise ValueError(f'--orders: expected some of {ORDERS}, got {positions}')
   model_config = get_config(FLAGS.model)
   lengths = _ints('lengths', FLAGS.lengths, 8, model_config.max_context)
   doc_lengths = [lengths[i % len(lengths)] for i in range(FLAGS.documents)]
@@ -322,7 +322,7 @@ def main(argv):
   longest = max([len(c.prefix) + sum(len(d) for d in c.documents) for c in contexts]
                 + [len(ttft_context.prefix) + sum(len(d) for d in ttft_context.documents)])
   question_len = max(len(q.tokens) for c in contexts for q in c.questions)
-  cache_len = FLAGS.cache_len or -(-(longest + question_len + FLAGS.continuation + 1) // 256) * 256
+  cache_len = FLAGS.cache_len or -(-(longest + question_len + FLAGS.continuation_tokens + 1) // 256) * 256
   first = contexts[0]
   max_offset = model_config.max_context - len(first.prefix) - max(len(d) for d in first.documents)
   offsets = _offsets(max_offset)
@@ -330,7 +330,7 @@ def main(argv):
   logging.info('%d contexts of %d documents (%s tokens), %d questions each; %d configs; modes '
                '%s; cache %d', len(contexts), FLAGS.documents, doc_lengths, FLAGS.questions,
                len(configs), FLAGS.modes, cache_len)
-  results, failures, manifest_records = {}, [], [] if FLAGS.manifest else None
+  results, failures, manifest_records = {}, [], [] if FLAGS.manifest_output else None
   engines = {}
   for mode in FLAGS.modes:
     loaded = weights.load(model_config.replace(rope_mode=mode), FLAGS.weights, FLAGS.dtype)
@@ -379,9 +379,9 @@ def main(argv):
   engine = next(iter(engines.values()))
   config = {
       **common.model_config_json(), 'modes': list(FLAGS.modes), 'documents': FLAGS.documents,
-      'lengths': doc_lengths, 'positions': positions, 'strategies': list(FLAGS.strategies),
+      'lengths': doc_lengths, 'orders': positions, 'strategies': list(FLAGS.strategies),
       'fractions': sorted({float(f) for f in FLAGS.fractions}), 'contexts': FLAGS.contexts,
-      'questions_per_context': FLAGS.questions, 'continuation': FLAGS.continuation,
+      'questions_per_context': FLAGS.questions, 'continuation_tokens': FLAGS.continuation_tokens,
       'continued': FLAGS.continued, 'offsets': offsets, 'ttft_length': FLAGS.ttft_length,
       'repeats': FLAGS.repeats, 'seed': FLAGS.seed, 'cache_len': cache_len,
       'engine': FLAGS.engine, 'engine_config': dataclasses.asdict(engine.engine_config),
@@ -400,8 +400,8 @@ def main(argv):
   }
   common.write_result(output, 'compose', {'config': config, 'modes': results,
                                           'summary': summary})
-  if FLAGS.manifest:
-    write_manifest(FLAGS.manifest, config, engines, manifest_records)
+  if FLAGS.manifest_output:
+    write_manifest(FLAGS.manifest_output, config, engines, manifest_records)
   print(f'wrote {output}')
   if failures:
     for failure in failures:

@@ -256,3 +256,38 @@ def test_a_document_stored_after_another_prefix_is_never_placed():
   ctx, _ = composing.compose(eng, prefix_ctx, DOCUMENTS[:2], rows)
   _, want = eng.extend(ctx, QUERY, logits='all')
   assert sha256_bytes(composed.logits) == sha256_bytes(want)
+
+
+def test_the_experiment_checks_itself_and_its_manifest_replays_hash_for_hash(tmp_path):
+  import json
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  repo = pathlib.Path(__file__).resolve().parents[1]
+
+  def run(module, *args):
+    return subprocess.run([sys.executable, '-m', f'experiments.{module}', *args], cwd=repo,
+                          env={**os.environ, 'PYTHONPATH': str(repo)}, capture_output=True,
+                          text=True, timeout=900)
+
+  output, manifest = tmp_path / 'r.json', tmp_path / 'm.json'
+  done = run('compose', '--model=tiny_gemma3', '--weights=random:0', '--documents=4',
+             '--lengths=24,40', '--contexts=1', '--questions=3', '--strategies=none,epic',
+             '--fractions=0,0.3,1', '--offsets=0,9,max', '--nottft', '--continuation_tokens=4',
+             f'--output={output}', f'--manifest_output={manifest}')
+  assert done.returncode == 0, done.stderr[-2000:]
+  result = json.loads(output.read_text())
+  assert result['summary'] == {'full_recompute_equal': True, 'relocation_exact': True,
+                               'failures': []}
+  relative = result['modes']['relative']
+  full = next(r for r in relative['rows'] if r['strategy'] == 'epic' and r['fraction'] == 1.0)
+  assert full['logits_equal'] == full['questions'] == 3 and full['kl_max'] == 0.0
+  assert not any(r['equal'] for r in result['modes']['float']['relocation'] if r['offset'])
+  # The manifest replays hash for hash, and a changed hash is named.
+  assert 'reproduce' in run('replay', f'--manifest={manifest}').stdout
+  tampered = json.loads(manifest.read_text())
+  tampered['compositions'][1]['logits_sha256'] = '0' * 64
+  manifest.write_text(json.dumps(tampered))
+  failed = run('replay', f'--manifest={manifest}')
+  assert failed.returncode == 1 and 'composition 1 (relative epic 0.3): logits_sha256' in failed.stdout
