@@ -6,9 +6,10 @@ question, against the full recompute.
   python -m experiments.compose --contexts=1 --questions=4 --strategies=none,window \\
       --fractions=0,1 --modes=relative --nottft          # a quick look (minutes)
 
-A retrieval task (experiments/facts.py): each context holds --documents record books of
---lengths tokens (lines "<person> lives in <city>."), stored once after a prefix (BOS and an
-instruction) with Store.put_document, and --questions questions, each answered in one of them.
+A retrieval task (experiments/facts.py): each context holds --documents documents of --lengths
+tokens (--task=needles: real text with --facts_per_document lines "<person> lives in <city>."
+among its lines; records: such lines only), stored once after a prefix (BOS and an instruction)
+with Store.put_document, and --questions questions, each answered in one of them.
 Per RoPE mode in --modes ('relative': position-free rows; 'float': keys re-rotated by each
 document's shift, CacheBlend's, asked for and recorded), per placement order in --orders,
 the reference is the fresh prefill of prefix + documents + question in the same mode; then for
@@ -18,8 +19,9 @@ Gemma's local layers read) at each fraction in --fractions (graft/store/compose.
 
   - the K and V of every layer against the reference's, local and global layers apart;
   - each question's next-token logits: SHA-256 equality, KL(reference || composed), top-1;
-  - the answer: right when the city's logit is the largest among every city's (the candidates'
-    log-probabilities compared, one logits row per question), with 95% Wilson intervals;
+  - the answer: right when the city's logit is the largest among the candidates' (the
+    context's cities for needles, every city for records: their log-probabilities compared, one
+    logits row per question), with 95% Wilson intervals;
   - greedy continuations of --continuation_tokens tokens for --continued questions per context.
 
 Built-in checks (exit status 1 when one fails): at fraction 1.0 every composed question's
@@ -59,6 +61,7 @@ from graft.store.kvstore import KvStore
 
 FLAGS = flags.FLAGS
 ORDERS = ('given', 'reversed', 'shuffled')
+TASKS = ('needles', 'records')
 
 
 def define_flags() -> None:
@@ -75,6 +78,11 @@ def define_flags() -> None:
                     'documents\' tokens recomputed (none runs at 0 only).')
   flags.DEFINE_list('modes', list(composing.MODES), 'RoPE modes: relative (position-free '
                     'rows) and float (keys re-rotated by the shift, recorded).')
+  flags.DEFINE_enum('task', 'needles', list(TASKS), 'The documents: needles (real text with '
+                    '--facts_per_document fact lines each, scored among the context\'s cities) or '
+                    'records (fact lines only, scored among every city): experiments/facts.py.')
+  flags.DEFINE_integer('facts_per_document', 3, 'needles: fact lines in each document.',
+                       lower_bound=1, upper_bound=6)
   flags.DEFINE_integer('contexts', 8, 'Contexts (sets of documents).', lower_bound=1)
   flags.DEFINE_integer('questions', 25, 'Questions per context.', lower_bound=1)
   flags.DEFINE_integer('continuation_tokens', 16, 'Greedy tokens compared after a question.',
@@ -315,10 +323,14 @@ def main(argv):
   doc_lengths = [lengths[i % len(lengths)] for i in range(FLAGS.documents)]
   tokenizer = weights.load(model_config, FLAGS.weights, FLAGS.dtype).tokenizer
   rng = np.random.default_rng(FLAGS.seed)
-  contexts = [facts.make_context(tokenizer, doc_lengths, FLAGS.questions, rng)
-              for _ in range(FLAGS.contexts)]
-  ttft_context = facts.make_context(tokenizer, [FLAGS.ttft_length] * FLAGS.documents, 1, rng)
-  candidates = facts.candidates(tokenizer)
+  make = lambda lengths, questions: facts.make_context(tokenizer, lengths, questions, rng)
+  if FLAGS.task == 'needles' and facts.splits_a_city(tokenizer) is None:
+    filler = facts.filler_lines(tokenizer)
+    make = lambda lengths, questions: facts.make_needle_context(
+        tokenizer, lengths, FLAGS.facts_per_document, questions, rng, filler)
+  contexts = [make(doc_lengths, FLAGS.questions) for _ in range(FLAGS.contexts)]
+  ttft_context = make([FLAGS.ttft_length] * FLAGS.documents, 1)
+  every_city = facts.candidates(tokenizer)
   longest = max([len(c.prefix) + sum(len(d) for d in c.documents) for c in contexts]
                 + [len(ttft_context.prefix) + sum(len(d) for d in ttft_context.documents)])
   question_len = max(len(q.tokens) for c in contexts for q in c.questions)
@@ -352,6 +364,8 @@ def main(argv):
           for document in documents:
             store.put_document(context.prefix, document)
           deposit_seconds.append(time.perf_counter() - start)
+          candidates = (np.array(context.candidates) if context.candidates is not None
+                        else every_city)
           failures += _measure_context(
               engine, store, context.prefix, documents, context.questions, answers_at, configs,
               candidates, rerotate, tallies, reference,
@@ -386,8 +400,9 @@ def main(argv):
       'repeats': FLAGS.repeats, 'seed': FLAGS.seed, 'cache_len': cache_len,
       'engine': FLAGS.engine, 'engine_config': dataclasses.asdict(engine.engine_config),
       'model_fingerprint': engine.model_fingerprint['sha256'],
-      'task': 'experiments/facts.py: record books, "<person> lives in <city>." lines; answered '
-              'by the largest logit among the cities\'',
+      'task': FLAGS.task, 'facts_per_document': FLAGS.facts_per_document,
+      'scored_among': ('the context\'s cities' if contexts[0].candidates is not None
+                       else 'every city (experiments/facts.py CITIES)'),
       'prefix_tokens': len(first.prefix),
       'document_tokens': [[len(d) for d in c.documents] for c in contexts],
       'wall_seconds': round(time.perf_counter() - t_start, 1),

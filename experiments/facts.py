@@ -27,6 +27,8 @@ import dataclasses
 
 import numpy as np
 
+from experiments import samples
+
 PREFIX_TEXT = ('The record books below say where people live. Answer the question from '
                'them.\n\n')
 FIRST = ('Maria Anna Lena Sofia Clara Julia Nora Emma Alice Rosa Ines Marta Paula Elena Laura '
@@ -58,11 +60,71 @@ class Question:
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-  """A prefix, documents (token ids each) and the questions asked about them."""
+  """A prefix, documents (token ids each), the questions asked about them and the answers a
+  question is scored among (None: every city's token, `candidates`)."""
 
   prefix: tuple[int, ...]
   documents: tuple[tuple[int, ...], ...]
   questions: tuple[Question, ...]
+  candidates: tuple[int, ...] | None = None
+
+
+def filler_lines(tokenizer) -> list[list[int]]:
+  """The lines of real text documents are filled with (the Python documentation's topics,
+  experiments/samples.py), each as token ids ending with a newline."""
+  lines = [line.strip() for line in samples.corpus_text().split('\n')]
+  return [tokenizer.encode(line + '\n', add_bos=False) for line in lines
+          if 20 <= len(line) <= 200]
+
+
+def make_needle_context(tokenizer, lengths, facts_per_document: int, questions: int,
+                        rng: np.random.Generator, filler: list[list[int]]) -> Context:
+  """Documents of real text (consecutive `filler` lines from a random place) with
+  `facts_per_document` fact lines each inserted between its lines, every person and city
+  distinct within the context; questions on distinct facts, round robin over the documents,
+  scored among the context's cities."""
+  cities = city_tokens(tokenizer)
+  if facts_per_document * len(lengths) > len(CITIES):
+    raise ValueError(f'{facts_per_document * len(lengths)} facts need as many cities; there are '
+                     f'{len(CITIES)}')
+  people = rng.permutation(len(FIRST) * len(LAST))
+  places = [CITIES[int(i)] for i in rng.permutation(len(CITIES))]
+  documents, facts = [], []
+  for d, length in enumerate(lengths):
+    lines = []
+    for f in range(facts_per_document):
+      person = int(people[d * facts_per_document + f])
+      name = f'{FIRST[person // len(LAST)]} {LAST[person % len(LAST)]}'
+      lines.append((name, places[d * facts_per_document + f]))
+    fact_tokens = [tokenizer.encode(f'{name} lives in {city}.\n', add_bos=False)
+                   for name, city in lines]
+    budget = length - sum(len(t) for t in fact_tokens)
+    body, at = [], int(rng.integers(len(filler)))
+    while sum(len(t) for t in body) + len(filler[at % len(filler)]) <= budget:
+      body.append(filler[at % len(filler)])
+      at += 1
+    for tokens in fact_tokens:  # each fact between two lines of text
+      body.insert(int(rng.integers(len(body) + 1)), tokens)
+    documents.append(tuple(t for line in body for t in line))
+    facts.append(lines)
+  asked, order = [], [(d, f) for f in range(facts_per_document) for d in range(len(lengths))]
+  for q in range(questions):
+    d, f = order[q % len(order)]
+    name, city = facts[d][f]
+    text = f'\nQuestion: Where does {name} live?\nAnswer: {name} lives in'
+    asked.append(Question(tuple(tokenizer.encode(text, add_bos=False)), cities[city], d, text))
+  prefix = tuple(tokenizer.encode(PREFIX_TEXT))
+  used = tuple(sorted(cities[c] for lines in facts for _, c in lines))
+  return Context(prefix, tuple(documents), tuple(asked), used)
+
+
+def splits_a_city(tokenizer) -> str | None:
+  """A city the tokenizer does not keep as one token (None: it keeps every one)."""
+  try:
+    city_tokens(tokenizer)
+  except ValueError as e:
+    return str(e)
+  return None
 
 
 def city_tokens(tokenizer) -> dict[str, int]:
