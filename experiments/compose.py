@@ -334,7 +334,8 @@ def main(argv):
   longest = max([len(c.prefix) + sum(len(d) for d in c.documents) for c in contexts]
                 + [len(ttft_context.prefix) + sum(len(d) for d in ttft_context.documents)])
   question_len = max(len(q.tokens) for c in contexts for q in c.questions)
-  cache_len = FLAGS.cache_len or -(-(longest + question_len + FLAGS.continuation_tokens + 1) // 256) * 256
+  needed = longest + question_len + FLAGS.continuation_tokens + 1
+  cache_len = FLAGS.cache_len or -(-needed // 256) * 256
   first = contexts[0]
   max_offset = model_config.max_context - len(first.prefix) - max(len(d) for d in first.documents)
   offsets = _offsets(max_offset)
@@ -445,8 +446,9 @@ def log_rows(mode: str, result: dict) -> None:
     types = row['layers_by_type']
     print(f'{mode:8s} {row["strategy"]:10s} {row["fraction"]:.2f}  accuracy {row["accuracy"]:.3f} '
           f'KL {row["kl_mean"]:.3g}  top-1 {row["top1_agreement"]:.3f}  equal '
-          f'{row["logits_equal"]}/{row["questions"]}  K rel. (local {types.get("local", {}).get("k_rel_l2", 0):.3g}, '
-          f'global {types.get("global", {}).get("k_rel_l2", 0):.3g})')
+          f'{row["logits_equal"]}/{row["questions"]}  K rel. (local '
+          f'{types.get("local", {}).get("k_rel_l2", 0):.3g}, global '
+          f'{types.get("global", {}).get("k_rel_l2", 0):.3g})')
   relocated = result['relocation']
   print(f'{mode}: relocation {sum(r["equal"] for r in relocated)}/{len(relocated)} SHA-256 equal')
   if result['ttft']:

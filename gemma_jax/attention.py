@@ -148,22 +148,21 @@ class Attention(nnx.Module):
   weights and reads the cache of its source layer.
   """
 
-  def __init__(self, config: TransformerConfig, spec: LayerSpec, *, owns_kv: bool, dtype,
-               rngs: nnx.Rngs):
+  def __init__(self, config: TransformerConfig, spec: LayerSpec, *, owns_kv: bool, dtype):
     d, n, k, h = config.embed_dim, config.num_heads, spec.num_kv_heads, spec.head_dim
     self.config = config
     self.spec = spec
     self.owns_kv = owns_kv
-    self.q_proj = Dense((d,), (n, h), dtype=dtype, rngs=rngs)
-    self.o_proj = Dense((n, h), (d,), dtype=dtype, rngs=rngs)
-    norm = dict(offset=config.norm_scale_offset, eps=config.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.q_proj = Dense((d,), (n, h), dtype=dtype)
+    self.o_proj = Dense((n, h), (d,), dtype=dtype)
+    norm = dict(offset=config.norm_scale_offset, eps=config.rms_norm_eps, dtype=dtype)
     self.query_norm = RMSNorm(h, **norm) if config.use_qk_norm else None
     self.key_norm = RMSNorm(h, **norm) if config.use_qk_norm and owns_kv else None
     self.value_norm = (RMSNorm(h, with_scale=False, **norm)
                        if config.use_v_norm and owns_kv else None)
-    self.k_proj = (Dense((d,), (k, h), dtype=dtype, rngs=rngs)
+    self.k_proj = (Dense((d,), (k, h), dtype=dtype)
                    if owns_kv and spec.k_eq_v else None)
-    self.kv_proj = (Dense((d,), (2, k, h), dtype=dtype, rngs=rngs)
+    self.kv_proj = (Dense((d,), (2, k, h), dtype=dtype)
                     if owns_kv and not spec.k_eq_v else None)
 
   def rope_key(self) -> tuple:
@@ -215,5 +214,5 @@ class Attention(nnx.Module):
     encoded = attention_fn(q, keys, cache.v, positions, cache.positions,
                            window=self.spec.window, softcap=self.config.attn_logits_softcap,
                            scores=scores, numerics=numerics)
-    return self.o_proj(numerics.whole(encoded), numerics), cache
+    return numerics.whole(self.o_proj(numerics.whole(encoded), numerics)), cache
 

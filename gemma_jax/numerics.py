@@ -163,8 +163,10 @@ class Numerics:
     return a * b
 
   def whole(self, x: jax.Array) -> jax.Array:
-    """x [B, ...], about to be contracted by a row-parallel projection: whole on every device
-    under the 'gather' layout (so the contraction is never split), unchanged otherwise."""
+    """x [B, ...], about to be contracted by a row-parallel projection, or just made by one
+    from its weight's output columns: whole on every device under the 'gather' layout (so the
+    contraction is never split, and the residual stream, whose norms reduce over its features,
+    never holds them split), unchanged otherwise."""
     if self.mesh is None:
       return x
     batch = 'data' if x.shape[0] % self.mesh.shape['data'] == 0 else None  # sequences stay apart

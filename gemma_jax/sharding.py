@@ -17,13 +17,17 @@ Two layouts (LAYOUTS), because where a contraction is split decides the bits:
            results on 1 or 4. The fixed-order numerics (pinned, spec) add their contraction
            chunks' results in chunk order whichever device made them, and measured at two
            devices they keep the one-device bits (docs/determinism.md, "Meshes").
-  gather   no contraction is ever split: row-parallel weights are replicated and the activation
-           entering them is gathered whole (`Numerics.whole`, a sharding constraint the model
-           applies before every row-parallel projection, bound by the engine with
-           `numerics.on_mesh`). The output table [D, V] (the embedding's one copy) is split by
-           its columns, the vocabulary (`vocabulary_sharding`: a column split moves no bit;
-           the lookup is exact, `table_rows`). More communication, but every dot sees the
-           whole contraction on every mesh.
+  gather   no contraction is ever split: the activation entering a row-parallel projection is
+           gathered whole (`Numerics.whole`, a sharding constraint the model applies before
+           every row-parallel projection, bound by the engine with `numerics.on_mesh`), and
+           the row-parallel weights are split by their output columns instead, as the
+           column-parallel ones are (each output column is its own chain over the whole
+           contraction, wherever it is computed: a column split moves no bit), so each device
+           holds its share of them rather than all of them (the 1B's o_proj and down_proj are
+           0.95 GB: on model:8 a replica of them on every device was 7.6 GB). The output table
+           [D, V] (the embedding's one copy) is split by its columns, the vocabulary
+           (`vocabulary_sharding`; the lookup is exact, `table_rows`). More communication, but
+           every dot sees the whole contraction on every mesh.
 
 The KV state is sharded over KV heads ('model') where they divide, and over the batch
 ('data').
@@ -124,8 +128,8 @@ def partition_spec(name: str, shape: tuple[int, ...], model_size: int,
   spec = [None] * len(shape)
   if module in _COLUMN:
     axis = len(shape) - 1
-  elif module in _ROW and layout == 'split':
-    axis = 0
+  elif module in _ROW:  # split: the contraction; gather: the outputs (the input whole)
+    axis = 0 if layout == 'split' else len(shape) - 1
   elif parts[-1] == 'input_embedding' and layout == 'split':
     axis = 0
   else:

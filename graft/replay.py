@@ -4,7 +4,7 @@ A graft-exactness manifest (experiments.graft_exactness --manifest) holds the to
 every sample, the model and engine fingerprints, and the SHA-256 of the fresh and grafted query
 logits and of the greedy continuation; a flywheel manifest (experiments.flywheel --manifest)
 holds every answer's prompt token ids, decoding settings, tokens and logits SHA-256; a compose
-manifest (experiments.compose --manifest) every composition's prefix, documents, order,
+manifest (experiments.compose --manifest_output) every composition's prefix, documents, order,
 strategy and query, and the SHA-256 of its KV, logits and continuation. `replay`
 rebuilds the model and the engine from the manifest's config, checks the model fingerprint,
 recomputes every record and returns a line per differing one. experiments/replay.py is the
@@ -21,7 +21,7 @@ import tempfile
 import jax
 from absl import logging
 
-from gemma_jax import compare, sharding, weights
+from gemma_jax import compare, sampling, sharding, weights
 from gemma_jax.config import get_config
 from graft import composition, exactness
 from graft.engine import Engine, EngineConfig, fingerprint, plans
@@ -81,7 +81,8 @@ def select(pattern: str) -> str:
 def _engine(manifest: dict, dot_library: str | None = None,
             rope: str | None = None) -> tuple[Engine, Engine]:
   """Two separately constructed engines of the manifest's model (in its RoPE mode, or `rope`)
-  and configuration, after checking that this machine loads the same model. A spec manifest's engine runs under this
+  and configuration, after checking that this machine loads the same model. A spec manifest's
+  engine runs under this
   process's XLA_FLAGS and on this machine's kernels (`kernels_here`), or on `dot_library` where
   one is asked for: neither decides a bit there (the self-check says whether this machine
   computes the spec under them), so the dots it was made on do not matter."""
@@ -176,8 +177,11 @@ def replay(manifest: dict, limit: int = 0, dot_library: str | None = None) -> li
 
 def replay_answers(manifest: dict, limit: int = 0, dot_library: str | None = None) -> list[str]:
   """A flywheel manifest: every answer decoded again from a fresh computation of its whole
-  prompt (a grafted answer is byte-equal to that, so the recorded hashes must reproduce)."""
+  prompt (a grafted answer is byte-equal to that, so the recorded hashes must reproduce), its
+  sampled tokens drawn as the manifest records (one recording none was drawn with
+  sampling.LEGACY)."""
   engine, _ = _engine(manifest, dot_library)
+  sampler = manifest.get('sampler', sampling.LEGACY)
   asker = Asker(engine)
   chosen = manifest['answers'][:limit or None]
   failures = []
@@ -185,7 +189,8 @@ def replay_answers(manifest: dict, limit: int = 0, dot_library: str | None = Non
     ctx, _ = engine.prefill(record['prompt'], logits='last')
     decoded = engine.decode(ctx, record.get('max_tokens', manifest['budget']),
                             temperature=record['temperature'],
-                            seed=record['seed'], stop=asker.stopper(record.get('cue', '')))
+                            seed=record['seed'], stop=asker.stopper(record.get('cue', '')),
+                            sampler=sampler)
     differing = [name for name, ok in (('tokens', decoded.tokens == record['tokens']),
                                        ('logits_sha256',
                                         decoded.logits_sha256 == record['logits_sha256']))
@@ -198,7 +203,8 @@ def replay_answers(manifest: dict, limit: int = 0, dot_library: str | None = Non
   return failures
 
 
-def replay_compositions(manifest: dict, limit: int = 0, dot_library: str | None = None) -> list[str]:
+def replay_compositions(manifest: dict, limit: int = 0,
+                        dot_library: str | None = None) -> list[str]:
   """A compose manifest (experiments.compose --manifest): each composition made again from
   scratch, its documents computed after the prefix and stored in a new memory store, composed
   in the recorded order with the recorded strategy (and re-rotation), then the query and a

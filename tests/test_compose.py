@@ -290,4 +290,5 @@ def test_the_experiment_checks_itself_and_its_manifest_replays_hash_for_hash(tmp
   tampered['compositions'][1]['logits_sha256'] = '0' * 64
   manifest.write_text(json.dumps(tampered))
   failed = run('replay', f'--manifest={manifest}')
-  assert failed.returncode == 1 and 'composition 1 (relative epic 0.3): logits_sha256' in failed.stdout
+  assert failed.returncode == 1
+  assert 'composition 1 (relative epic 0.3): logits_sha256' in failed.stdout

@@ -175,7 +175,8 @@ def other_engines(loaded, engine: Engine) -> dict[str, Engine]:
       'model': Engine(twin, config),
       'dtype': Engine(weights.load(loaded.config, loaded.weights,
                                    'bfloat16' if loaded.dtype == 'float32' else 'float32'),
-                      dataclasses.replace(config, mode='pinned', dot_library=None)),  # the spec is float32
+                      # the spec is float32
+                      dataclasses.replace(config, mode='pinned', dot_library=None)),
       'engine': Engine(loaded, dataclasses.replace(config, rows_per_call=2 * config.rows_per_call)),
       'tokenizer': Engine(loaded.replace(
           tokenizer=Tokenizer.from_model_proto(proto.SerializeToString())), config),

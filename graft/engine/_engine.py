@@ -27,6 +27,7 @@ from gemma_jax import executables
 from gemma_jax import kv_state as kvs
 from gemma_jax import model
 from gemma_jax import rope
+from gemma_jax import sampling
 from gemma_jax import sharding
 from gemma_jax.config import EOS_ID
 from gemma_jax.sizes import next_power_of_two
@@ -36,6 +37,12 @@ from graft.engine.batch import Batch
 from graft.engine.config import EngineConfig
 from graft.engine.context import Context, Decoded, call_inputs, sample
 from graft.engine.shared import shared
+
+
+# A cache of at most this many slots is read whole by every call of a tiled attention (one
+# executable per call shape, not one per tile count: the tiny models of the tests); a larger one
+# reads the tiles that hold the context. Neither changes a bit (`Engine._tiles_for`).
+WHOLE_CACHE_SLOTS = 1024
 
 
 class Engine:
@@ -217,8 +224,11 @@ class Engine:
   def _tiles_for(self, end: int) -> int | None:
     """Tiles the tiled attention reads for a call whose last token has sequence index end - 1:
     the tiles holding slots 0 .. end - 1, rounded up to a power of two (fewer compiled shapes);
-    reading more tiles than a row sees does not change its bits (gemma_jax.tiled_attention)."""
-    if self.by_length or not (self.plan.reads_tiles and hasattr(self._attention_fn, 'reading')):
+    reading more tiles than a row sees does not change its bits (gemma_jax.tiled_attention).
+    None (the whole cache) by length, and in a cache of at most WHOLE_CACHE_SLOTS slots, where
+    reading all of it costs less than an executable per tile count."""
+    if (self.by_length or self._cache_slots <= WHOLE_CACHE_SLOTS
+        or not (self.plan.reads_tiles and hasattr(self._attention_fn, 'reading'))):
       return None
     tile = self._attention_fn.tile
     return min(next_power_of_two(-(-end // tile)), self._cache_slots // tile)
@@ -498,7 +508,8 @@ class Engine:
   def decode_batch(self, ctxs: Sequence[Context], max_new_tokens: Sequence[int], *,
                    temperatures: Sequence[float] | None = None,
                    seeds: Sequence[int] | None = None,
-                   stop: Callable[[list[int]], bool] | None = None) -> list['Decoded']:
+                   stop: Callable[[list[int]], bool] | None = None,
+                   sampler: str = sampling.SAMPLER) -> list['Decoded']:
     """`decode` of N contexts together on one stacked state, a batch slot each: slot i gets
     exactly what decode(ctxs[i], max_new_tokens[i], temperature=temperatures[i],
     seed=seeds[i], stop=stop) gets alone (tokens, logits digest, context), by extend_batch's
@@ -514,9 +525,10 @@ class Engine:
       self._check_batch(ctxs, [[]], None)
       return [self.decode(ctxs[0], max_new_tokens[0],
                           temperature=temperatures[0] if temperatures else 0.0,
-                          seed=seeds[0] if seeds else 0, stop=stop)]
+                          seed=seeds[0] if seeds else 0, stop=stop, sampler=sampler)]
     batch = self.batch(ctxs)
-    drawn = batch.decode(max_new_tokens, temperatures=temperatures, seeds=seeds, stop=stop)
+    drawn = batch.decode(max_new_tokens, temperatures=temperatures, seeds=seeds, stop=stop,
+                         sampler=sampler)
     return [Decoded(context=c, tokens=t, logits_sha256=h)
             for c, (t, h) in zip(batch.contexts(), drawn)]
 
@@ -530,19 +542,22 @@ class Engine:
     return decoded.context, decoded.tokens
 
   def decode(self, ctx: Context, max_new_tokens: int, *, temperature: float = 0.0,
-             seed: int = 0, stop: Callable[[list[int]], bool] | None = None) -> 'Decoded':
+             seed: int = 0, stop: Callable[[list[int]], bool] | None = None,
+             sampler: str = sampling.SAMPLER) -> 'Decoded':
     """`generate` that stops once `stop(tokens so far)` holds, and also returns the SHA-256 of
-    the float32 logits every token was drawn from (the evidence a replay compares)."""
+    the float32 logits every token was drawn from (the evidence a replay compares). `sampler`:
+    how a temperature's draws are made (gemma_jax.sampling; LEGACY to replay an older
+    manifest)."""
     if ctx.last_logits is None:
       raise ValueError('the context has no logits at its last token; extend it with '
                        "logits='last' first")
-    rng = np.random.default_rng(seed)
+    draws = sampling.Draws(seed, sampler)
     new_tokens, digest = [], hashlib.sha256()
     while len(new_tokens) < max_new_tokens:
       if new_tokens:  # after the first step the context is this loop's own: update in place
         ctx, _ = self.extend(ctx, new_tokens[-1:], logits='last', consume=len(new_tokens) > 1)
       digest.update(np.ascontiguousarray(ctx.last_logits, np.float32).tobytes())
-      new_tokens.append(sample(ctx.last_logits, temperature, rng))
+      new_tokens.append(sample(ctx.last_logits, temperature, draws))
       if stop is not None and stop(new_tokens):
         break
     return Decoded(context=ctx, tokens=new_tokens, logits_sha256=digest.hexdigest())

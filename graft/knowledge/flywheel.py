@@ -15,7 +15,7 @@ import time
 from absl import logging
 import numpy as np
 
-from gemma_jax import compare, cost
+from gemma_jax import compare, cost, sampling
 from gemma_jax.config import EOS_ID
 from graft.knowledge import tasks as tasks_lib
 from graft.knowledge import paired, verifiers
@@ -509,8 +509,9 @@ def summarize(config, results: dict, *, seed: int = 0) -> dict:
 
 
 def manifest(config: dict, engine, results: dict) -> dict:
-  """The replayable record of a run: the config, the engine and model fingerprints, and every
-  answer's prompt token ids, decoding settings, tokens and logits SHA-256 (graft.replay)."""
+  """The replayable record of a run: the config, the engine and model fingerprints, how sampled
+  tokens were drawn (gemma_jax.sampling.SAMPLER), and every answer's prompt token ids, decoding
+  settings, tokens and logits SHA-256 (graft.replay)."""
   answers = []
   for row in results['rows']:
     task = row['task']
@@ -528,4 +529,4 @@ def manifest(config: dict, engine, results: dict) -> dict:
                       'logits_sha256': a.logits_sha256, 'cue': a.cue})
   return {'kind': 'flywheel', 'config': config, 'model_fingerprint': engine.model_fingerprint,
           'engine_fingerprint': engine.fingerprint, 'budget': config['budget'],
-          'answers': answers}
+          'sampler': sampling.SAMPLER, 'answers': answers}

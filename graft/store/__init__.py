@@ -12,8 +12,8 @@
 Public modules: artifact (save / load / graft, every hash re-checked), blocks (the block object
 and index entry formats, chain keys), kvstore (TensorStore's kvstore, by URL), signing
 (writers' Ed25519 keys) and compose (documents placed, re-rotated where asked, recomputed by a
-strategy: what Store.compose runs). The Store's whole public API is in _store.py; it composes private
-parts, each receiving its dependencies in its constructor: reads (object reads, decoding, the
+strategy: what Store.compose runs). The Store's whole public API is in _store.py; it composes
+private parts, each receiving its dependencies in its constructor: reads (object reads, decoding, the
 host tier), trust (signatures, the parent a block was computed on), index (entries, rebuild,
 quarantine), lookup (the longest stored prefix, graft), publish (the put protocol),
 documents (documents stored after a prefix, in chains of their own) and maintenance (verify,

@@ -115,9 +115,9 @@ class Publication:
     """Writes, verifies and publishes blocks [(parent, start, tokens, leaves)] of one chain
     (a context's, or a document's), each step for the whole batch at once; `parent_header` is
     the header hash of the first one's parent (ROOT for a context's first block, the prefix's
-    last block for a document's). Returns the bytes written per block (0 where another writer's identical copy
-    was published first), the header hash of the last block's copy that stands published and
-    the conflicts found."""
+    last block for a document's). Returns the bytes written per block (0 where another
+    writer's identical copy was published first), the header hash of the last block's copy
+    that stands published and the conflicts found."""
     layout = self._codec.layout
     hashed = list(POOL.map(lambda b: blocks.hash_leaves(b[3], len(b[2]), layout), batch))
     first_parent_header = parent_header
