@@ -93,6 +93,7 @@ OLD_SPELLINGS: tuple[OldSpelling, ...] = (
     OldSpelling('batch_slots', 'batch_slots', ('experiments.bench',), split=True),
     OldSpelling('continuation', 'continuation_tokens', ('experiments.context_shift',)),
     OldSpelling('window', 'sliding_window', ('experiments.kernel_bench',)),
+    OldSpelling('contexts', 'cache_sizes', ('experiments.kernel_bench',)),
 )
 
 

@@ -1,6 +1,6 @@
 """Times the Pallas attention kernel against the reference XLA `attend`; hashes its outputs.
 
-    python -m experiments.kernel_bench --contexts=4096,32768 --output=results/kernel_bench.json
+    python -m experiments.kernel_bench --cache_sizes=4096,32768 --output=results/kernel_bench.json
     python -m experiments.kernel_bench --sha256_only          # just the kernel output hashes
 
 For each context S: a full cache of S slots (token j at slot j, position j), and two calls:
@@ -36,7 +36,7 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  common.define_list('contexts', None, 'Cache sizes S (unset: 1024 on CPU, 4096,32768 '
+  common.define_list('cache_sizes', None, 'Cache sizes S (unset: 1024 on CPU, 4096,32768 '
                      'elsewhere).', lower_bound=1)
   flags.DEFINE_integer('head_dim', 256, 'Head dimension H.', lower_bound=1)
   flags.DEFINE_integer('num_heads', 8, 'N, query heads.', lower_bound=1)
@@ -140,7 +140,7 @@ def run_benchmark(contexts, *, attention_fn, prefill_rows: int, window, softcap,
 def main(argv):
   del argv
   backend = jax.default_backend()
-  contexts = [int(c) for c in (FLAGS.contexts or (['1024'] if backend == 'cpu'
+  contexts = [int(c) for c in (FLAGS.cache_sizes or (['1024'] if backend == 'cpu'
                                                    else ['4096', '32768']))]
   dtype = jnp.dtype(FLAGS.dtype)
   attention_fn = make_pallas_attention(tile_size=FLAGS.tile_size, block_q=FLAGS.block_q)

@@ -11,7 +11,8 @@ URL is any kvstore URL TensorStore opens: file:///abs/path/, memory:// (this pro
 gs://bucket/path/, s3://bucket/path/, or a TensorStore kvstore spec as JSON (an S3-protocol
 server's endpoint: '{"driver": "s3", "bucket": "b", "path": "p/", "endpoint": "http://..."}').
 `put` reads one JSON object a line, {"text": ...} (tokenized with BOS) or {"tokens": [ids...]},
-and deposits each. `get` prints the length, in tokens, of the longest stored prefix of the text
+and deposits each; a line that also holds {"prefix": [ids...]} is a document, stored after that
+prefix (Store.put_document: placed anywhere later; the engine runs --rope=relative). `get` prints the length, in tokens, of the longest stored prefix of the text
 (tokenized with BOS). The model and engine flags must be the ones the store was made with (its
 namespace): another model, dtype or engine configuration is refused with the reason.
 """
@@ -59,18 +60,24 @@ def define_flags() -> None:
                       'file exists.')
   common.define_store_flags()
   common.define_model_flags()
+  common.define_rope_flag()
   common.define_engine_flags()
 
 
-def read_contexts(path: str, tokenizer) -> list[list[int]]:
-  """Token ids of each line: {"text": ...} with BOS, or {"tokens": [...]} as given."""
+def read_contexts(path: str, tokenizer) -> list[tuple[list[int] | None, list[int]]]:
+  """(prefix or None, token ids) of each line: {"text": ...} with BOS, or {"tokens": [...]} as
+  given; with {"prefix": [...]}, a document stored after that prefix."""
+  ids = lambda value: (isinstance(value, list) and value
+                       and all(type(t) is int for t in value))
   contexts = []
   for number, record in files.jsonl_records(path):
+    prefix = record.get('prefix')
+    if prefix is not None and not ids(prefix):
+      raise ValueError(f'{path}:{number}: "prefix" must be a non-empty list of token ids')
     if isinstance(record.get('text'), str) and record['text']:
-      contexts.append(tokenizer.encode(record['text']))
-    elif (isinstance(record.get('tokens'), list) and record['tokens']
-          and all(type(t) is int for t in record['tokens'])):
-      contexts.append(record['tokens'])
+      contexts.append((prefix, tokenizer.encode(record['text'], add_bos=prefix is None)))
+    elif ids(record.get('tokens')):
+      contexts.append((prefix, record['tokens']))
     else:
       raise ValueError(f'{path}:{number}: expected {{"text": "..."}} or {{"tokens": [ids]}}')
   return contexts
@@ -107,8 +114,9 @@ def main(argv):
                   **common.store_args())
     totals = {'tokens': 0, 'reused_tokens': 0, 'blocks_written': 0, 'bytes_written': 0,
               'conflicts': 0}
-    for i, tokens in enumerate(contexts):
-      report = store.put(tokens, recompute=FLAGS.recompute_put)
+    for i, (prefix, tokens) in enumerate(contexts):
+      report = (store.put(tokens, recompute=FLAGS.recompute_put) if prefix is None else
+                store.put_document(prefix, tokens, recompute=FLAGS.recompute_put))
       for key in totals:
         totals[key] += report[key]
       logging.info('put %d/%d: %d tokens, %d reused, %d blocks written (%d bytes), %.2fs',

@@ -29,6 +29,10 @@ EDGES = {
         '--systems=ours_spec', '--prompt_tokens=1', '--decode_tokens=1', '--library_tokens=1',
         '--query_tokens=1', '--repeats=1', '--nostart']],
     'experiments.compat_fixture': [[]],
+    'experiments.compose': [TINY + [
+        '--documents=1', '--lengths=8', '--contexts=1', '--questions=1', '--strategies=none',
+        '--fractions=0', '--offsets=0', '--nottft', '--continuation_tokens=0', '--continued=0',
+        '--modes=relative', '--facts_per_document=1', '--repeats=1', '--ttft_length=8']],
     'experiments.context_shift': [
         TINY + ['--rope=relative', '--window=96', '--drop=1', '--shifts=1',
                 '--continuation_tokens=0'],  # the window the cache once refused (issue 54)
@@ -46,7 +50,7 @@ EDGES = {
     'experiments.generate': [TINY + ['--max_new_tokens=1', '--prompt=a', '--temperature=0']],
     'experiments.graft_exactness': [TINY + ['--samples=1', '--continuation_tokens=0',
                                             '--preceded_up_to=0', '--cache_len=1']],
-    'experiments.kernel_bench': [['--sha256_only', '--contexts=8', '--prefill_rows=1',
+    'experiments.kernel_bench': [['--sha256_only', '--cache_sizes=8', '--prefill_rows=1',
                                   '--repeats=1', '--num_heads=1', '--num_kv_heads=1',
                                   '--head_dim=8']],
     'experiments.logits': [TINY + ['--input={tmp}/texts.jsonl', '--cache_len=1']],

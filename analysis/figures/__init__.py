@@ -17,7 +17,8 @@ figure's caption names the machine and the result files.
 
 Modules, one per family: base (reading results, helpers, saving), position (the position
 sweep), rope (the RoPE float analysis), shift (the context shift), graft (graft exactness,
-usable context), store (the fault campaign), flywheel, bench (the benchmark and the profile).
+usable context), store (the fault campaign), flywheel, bench (the benchmark and the profile),
+compose (documents composed against full recompute).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from analysis.figures.base import (DPI, MAX_INCHES, Found, graft_exactness_resul
                                        newest_per_machine, position_sweep_rows, rope_float_result)
 from analysis.figures.bench import (GRAFT_PHASES, bench, bench_ceiling_tok_s, bench_drawable,
                                     bench_systems, profile)
+from analysis.figures.compose import compose_fidelity, compose_ttft
 from analysis.figures.flywheel import decode_tokens_per_solved, flywheel, wilson
 from analysis.figures.graft import graft_exactness, widen_context
 from analysis.figures.position import layer_divergence, position_controls, position_exactness
@@ -94,6 +96,10 @@ FIGURES: tuple[Figure, ...] = (
     Figure('bench', 12, ('bench',), lambda found, _: found['bench'], bench,
            select=bench_drawable, rule='newest'),
     Figure('profile', 12, ('profile',), lambda found, _: found['profile'], profile,
+           rule='newest'),
+    Figure('compose_fidelity', 13, ('compose',), lambda found, _: found['compose'],
+           compose_fidelity),
+    Figure('compose_ttft', 13, ('compose',), lambda found, _: found['compose'], compose_ttft,
            rule='newest'),
 )
 
