@@ -385,3 +385,27 @@ def test_the_heartbeat_says_what_runs_while_a_step_prints_nothing(capsys):
   lines = capsys.readouterr().out.splitlines()
   assert lines and all(line.endswith('] compiling') for line in lines)
   assert len(lines) <= 11  # at most one a beat, and none after the block
+
+
+def test_the_readme_is_a_map_whose_commands_are_todays():
+  """README.md: at most 200 lines; every `python -m` command it shows parses with today's flags
+  (no old spelling), every figure is listed with its --only, and its set-up commands are the
+  ones CI runs."""
+  import shlex
+  readme = (REPO / 'README.md').read_text()
+  assert len(readme.splitlines()) <= 200
+  commands = [c for c in re.findall(r'`(python -m (?:experiments|analysis)\.[^`]+)`', readme)
+              if '<name>' not in c and 'NAME' not in c]
+  assert len(commands) >= 12, commands
+  for command in commands:
+    words = shlex.split(command.split(' (')[0])
+    module = {'analysis.figures': 'analysis.figures.__main__'}.get(words[2], words[2])
+    assert module in ENTRY_POINTS, command
+    cli_reference.parse(module, ['x'] + words[3:])  # raises on an unknown or old flag
+  from analysis import figures
+  for figure in figures.FIGURES:
+    assert f'--only={figure.name}`' in readme, figure.name
+  assert ("python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' && .venv/bin/python "
+          '-m pytest && bash .ci/bazel_test.sh') in readme
+  assert ('python3 -m venv .venv && .venv/bin/pip install -q -e . && .venv/bin/python -m '
+          'experiments.main') in readme
