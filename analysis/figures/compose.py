@@ -17,9 +17,13 @@ _STYLE = {'relative': '-', 'float': '--'}
 _MARKER = {'cacheblend': 'o', 'epic': 's', 'window': '^', 'none': 'x'}
 
 
-def _newest(found_results):
-  return base.newest_per_machine(found_results, lambda data: (data['config'].get('model'),
-                                                              data['config'].get('dtype')))
+def _chosen(found_results) -> dict:
+  """The result to draw: the one with the most questions (the committed 270M run over a
+  tiny model's smoke run), the newest among equals."""
+  newest = base.newest_per_machine(found_results, lambda data: (data['config'].get('model'),
+                                                                data['config'].get('dtype')))
+  return max(newest, key=lambda found: next(iter(found[1]['modes'].values()))['reference'][
+      'questions'])[1]
 
 
 def _positions(fractions) -> dict[float, int]:
@@ -49,7 +53,7 @@ def compose_fidelity(found_results: Sequence[tuple[pathlib.Path, dict]],
   if not found_results:
     logging.warning('compose_fidelity: no compose results; skipped')
     return None
-  _, data = _newest(found_results)[-1]
+  data = _chosen(found_results)
   modes = [m for m in ('relative', 'float') if m in data['modes']]
   at = _positions([r['fraction'] for m in modes for r in data['modes'][m]['rows']])
   fig, axes = plt.subplots(2, 2, figsize=(base.WIDTH, 5.4), layout='constrained')
@@ -107,38 +111,40 @@ def compose_ttft(found_results: Sequence[tuple[pathlib.Path, dict]],
   if not found_results:
     logging.warning('compose_ttft: no compose results with a time to first token; skipped')
     return None
-  _, data = _newest(found_results)[-1]
+  data = _chosen(found_results)
   fig, ax = plt.subplots(figsize=(base.WIDTH, 3.4), layout='constrained')
   for mode, result in data['modes'].items():
     ttft = result.get('ttft')
     if not ttft:
       continue
     accuracy = {(r['strategy'], r['fraction']): r['accuracy'] for r in result['rows']}
+    by_strategy = {}
     for row in ttft['rows']:
-      strategy, fraction = row['strategy'], row['fraction']
-      if (strategy, fraction) not in accuracy:
-        continue
+      if (row['strategy'], row['fraction']) in accuracy:
+        by_strategy.setdefault(row['strategy'], []).append(row)
+    for strategy, rows in by_strategy.items():
+      rows = sorted(rows, key=lambda r: r['fraction'])
       color = 'k' if strategy == 'none' else f'C{STRATEGY_ORDER.index(strategy)}'
-      ax.plot(row['seconds'], accuracy[(strategy, fraction)], _MARKER[strategy], color=color,
-              markerfacecolor=color if mode == 'relative' else 'none', markersize=5)
-      ax.annotate(f'{fraction:g}', (row['seconds'], accuracy[(strategy, fraction)]),
-                  fontsize=5, xytext=(3, 2), textcoords='offset points')
-    ax.plot(ttft['fresh_seconds'], result['reference']['accuracy'], 'P', color='gray',
-            markerfacecolor='gray' if mode == 'relative' else 'none', markersize=7)
+      xs = [r['seconds'] for r in rows]
+      ys = [accuracy[(strategy, r['fraction'])] for r in rows]
+      ax.plot(xs, ys, _STYLE[mode], color=color, linewidth=0.8)
+      ax.scatter(xs, ys, s=[12 + 60 * r['fraction'] for r in rows], marker=_MARKER[strategy],
+                 color=color, facecolors=color if mode == 'relative' else 'none', zorder=3)
+    ax.scatter([ttft['fresh_seconds']], [result['reference']['accuracy']], s=70, marker='P',
+               color='gray', facecolors='gray' if mode == 'relative' else 'none', zorder=3)
   for strategy in ('none',) + STRATEGY_ORDER:
-    ax.plot([], [], _MARKER[strategy], color='k' if strategy == 'none' else
-            f'C{STRATEGY_ORDER.index(strategy)}', label=strategy)
-  ax.plot([], [], 'P', color='gray', label='fresh prefill')
-  ax.plot([], [], 'o', color='k', label='relative (filled)')
-  ax.plot([], [], 'o', color='k', markerfacecolor='none', label='float, re-rotated (open)')
+    ax.scatter([], [], marker=_MARKER[strategy], color='k' if strategy == 'none' else
+               f'C{STRATEGY_ORDER.index(strategy)}', label=strategy)
+  ax.scatter([], [], marker='P', color='gray', label='fresh prefill')
+  ax.plot([], [], '-', color='k', label='relative (filled)')
+  ax.plot([], [], '--', color='k', label='float, re-rotated (open)')
   ax.set_xscale('log')
   ax.set_xlabel('time to first token, s (median; log): composed from the store vs fresh')
   ax.set_ylabel('accuracy')
   ax.grid(alpha=0.3)
   base.small_legend(ax)
-  c = data['config']
   t = next(m['ttft'] for m in data['modes'].values() if m.get('ttft'))
-  fig.suptitle(f'Time to first token against accuracy ({t["tokens"]} tokens: '
-               f'{len(t["document_lengths"])} documents of ~{c.get("ttft_length")}; '
-               f'labels: fraction recomputed; {base.machine(data)})', fontsize=7)
+  ax.set_title(f'{t["tokens"]} tokens: {len(t["document_lengths"])} documents of up to '
+               f'{max(t["document_lengths"])} tokens; marker size: the fraction recomputed '
+               '(0 to 100%)', fontsize=7)
   return base.save(fig, path)
