@@ -31,9 +31,19 @@ _CHUNK = 1 << 20  # elements drawn at once (their uint64 indices: 8 MB)
 
 def region(seed: int, name: str, shape: tuple[int, ...], mean: float, std: float, dtype,
            index: tuple[slice, ...] | None = None, transposed: bool = False) -> np.ndarray:
-  """The elements of parameter `name` (canonical `shape`) in `index` (slices, one per axis; None:
-  all), of the parameter or, `transposed` (2-D), of its transpose: `dtype`, the region's shape.
-  Drawn in chunks of rows."""
+  """The elements of parameter `name` in `index`, of the parameter or of its transpose. Drawn in
+  chunks of rows.
+
+  Args:
+    seed, name: random:SEED's parameter (its stream: gemma_jax.seeded.parameter_key).
+    shape, mean, std: its canonical shape (e.g. the embedding's [V, D]) and distribution.
+    dtype: what it is given (float32, or rounded to bfloat16 as init_params rounds it).
+    index: slices, one per axis of the parameter or its transpose (None: all).
+    transposed: index the 2-D parameter's transpose ([D, V] for the embedding).
+
+  Returns:
+    The region, `dtype`, e.g. [D, V / n] for a device's share of the output table.
+  """
   view = shape[::-1] if transposed else shape
   index = index or tuple(slice(None) for _ in view)
   ranges = [np.arange(*s.indices(n), dtype=np.uint64) for s, n in zip(index, view)]
@@ -56,7 +66,15 @@ def region(seed: int, name: str, shape: tuple[int, ...], mean: float, std: float
 
 
 def leaf(seed: int, config: TransformerConfig, name: str, dtype) -> np.ndarray:
-  """Parameter `name` of random:`seed`, whole (as gemma_jax.model.init_params draws it)."""
+  """Parameter `name` of random:`seed`, whole (as gemma_jax.model.init_params draws it).
+
+  Args:
+    seed, config, name: the parameter ('layers/0/mlp/down_proj/w').
+    dtype: float32 or bfloat16.
+
+  Returns:
+    The parameter in its canonical shape (e.g. down_proj's [F, D]), `dtype`.
+  """
   shape, mean, std = model.parameter_distributions(config)[name]
   return region(seed, name, shape, mean, std, dtype)
 

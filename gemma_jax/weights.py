@@ -264,9 +264,11 @@ def load(model_name: str | TransformerConfig, weights: str = 'embedded',
     if not seed.isdigit():
       raise ValueError(f'--weights={weights}: the seed after "random:" must be a non-negative '
                        'integer')
-    # Drawn parameter by parameter straight into `dtype` (one copy of the weights at a time).
-    return LoadedModel(config=config, params=model.init_params(config, int(seed), DTYPES[dtype]),
-                       tokenizer=tokenizer_for(config, None), weights=weights, dtype=dtype)
+    # Drawn where they are used: an engine draws its own form of each parameter (one copy,
+    # gemma_jax.drawn); the tree is drawn, parameter by parameter straight into `dtype`, only
+    # when something asks for `params`.
+    return LoadedModel(config=config, params=None, tokenizer=tokenizer_for(config, None),
+                       weights=weights, dtype=dtype, seed=int(seed))
   else:
     params, tokenizer = _load_path(config, weights)
   params = _as_jax(params, dtype)
