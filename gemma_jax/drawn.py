@@ -98,8 +98,11 @@ def place(seed: int, config: TransformerConfig, dtype, numerics, mesh, layout: s
   flat = {}
   for name, (shape, mean, std) in distributions.items():
     table = transposed and name == TABLE
+    # The output table is float32 of the model's values (a bfloat16 table rounded first, as
+    # placement's astype of the loaded table rounds it).
     draw = lambda index=None, name=name, shape=shape, mean=mean, std=std, table=table: region(
-        seed, name, shape, mean, std, jnp.float32 if table else dtype, index, transposed=table)
+        seed, name, shape, mean, std, dtype, index, transposed=table).astype(
+            np.float32 if table else dtype)
     if mesh is not None:
       spec = (sharding.vocabulary_sharding(mesh, shape[0]) if table else jax.sharding.NamedSharding(
           mesh, sharding.partition_spec(name, shape, mesh.shape['model'], layout)))

@@ -44,13 +44,15 @@ def test_the_digest_drawn_a_parameter_at_a_time_is_the_trees():
       model.init_params(config, 3))
 
 
-def test_an_engine_on_drawn_weights_holds_the_trees_form_and_computes_its_bits():
-  """The spec engine's placement (packed projections, the output table's panels) drawn
-  straight, against the tree placed: every array equal; and its logits the same."""
-  loaded = weights.load('tiny_gemma3_wide', 'random:0', 'float32')
-  config = EngineConfig(mode='spec', rows_per_call=16, attention_tile=16, cache_len=128)
+@pytest.mark.parametrize('mode, dtype', [('spec', 'float32'), ('pinned', 'bfloat16')])
+def test_an_engine_on_drawn_weights_holds_the_trees_form(mode, dtype):
+  """An engine's placement drawn straight (the spec engine's packed projections and output
+  table's panels; the pinned engine's bfloat16 weights, its table among them), against the
+  tree placed: every array equal, bit for bit."""
+  loaded = weights.load('tiny_gemma3_wide', 'random:0', dtype)
+  config = EngineConfig(mode=mode, rows_per_call=16, attention_tile=16, cache_len=128)
   engine = Engine(loaded, config)
-  made = drawn.place(0, loaded.config, np.float32, engine.numerics, None, 'gather')
+  made = drawn.place(0, loaded.config, dtype, engine.numerics, None, 'gather')
   from_tree = placement.place_weights(loaded.replace(params=loaded.params), loaded.config,
                                       engine.numerics, None, 'gather')
   flat, want = tree.flatten(made), tree.flatten(from_tree)
