@@ -141,9 +141,36 @@ def _context_shift_fixture(rope: str) -> dict:
           'summary': {'rope': rope, 'exact': rope != 'float'}, 'measurements': rows}
 
 
+def _compose_fixture() -> dict:
+  """A compose result of the shape experiments.compose writes (values made up, marked)."""
+  def row(strategy, fraction):
+    kl = 0.0 if fraction == 1.0 else 0.1 * (1 - fraction)
+    return {'strategy': strategy, 'fraction': fraction, 'layer': 1, 'questions': 20,
+            'correct': int(12 + 6 * fraction), 'accuracy': 0.6 + 0.3 * fraction,
+            'ci95': [0.4 + 0.3 * fraction, 0.8 + 0.15 * fraction], 'kl_mean': kl,
+            'kl_max': 2 * kl, 'top1_agreement': 1.0 - kl, 'logits_equal': 20 * (fraction == 1.0),
+            'layers_by_type': {'local': {'k_rel_l2': kl, 'v_rel_l2': kl},
+                               'global': {'k_rel_l2': 2 * kl, 'v_rel_l2': 2 * kl}}}
+  modes = {}
+  for mode in ('relative', 'float'):
+    rows = [row('none', 0.0)] + [row(s, f) for s in ('cacheblend', 'epic', 'window')
+                                 for f in (0.05, 0.3, 1.0)]
+    modes[mode] = {'reference': {'questions': 20, 'accuracy': 0.9, 'ci95': [0.7, 0.97]},
+                   'rows': rows, 'relocation': [],
+                   'ttft': {'tokens': 600, 'document_lengths': [128] * 4, 'fresh_seconds': 2.0,
+                            'rows': [{'strategy': r['strategy'], 'fraction': r['fraction'],
+                                      'seconds': 0.2 + 1.8 * r['fraction']} for r in rows]}}
+  return {'config': {'model': 'tiny_gemma3', 'weights': 'random', 'dtype': 'float32',
+                     'documents': 4, 'lengths': [128], 'fixture': True},
+          'modes': modes, 'summary': {'full_recompute_equal': True, 'relocation_exact': True}}
+
+
 def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True,
-                    store=True, bench=True, flywheel=True, profile=True, shift=True) -> None:
+                    store=True, bench=True, flywheel=True, profile=True, shift=True,
+                    compose=True) -> None:
   results.mkdir(parents=True, exist_ok=True)
+  if compose:
+    _write(results / 'compose_tiny_gemma3_float32.json', _compose_fixture(), 'compose')
   for rope_mode in ('float', 'relative') if shift else ():
     _write(results / f'context_shift_tiny_gemma3_float32_{rope_mode}.json',
            _context_shift_fixture(rope_mode), 'context_shift')
@@ -309,7 +336,7 @@ def _ceiling_lines(ax) -> list[float]:
 def test_bench_figure_draws_skipped_systems_ceilings_and_ttft(tmp_path, monkeypatch):
   results = tmp_path / 'results'
   _write_fixtures(results, sweeps=False, graft=False, rope=False, store=False, flywheel=False,
-                  profile=False, shift=False)
+                  profile=False, shift=False, compose=False)
   drawn, fig = _draw_bench_only(results, tmp_path / 'figures', monkeypatch)
   png = tmp_path / 'figures' / 'bench.png'
   assert drawn['bench'] == png
