@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gemma_jax import model, sharding
+from gemma_jax import drawn, model, sharding
 from gemma_jax.checkpoints import tree
 from gemma_jax.config import TransformerConfig
 from gemma_jax.kernels import native_dot
@@ -40,6 +40,8 @@ def place_weights(loaded: LoadedModel, config: TransformerConfig, numerics: Nume
   embedded model's packed cache entry: mapped, not copied); else placed on the mesh and stored by
   the numerics (a copy). The embedding becomes the output table ([D, V], or its panels
   [V / P, D, P]) where the numerics read a transposed one."""
+  if loaded.draws_where_used:  # random:SEED: each parameter drawn where and as it is kept
+    return drawn.place(loaded.seed, config, loaded.dtype, numerics, mesh, mesh_layout)
   entry = loaded.stored
   layout = entry.layout if entry is not None else {}
   if (mesh is None and layout.get('packed') is not None
@@ -78,7 +80,8 @@ def projection_weights(loaded: LoadedModel, config: TransformerConfig, numerics:
   layer's of each; projections of at most `numerics.small` weights are elementwise products and
   sums), and the output table: what a self-check probes, each in the form the engine stores it.
   Read from the model's unplaced parameters where on a mesh (across processes nothing here waits
-  on another process); else from `params`, as `place_weights` made them (no copy).
+  on another process; random:SEED weights each drawn alone), else from `params`, as
+  `place_weights` made them (no copy).
 
   Args:
     loaded, config: the model.
@@ -93,14 +96,18 @@ def projection_weights(loaded: LoadedModel, config: TransformerConfig, numerics:
   """
   out = {}
   small = getattr(numerics, 'small', 0)
-  params = loaded.params if mesh is not None else params
+  canonical = mesh is not None and not loaded.draws_where_used
+  params = loaded.params if canonical else params
   for path, (k, n) in model.dense_weights(config).items():
     name = f'{k}x{n}'
     if k * n <= small or name in out:
       continue
-    leaf = params
-    for key in path.split('/'):
-      leaf = leaf[int(key) if key.isdigit() else key]
+    if mesh is not None and loaded.draws_where_used:  # this one drawn on its own
+      leaf = jnp.asarray(drawn.leaf(loaded.seed, config, path, jnp.dtype(loaded.dtype)))
+    else:
+      leaf = params
+      for key in path.split('/'):
+        leaf = leaf[int(key) if key.isdigit() else key]
     stored = leaf.ndim == 3 and numerics.packs(k, n) and mesh is None
     out[name] = leaf if stored else numerics.stored(leaf.reshape(k, n))
   if output_table is not None and output_table.size > small:
