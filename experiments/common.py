@@ -426,7 +426,6 @@ def write_result(path: str, kind: str, result: dict) -> dict:
     kept = run_path(os.path.splitext(os.path.basename(path))[0])
     files.write_json(kept, tagged)
     raise files.CommittedFileError(f'{e} (this run\'s result is in {kept})') from None
-  logging.info('wrote %s', path)
   print(f'wrote {path}', flush=True)
   return tagged
 
