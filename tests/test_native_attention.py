@@ -4,7 +4,8 @@ projections' run-time row count (the light engine's fixed call shapes).
 The kernel must give the bits of the NumPy reference of the tiled algorithm
 (gemma_jax.spec.interpreter.tiled_attention) on every instruction-set path and work split, for
 every layout a cache has (slots filled in order, a ring whose positions wrap, empty slots,
-padding rows, a sliding window, a soft-cap, grouped query heads, two sequences), and tiles it
+padding rows, a sliding window, a soft-cap, grouped query heads, two sequences, a decode step
+whose work items transpose their own key tiles), and tiles it
 skips must move no bit: the same rows against a cache with more tiles, with garbage in every
 slot no row sees, give the same bits. Equality is of raw bits.
 """
@@ -66,6 +67,9 @@ CASES = {
     'ring that wraps': (12, 2, 1, 16, 64, 16, 40, 50.0, 'ring'),
     'a tile of odd size': (5, 2, 2, 8, 45, 15, None, None, 'fill'),
     'head dim over one chunk': (3, 2, 1, 320, 64, 32, None, None, 'fill'),
+    # One token's grouped heads: each work item transposes the key tiles it reads itself (a
+    # group's rows are one item); the cases above with more rows than an item share them.
+    'a decode step': (1, 4, 1, 64, 96, 32, None, None, 'fill'),
 }
 
 
