@@ -30,9 +30,9 @@ from absl import app, flags, logging
 
 from analysis import results as results_schema
 from gemma_jax import compilation_cache, files, resources, rope, sharding, weights
-from gemma_jax.config import get_config
+from gemma_jax.config import TransformerConfig, get_config
 from gemma_jax.attention import IMPLEMENTATIONS
-from graft.engine import PLANS, Engine, EngineConfig, fingerprint, plans
+from graft.engine import PLANS, Engine, EngineConfig, fingerprint, resolve_engine_config
 from graft.engine.plans import DOT_LIBRARIES
 from graft.store import signing
 
@@ -64,7 +64,9 @@ def run(main) -> None:
                       '$GEMMA_JAX_CACHE/xla (gemma_jax/compilation_cache.py).')
 
   def guarded(argv):
-    if not FLAGS.compilation_cache:
+    if FLAGS.compilation_cache:
+      compilation_cache.use_default()
+    else:
       compilation_cache.disable()
     try:
       return main(argv)
@@ -180,6 +182,11 @@ def engine_flag_args() -> list[str]:
   return args
 
 
+def model_config() -> TransformerConfig:
+  """The --model config, in the --rope mode (where the tool has the flag)."""
+  return get_config(FLAGS.model).replace(rope_mode=FLAGS.rope if 'rope' in FLAGS else 'float')
+
+
 def load_model() -> weights.LoadedModel:
   """The --model / --weights / --dtype model. With --mesh (engine tools), first asks XLA for
   this process's share of the mesh's host devices, and with --coordinator joins the
@@ -189,28 +196,27 @@ def load_model() -> weights.LoadedModel:
     sharding.set_host_devices(sharding.parse_mesh(FLAGS.mesh), processes)
   if processes > 1 or ('coordinator' in FLAGS and FLAGS.coordinator):
     sharding.initialize_distributed(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
-  mode = FLAGS.rope if 'rope' in FLAGS else 'float'
+  config = model_config()
   logging.info('loading %s with weights=%s dtype=%s rope=%s', FLAGS.model, FLAGS.weights,
-               FLAGS.dtype, mode)
-  return weights.load(get_config(FLAGS.model).replace(rope_mode=mode), FLAGS.weights,
-                      FLAGS.dtype)
+               FLAGS.dtype, config.rope_mode)
+  return weights.load(config, FLAGS.weights, FLAGS.dtype)
 
 
-def engine_config(**overrides) -> EngineConfig:
-  """The EngineConfig the engine flags describe (with `overrides`), its dot library resolved
-  (the mode's default where the flag names none), so a result records the library it ran."""
+def engine_config(model: TransformerConfig | None = None, **overrides) -> EngineConfig:
+  """The EngineConfig the engine flags ask for (with `overrides`), resolved for `model` (None:
+  the --model in its --rope mode) by graft.engine.resolve_engine_config, so that a result
+  records every value the engine ran with (the dot library included)."""
   values = dict(mode=FLAGS.engine, attention=FLAGS.attention, rows_per_call=FLAGS.rows_per_call,
                 attention_tile=FLAGS.attention_tile,
                 cache_len=FLAGS.cache_len, mesh=FLAGS.mesh, mesh_layout=FLAGS.mesh_layout,
-                dot_library=FLAGS.dot_library, xla_flags=sharding.xla_flags())
+                dot_library=FLAGS.dot_library)
   values.update(overrides)
-  if values['dot_library'] is None:
-    values['dot_library'] = plans.plan_class(values['mode']).default_dot_library()
-  return EngineConfig(**values)
+  return resolve_engine_config(model or model_config(), EngineConfig(**values))
 
 
 def make_engine(loaded: weights.LoadedModel, **overrides) -> Engine:
-  return Engine(loaded, engine_config(**overrides))
+  """The engine the flags ask for (with `overrides`) over `loaded`."""
+  return Engine(loaded, engine_config(loaded.config, **overrides))
 
 
 def model_config_json() -> dict:

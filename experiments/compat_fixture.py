@@ -52,7 +52,7 @@ def main(argv):
     raise ValueError(f'{out} already exists; a fixture is written once')
 
   engine = fixture_engine()
-  vocab = engine.config.vocab_size
+  vocab = engine.model_config.vocab_size
   context, query = tokens(CONTEXT_TOKENS, 35, vocab), tokens(QUERY_TOKENS + 1, 36, vocab)[1:]
   fresh = engine.extend(engine.empty(), context + query, logits=len(query))[1]
   ctx, _ = engine.extend(engine.empty(), context, logits=0)

@@ -56,7 +56,7 @@ from gemma_jax.config import BOS_ID, get_config
 from graft.store import artifact
 from graft.engine import fingerprint
 from graft import shift
-from graft.engine import Engine, EngineConfig
+from graft.engine import Engine, EngineConfig, resolve_engine_config
 
 # Offsets δ measured by default: every small δ where a rounding coincidence could make a shift
 # exact (0..3, a few primes), every power of two up to 2^16 (the 270M's 32,768-token context and
@@ -255,7 +255,7 @@ def measure(run: Run, method: str, offset: int, base: int) -> dict:
     engine = run.engines[name]
     grafted = shift.graft_shifted(engine, run.library_artifact(name, base), offset, method)
     layers = shift.layer_divergence(
-        engine.config, grafted, run.library_state(name, start),
+        engine.model_config, grafted, run.library_state(name, start),
         slot_positions=(start, start + library_span),
         keys='attention' if method == 'pre_rope' else 'cache')
     _, logits = engine.extend(grafted, run.query, logits='all')
@@ -275,7 +275,7 @@ def measure(run: Run, method: str, offset: int, base: int) -> dict:
     # Layers: the pre-RoPE engine's library (keys before RoPE, and V: the position-free part).
     pre = run.engines['pre_rope']
     layers = shift.layer_divergence(
-        pre.config, run.library_state('pre_rope', start, again=offset == 0),
+        pre.model_config, run.library_state('pre_rope', start, again=offset == 0),
         run.library_state('pre_rope', base), slot_positions=(base, base + library_span),
         keys='cache', position_offset=offset)
     return _row(method, offset, base, reference_logits, logits, layers,
@@ -339,9 +339,10 @@ def main(argv):
   logging.info('loading %s (%s) weights=%s dtype=%s rope=%s', label, FLAGS.model, FLAGS.weights,
                FLAGS.dtype, FLAGS.rope)
   loaded = weights.load(config, FLAGS.weights, FLAGS.dtype)
-  block_size = FLAGS.rows_per_call or EngineConfig(mode=FLAGS.engine).rows_per_call
+  block_size = resolve_engine_config(config, EngineConfig(
+      mode=FLAGS.engine, rows_per_call=FLAGS.rows_per_call)).rows_per_call
   cache_len = FLAGS.cache_len or auto_cache_len(library_len, query_len, block_size)
-  engine_config = common.engine_config(cache_len=cache_len)
+  engine_config = common.engine_config(config, cache_len=cache_len)
   engines = build_engines(loaded, engine_config, methods)
   library, query = text_tokens(loaded.tokenizer, library_len, query_len, FLAGS.seed)
   logging.info('library %d tokens, query %d tokens; %d offsets x %d methods; skipped %s',

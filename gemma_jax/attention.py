@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from gemma_jax import kv_state as kvs
 from gemma_jax import rope
@@ -42,18 +43,30 @@ def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> ja
 
 
 class AttendFn(Protocol):
-  """An attention implementation: the signature of `attend`, and what decides its bits."""
+  """An attention implementation: the signature of `attend`, what decides its bits, and how it
+  reads the cache (`tile`, `reading`)."""
 
   def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                k_pos: jax.Array, *, window: int | None, softcap: float | None,
                scores: Callable | None = None, numerics: Numerics = XLA) -> jax.Array:
     ...
 
-  def blocks(self, head_dims: tuple[int, ...], dtype) -> dict:
+  @property
+  def tile(self) -> int | None:
+    """The KV tile a call may be cut to read whole tiles of (`reading`); None where the
+    implementation reads the whole cache."""
+    ...
+
+  def reading(self, max_tiles: int | None) -> 'AttendFn':
+    """This attention reading only the first `max_tiles` tiles (None: all); itself where it has
+    no tiles to cut."""
+    ...
+
+  def blocks(self, head_dims: tuple[int, ...], dtype: DTypeLike) -> dict:
     """Block shapes per head dim that change its bits ({} when none): fingerprinted."""
     ...
 
-  def slot_multiple(self, head_dims: tuple[int, ...], dtype) -> int:
+  def slot_multiple(self, head_dims: tuple[int, ...], dtype: DTypeLike) -> int:
     """Caches sized as a multiple of this run without padding copies."""
     ...
 
@@ -90,21 +103,37 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
 
 @dataclasses.dataclass(frozen=True)
 class XlaAttention:
-  """`attend` as an AttendFn: XLA's own reductions whatever the numerics, no blocks of its
-  own."""
+  """`attend` as an AttendFn: XLA's own reductions whatever the numerics, over the whole cache,
+  no blocks of its own."""
 
-  def __call__(self, q, k, v, q_pos, k_pos, *, window, softcap, scores=None, numerics=XLA):
+  def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+               k_pos: jax.Array, *, window: int | None, softcap: float | None,
+               scores: Callable | None = None, numerics: Numerics = XLA) -> jax.Array:
     return attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, scores=scores)
 
-  def blocks(self, head_dims, dtype) -> dict:
+  @property
+  def tile(self) -> int | None:
+    """None: the whole cache in one reduction."""
+    return None
+
+  def reading(self, max_tiles: int | None) -> 'XlaAttention':
+    """Itself: no tiles to cut."""
+    del max_tiles
+    return self
+
+  def blocks(self, head_dims: tuple[int, ...], dtype: DTypeLike) -> dict:
     """None: XLA decides its own blocking ({})."""
     del head_dims, dtype
     return {}
 
-  def slot_multiple(self, head_dims, dtype) -> int:
+  def slot_multiple(self, head_dims: tuple[int, ...], dtype: DTypeLike) -> int:
     """1: any cache size."""
     del head_dims, dtype
     return 1
+
+
+# The reference attention as an AttendFn: the default of every model call.
+XLA_ATTENTION = XlaAttention()
 
 
 def _xla(tile_size: int | None, platform: str | None) -> AttendFn:

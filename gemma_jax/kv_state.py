@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -221,17 +222,6 @@ def rows_from_leaves(leaves: dict[str, np.ndarray], cache_layers: tuple[int, ...
   return rows
 
 
-def shift_positions(kv: KVState, delta: int) -> KVState:
-  """The same K/V with every filled slot's position moved by `delta` (empty slots stay EMPTY;
-  slots never move, since a token's slot is its sequence index): each layer's positions [B, S]
-  shifted, k and v [B, S, K, H] as they are."""
-  def move(layer: LayerKV) -> LayerKV:
-    filled = layer.positions != EMPTY
-    return layer.replace(positions=jnp.where(filled, layer.positions + jnp.int32(delta),
-                                             layer.positions))
-  return kv.replace(layers=tuple(move(layer) for layer in kv.layers))
-
-
 @dataclasses.dataclass(frozen=True)
 class KVRows:
   """The K/V of consecutive tokens, sequence indices [start, start + T), on the host: the unit
@@ -284,6 +274,14 @@ def take_rows(kv: KVState, start: int, stop: int) -> KVRows:
                 tuple(np.asarray(p) for _, _, p in gathered))
 
 
+def first_position(rows: Sequence[KVRows], default: int = 0) -> int:
+  """The position of sequence index 0 of a run of rows (the first row's position less its
+  sequence index): where the tokens they hold start. `default` where there are no rows."""
+  if not rows or not rows[0].num_tokens:
+    return default
+  return int(rows[0].positions[0][0]) - rows[0].start
+
+
 def assemble(empty: KVState, rows: list[KVRows], num_tokens: int) -> KVState:
   """A KV state holding sequence indices [0, num_tokens), built on the host from rows (batch
   row 0, the shapes and dtype of `empty`). Each layer keeps the rows its slots hold after all
@@ -307,7 +305,7 @@ def assemble(empty: KVState, rows: list[KVRows], num_tokens: int) -> KVState:
       k_buf[index[keep] % slots] = k[keep]
       v_buf[index[keep] % slots] = v[keep]
       p_buf[index[keep] % slots] = positions[keep]
-  start = int(rows[0].positions[0][0]) - rows[0].start if rows else 0
+  start = first_position(rows)
   for (_, _, p_buf) in buffers:  # every slot a fresh computation fills, and no other
     stored = min(num_tokens, p_buf.shape[0])
     if not (np.array_equal(p_buf[:stored], expected_positions(start, num_tokens, p_buf.shape[0]))

@@ -4,8 +4,9 @@ Every call takes the `Numerics` value that says how its arithmetic is computed
 (gemma_jax/numerics.py).
 
 Parameters are created by `init_param`, which draws from a seeded generator when the model is built
-with random weights (`nnx.Rngs`) and is never called when weights come from a checkpoint (the model
-is then built abstractly with `nnx.eval_shape` and filled from the checkpoint's arrays).
+with random weights (`nnx.Rngs`); built with rngs None it gives each parameter's shape and dtype
+only (jax.ShapeDtypeStruct, no tracing), the abstract model gemma_jax.model binds a checkpoint's
+arrays to.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from flax import nnx
 
 from gemma_jax import kv_state as kvs
 from gemma_jax import sharding
-from gemma_jax.attention import AttendFn, Attention, attend
+from gemma_jax.attention import XLA_ATTENTION, AttendFn, Attention
 from gemma_jax.config import TransformerConfig
 from gemma_jax.kernels import native_dot
 from gemma_jax.layers import Dense, FeedForward, RMSNorm, init_param
@@ -165,7 +165,7 @@ class Transformer(nnx.Module):
                               eps=config.rms_norm_eps, dtype=dtype, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, kv: kvs.KVState,
-               attention_fn: AttendFn = attend,
+               attention_fn: AttendFn = XLA_ATTENTION,
                numerics: Numerics = XLA) -> tuple[jax.Array, kvs.KVState]:
     """tokens, positions [B, T] (position EMPTY marks a padding row) -> (hidden [B, T, D] after
     the final norm, the KV state with these tokens written)."""
@@ -253,7 +253,7 @@ def _packed(w: jax.Array, k: int, n: int) -> jax.Array:
 
 
 def forward(params: Params, config: TransformerConfig, tokens: jax.Array, positions: jax.Array,
-            kv: kvs.KVState, attention_fn: AttendFn = attend,
+            kv: kvs.KVState, attention_fn: AttendFn = XLA_ATTENTION,
             numerics: Numerics = XLA) -> tuple[jax.Array, kvs.KVState]:
   """One model call: the tokens' hidden states, and the KV state with their K and V written.
 

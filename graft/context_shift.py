@@ -112,7 +112,7 @@ def turn(engine: Engine, layer_index: int, k: np.ndarray, positions: np.ndarray,
   """Keys [n, K, H] of cache-owning layer `layer_index` turned by the float RoPE of that layer
   at integer `positions` [n] >= 0, computed as `engine`'s model rotates keys (its numerics);
   back=True turns them by minus those positions."""
-  spec = engine.config.layer_spec(layer_index)
+  spec = engine.model_config.layer_spec(layer_index)
   out = _turner(engine)(jnp.asarray(k), jnp.asarray(positions, jnp.int32),
                         head_dim=spec.head_dim, base=spec.rope_base, scale=spec.rope_scale,
                         fraction=spec.rotary_fraction, back=back)
@@ -134,7 +134,7 @@ class Engines:
 
   @property
   def relative(self) -> bool:
-    return self.model.config.rope_mode == 'relative'
+    return self.model.model_config.rope_mode == 'relative'
 
 
 def make_engines(loaded: LoadedModel, engine_config: EngineConfig) -> Engines:
@@ -157,7 +157,7 @@ class Kept:
 
   def __init__(self, engine: Engine, llama: bool):
     self.engine, self.llama = engine, llama
-    self.layers = engine.config.cache_layers
+    self.layers = engine.model_config.cache_layers
     empty = lambda: [np.zeros((0,) + l.k.shape[2:], l.k.dtype) for l in engine.empty_kv().layers]
     self.raw, self.v, self.cached = empty(), empty(), empty()
     self.positions = np.zeros(0, np.int32)
@@ -250,16 +250,16 @@ def measure(engines: Engines, stream: Context, kept: Kept, next_token: int,
   first = stream.next_position - len(stream.tokens)
   reference = model.graft(kept.rows('placed'), stream.tokens, first)
   shifted = stream if engines.relative else model.graft(kept.rows('cached'), stream.tokens, first)
-  ours = kvs.to_leaves(shifted.kv, model.config.cache_layers)
-  theirs = kvs.to_leaves(reference.kv, model.config.cache_layers)
+  ours = kvs.to_leaves(shifted.kv, model.model_config.cache_layers)
+  theirs = kvs.to_leaves(reference.kv, model.model_config.cache_layers)
   layers = []
   same = lambda name: compare.sha256_bytes(ours[name]) == compare.sha256_bytes(theirs[name])
-  for layer_index in model.config.cache_layers:
+  for layer_index in model.model_config.cache_layers:
     k_name, v_name, p_name = kvs.leaf_names(layer_index)
     if not np.array_equal(ours[p_name], theirs[p_name]):
       raise ValueError(f'layer {layer_index}: the shifted and reference positions differ')
     layers.append({'layer': int(layer_index),
-                   'attention_type': model.config.layer_spec(layer_index).attention_type.value,
+                   'attention_type': model.model_config.layer_spec(layer_index).attention_type.value,
                    'k_equal': same(k_name), 'v_equal': same(v_name),
                    'k_max_abs': compare.max_abs(ours[k_name], theirs[k_name]),
                    'k_max_ulp': compare.max_ulp(ours[k_name], theirs[k_name])})
@@ -281,7 +281,7 @@ def measure(engines: Engines, stream: Context, kept: Kept, next_token: int,
       'k_max_abs': max(l['k_max_abs'] for l in layers),
       'k_max_ulp': max(l['k_max_ulp'] for l in layers),
       'reference_k_max': max(float(np.abs(theirs[kvs.leaf_names(i)[0]]).max())
-                             for i in model.config.cache_layers),
+                             for i in model.model_config.cache_layers),
       'logits_sha256': compare.sha256_bytes(shift_logits),
       'reference_logits_sha256': compare.sha256_bytes(ref_logits),
       'logits_equal': compare.sha256_bytes(shift_logits) == compare.sha256_bytes(ref_logits),

@@ -113,7 +113,7 @@ def attention_keys(config: TransformerConfig, ctx: Context) -> list[jax.Array]:
 def _check_range(config: TransformerConfig, rows: list[kvs.KVRows], delta: int) -> None:
   if not rows or not rows[0].num_tokens:
     raise ShiftError('an empty context has nothing to shift')
-  start = int(rows[0].positions[0][0]) - rows[0].start
+  start = kvs.first_position(rows)
   end = start + rows[-1].start + rows[-1].num_tokens
   if start + delta < 0:
     raise ShiftError(f'a shift by {delta} moves the first token (position {start}) to '
@@ -181,7 +181,7 @@ def graft_shifted(engine: Engine, art: artifact_lib.Artifact, delta: int,
   `preceding`: a context of exactly `delta` tokens from position 0 (the artifact computed at 0):
   the artifact's rows then follow that context's rows, the library after other tokens (a change
   of content as well as of position: its own KV never saw them)."""
-  rows = shift(engine.config, artifact_lib.rows(engine, art), delta, method)
+  rows = shift(engine.model_config, artifact_lib.rows(engine, art), delta, method)
   if preceding is None:
     return engine.graft(rows, art.tokens, art.start_position + delta)
   if art.start_position != 0 or len(preceding.tokens) != delta:

@@ -149,8 +149,8 @@ def test_a_global_layer_is_compared_from_its_first_token(monkeypatch):
   from gemma_jax.spec.interpreter import Interpreter
   engine = Engine(weights.load('tiny_gemma3', 'random:0', 'float32'), SMALL)
   tokens = [int(t) for t in np.random.default_rng(4).integers(3, 512, 3 * engine.local_slots)]
-  j, layer = next((j, layer) for j, layer in enumerate(engine.config.cache_layers)
-                  if engine.config.layer_spec(layer).window is None)
+  j, layer = next((j, layer) for j, layer in enumerate(engine.model_config.cache_layers)
+                  if engine.model_config.layer_spec(layer).window is None)
   original = Interpreter.run
 
   def planted(self, *args, **kwargs):

@@ -177,7 +177,7 @@ def forge(store: Store, entry: dict, rng=None) -> set[str]:
   header = json.loads(data[offset:offset + length])
   leaves = blocks.decode_leaves(header, data[offset + length:], offset + length,
                                 global_only=False, layout=store.block_layout)
-  cfg = store.engine.config
+  cfg = store.engine.model_config
   layer = next(i for i in cfg.cache_layers
                if cfg.layer_spec(i).attention_type is AttentionType.GLOBAL)
   leaves = {k: v.copy() for k, v in leaves.items()}

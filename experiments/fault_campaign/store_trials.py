@@ -85,7 +85,7 @@ def _huge_header(t: Trial) -> None:
 
 def _failing_write(t: Trial) -> None:
   # A new context put through a kvstore that fills up part way; then a reader answers it.
-  vocab = t.engine.config.vocab_size
+  vocab = t.engine.model_config.vocab_size
   base = t.context
   t.context = base[:int(t.rng.integers(2, len(base)))] + [
       int(x) for x in t.rng.integers(3, vocab, int(t.rng.integers(8, 80)))]
@@ -178,7 +178,7 @@ def _repair(t: Trial, context) -> None:
 
 
 def _extended(t: Trial) -> list[int]:
-  vocab = t.world.engine.config.vocab_size
+  vocab = t.world.engine.model_config.vocab_size
   return list(t.context) + [int(x) for x in t.rng.integers(3, vocab, int(t.rng.integers(8, 40)))]
 
 

@@ -45,7 +45,7 @@ def make_world(engine: Engine, rng: np.random.Generator, model_args: list[str],
   """Contexts (some sharing a prefix that ends mid-block), their queries and fresh answers, and
   a golden store holding them; `signed`: written by an honest writer whose key every reader
   trusts."""
-  vocab = engine.config.vocab_size
+  vocab = engine.model_config.vocab_size
   B = engine.engine_config.rows_per_call
   draw = lambda n: [int(t) for t in rng.integers(3, vocab, n)]
   contexts = []

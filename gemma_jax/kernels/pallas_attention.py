@@ -322,6 +322,16 @@ class PallasAttention:
     """The largest KV tile: caches that are a multiple of it are never padded by a copy."""
     return max(self.block_config(h, dtype).tile_size for h in head_dims)
 
+  @property
+  def tile(self) -> int | None:
+    """None: the kernel walks every tile of the cache, skipping what no row sees itself."""
+    return None
+
+  def reading(self, max_tiles: int | None) -> 'PallasAttention':
+    """Itself: the kernel skips unseen tiles on its own."""
+    del max_tiles
+    return self
+
   def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                k_pos: jax.Array, *, window: int | None, softcap: float | None,
                scores=None, numerics=None) -> jax.Array:

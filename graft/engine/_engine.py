@@ -16,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gemma_jax import attention as attention_lib
-from gemma_jax import executables
+from gemma_jax import compilation_cache, executables
 from gemma_jax import kv_state as kvs
 from gemma_jax import model
 from gemma_jax import rope
@@ -32,47 +32,76 @@ from gemma_jax.config import EOS_ID
 from gemma_jax.sizes import next_power_of_two
 from gemma_jax.weights import LoadedModel
 from graft.engine import fingerprint, placement, plans
-from graft.engine.config import EngineConfig
+from graft.engine.config import EngineConfig, resolve_engine_config
 from graft.engine.context import Context, Decoded, call_inputs, sample
 from graft.engine.shared import shared
+
+
+class Compiled(Protocol):
+  """An engine's jitted function: called like it, lowered like it, and asked to start
+  obtaining its executable for some argument shapes ahead of the call."""
+
+  def __call__(self, *args: Any) -> Any: ...
+
+  def lower(self, *args: Any) -> Any:
+    """The jitted function's lowering for these arguments (graft/engine/lowering.py)."""
+    ...
+
+  def preload(self, *args: Any, compile: bool = False) -> None:
+    """Starts obtaining the executable for arguments of these shapes, in the background (with
+    `compile`, compiling it where none is saved)."""
+    ...
+
+
+class Unsaved:
+  """A jitted function as it is (no saved executables: `Compiled.preload` does nothing)."""
+
+  def __init__(self, jitted: Callable[..., Any]):
+    self.jitted = jitted
+
+  def __call__(self, *args: Any) -> Any:
+    return self.jitted(*args)
+
+  def lower(self, *args: Any) -> Any:
+    """The jitted function's lowering."""
+    return self.jitted.lower(*args)
+
+  def preload(self, *args: Any, compile: bool = False) -> None:
+    """Nothing to obtain ahead: the call compiles."""
+    del args, compile
 
 
 class Engine:
   """Runs a loaded model under an EngineConfig, through its plan (graft.engine.plans)."""
 
-  def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, *,
-               kernel_platform: str | None = None, canary: bool = True):
-    """kernel_platform: the platform the attention kernel is built for ('cpu', 'gpu', 'tpu';
-    None: the default backend's). Naming one this host does not have gives an engine whose
-    functions lower for that platform (graft/engine/lowering.py) but do not run. canary: whether
-    a spec engine's build runs its checks, the self-check and the canary (graft/engine/canary.py;
-    False only for the canary's own engine, whose digest is its check)."""
-    config = config or EngineConfig()
+  def __init__(self, loaded: LoadedModel, engine_config: EngineConfig | None = None, *,
+               kernel_platform: str | None = None, checks: bool = True):
+    """engine_config: what is asked for (None: the defaults), resolved here
+    (`resolve_engine_config`: a resolved config resolves to itself). kernel_platform: the
+    platform the attention kernel is built for ('cpu', 'gpu', 'tpu'; None: the default
+    backend's). Naming one this host does not have gives an engine whose functions lower for
+    that platform (graft/engine/lowering.py) but do not run. checks: whether the plan's checks
+    run when the engine is built (the spec engine's self-check and canary,
+    graft/engine/canary.py; False only for the canary's own engine, whose digest is its
+    check)."""
+    compilation_cache.use_default()  # before the engine compiles anything
+    config = resolve_engine_config(loaded.config, engine_config)
     if sharding.xla_flags() != config.xla_flags:
       raise ValueError(f'the engine config needs XLA_FLAGS={config.xla_flags!r} but the process '
                        f'has {sharding.xla_flags()!r}; set it before starting Python')
-    plan_class = plans.plan_class(config.mode)
-    if config.attention is None:
-      supported = rope.get_mode(loaded.config.rope_mode).attention
-      preferred = plan_class.default_attention
-      config = dataclasses.replace(config, attention=preferred if preferred in supported
-                                   else 'xla')
-    if config.dot_library is None:
-      config = dataclasses.replace(config, dot_library=plan_class.default_dot_library())
-    rope.check_attention(loaded.config.rope_mode, config.attention)
     self.loaded = loaded
-    self.config = loaded.config
+    self.model_config = loaded.config
     self.engine_config = config
-    self.runs_canary = canary
-    self.plan = plan_class(config)
+    self.runs_checks = checks
+    self.plan = plans.plan_class(config.mode)(config, kernel_platform)
     self._attention_fn = attention_lib.build(config.attention, config.attention_tile,
                                              kernel_platform)
-    head_dims = tuple(sorted({self.config.layer_spec(i).head_dim
-                              for i in range(self.config.num_layers)}))
+    head_dims = tuple(sorted({self.model_config.layer_spec(i).head_dim
+                              for i in range(self.model_config.num_layers)}))
     self._kernel_blocks = self._attention_fn.blocks(head_dims, self.dtype)
     multiple = self._attention_fn.slot_multiple(head_dims, self.dtype)
     self._cache_slots = self.plan.cache_slots(multiple)
-    self._local_slots = self.plan.local_slots(self.config, multiple)
+    self._local_slots = self.plan.local_slots(self.model_config, multiple)
     # (tiles read or None, with logits) -> jitted call, shared by the engines of this model and
     # config (an XLA:CPU executable of the 270M holds ~160 MB: docs/performance.md).
     self._held = []  # what this engine shares with others of its model (`shared`)
@@ -80,18 +109,14 @@ class Engine:
     # On a mesh: parameters placed by the layout, the KV state over KV heads and sequences,
     # and (layout 'gather') every row-parallel projection's input gathered whole.
     self.mesh = sharding.make_mesh(sharding.parse_mesh(config.mesh)) if config.mesh else None
-    self.numerics = self.plan.numerics_on(kernel_platform).on_mesh(
+    self.numerics = self.plan.running_numerics.on_mesh(
         self.mesh if config.mesh_layout == 'gather' else None)
-    # Whether the numerics' kernels do only a call's run-time length of work: then a byte-exact
-    # plan's calls have one of two shapes (a decode step, or rows_per_call rows) and attention
-    # reads the whole cache, whatever the lengths met (a fixed set of executables).
-    self.by_length = self.plan.byte_exact and self.numerics.runs_by_length
     # Weights placed on the mesh and in the form the numerics read them (the native kernels'
     # panels; else as loaded), shared with every other engine of this model that places and
     # stores them alike.
     held_as = (config.mesh, config.mesh_layout, self.numerics.storage)
     self._params = shared(self._held, loaded, ('params', held_as), lambda: placement.place_weights(
-        loaded, self.config, self.numerics, self.mesh, config.mesh_layout))
+        loaded, self.model_config, self.numerics, self.mesh, config.mesh_layout))
     # The numerics' output table where they read one ('transposed'): the embedding itself,
     # stored as the [D, V] table or its panels (graft.engine.placement), one array for both.
     table = self._params['embedder']['input_embedding']
@@ -106,7 +131,7 @@ class Engine:
       numerics = self.numerics.with_zero((rows[0] < 0).astype(jnp.uint32)).with_rows(count)
       with jax.default_matmul_precision(config.matmul_precision):
         flat = hidden.reshape(1, -1, hidden.shape[-1])
-        return model.compute_logits(params, self.config, jnp.take(flat, rows, axis=1),
+        return model.compute_logits(params, self.model_config, jnp.take(flat, rows, axis=1),
                                     numerics, output_table)
 
     self._weights_checked = False
@@ -125,7 +150,7 @@ class Engine:
       self.loaded.check()
       self._weights_checked = True
 
-  def head_function(self):
+  def head_function(self) -> Compiled:
     """The jitted logits call (params, output table, hidden [B, T, D], rows [R] of the B x T,
     count: the first rows wanted, int32) -> logits [1, R, V] (the output table:
     `output_table`)."""
@@ -136,28 +161,25 @@ class Engine:
     """The numerics' [D, V] output table when it is not the tied embedding (None)."""
     return self._output_table
 
-  def step_function(self, tiles: int | None = None, with_logits: bool = False):
+  def step_function(self, tiles: int | None = None, with_logits: bool = False) -> Compiled:
     """The jitted transformer call (params, output table, tokens [B, T], positions [B, T], kv)
     -> (hidden [B, T, D], kv[, logits [1, B T, V]]) whose attention reads the first `tiles` KV
     tiles (None: the whole cache). with_logits: a call that also returns the logits of all its
     rows (a decode step of one row per slot: the same ops as the call then the head, one
     dispatch instead of two).
     The output table (`output_table`) is an argument, never a closed-over constant: a constant
-    would be compiled into the executable (hundreds of MB in the persistent cache, slower to
-    load than to compile). The KV state is donated: XLA updates the cache in place; callers'
-    contexts stay valid because a context that may be used again is copied first (see extend's
-    `consume`)."""
+    would be compiled into the executable (docs/performance.md says what that costs). The KV
+    state is donated: XLA updates the cache in place; callers' contexts stay valid because a
+    context that may be used again is copied first (see extend's `consume`)."""
     key = (tiles, with_logits)
     if key not in self._steps:
-      attention_fn = self._attention_fn
-      if tiles is not None:
-        attention_fn = attention_fn.reading(tiles)
+      attention_fn = self._attention_fn.reading(tiles)
       precision, numerics = self.engine_config.matmul_precision, self.numerics
 
       def step(params, output_table, tokens, positions, kv):
         with jax.default_matmul_precision(precision):
-          hidden, kv = model.forward(params, self.config, tokens, positions, kv, attention_fn,
-                                     numerics)
+          hidden, kv = model.forward(params, self.model_config, tokens, positions, kv,
+                                     attention_fn, numerics)
         if not with_logits:
           return hidden, kv
         # Every row, from a value the compiler cannot know (fill is never negative, so the
@@ -173,35 +195,34 @@ class Engine:
     return self._steps[key]
 
   def _preload(self) -> None:
-    """By length, starts obtaining the executables of the calls every use of an engine makes in
-    the background, while the engine is checked and its caller gets on
-    (gemma_jax.executables.Saved.preload): a block and a logits call, loaded or compiled, and a
-    decode step, loaded where saved."""
-    if not self.by_length:
-      return
+    """Starts obtaining, in the background, the executables the plan names
+    (`Plan.preloads`: by length, the calls every use of an engine makes), while the engine is
+    checked and its caller gets on (gemma_jax.executables.Saved.preload)."""
     rows, i32 = self.max_rows, jnp.int32
     kv = jax.eval_shape(self.empty_kv)
     weights = (self._params, self._output_table)
     block, decode = (jax.ShapeDtypeStruct((1, t), i32) for t in (rows, 1))
-    functions = [(self.step_function(None), (*weights, block, block, kv), True),
-                 (self._head, (*weights, jax.ShapeDtypeStruct((1, rows, self.config.embed_dim),
-                                                              self.dtype),
-                               jax.ShapeDtypeStruct((plans.HEAD_ROWS,), i32),
-                               jax.ShapeDtypeStruct((), i32)), True),
-                 (self.step_function(None, with_logits=True), (*weights, decode, decode, kv),
-                  False)]
-    for function, args, compile in functions:
-      if hasattr(function, 'preload'):
-        function.preload(*args, compile=compile)
+    head_rows = self.plan.logits_calls(1)[0][1]
+    calls = {
+        'block': lambda: (self.step_function(None), (*weights, block, block, kv)),
+        'head': lambda: (self._head, (
+            *weights, jax.ShapeDtypeStruct((1, rows, self.model_config.embed_dim), self.dtype),
+            jax.ShapeDtypeStruct((head_rows,), i32), jax.ShapeDtypeStruct((), i32))),
+        'decode': lambda: (self.step_function(None, with_logits=True),
+                           (*weights, decode, decode, kv)),
+    }
+    for name, compile in self.plan.preloads:
+      function, args = calls[name]()
+      function.preload(*args, compile=compile)
 
-  def _compiled(self, name: str, jitted, **variant):
+  def _compiled(self, name: str, jitted, **variant) -> Compiled:
     """`jitted`, its executables saved ahead of time and loaded by later processes
-    (gemma_jax.executables), keyed by everything it closes over; as it is on a mesh (its
-    partitioned kernels hold Python callbacks, which XLA cannot serialize) and for another
+    (gemma_jax.executables), keyed by everything it closes over; as it is (`Unsaved`) on a mesh
+    (its partitioned kernels hold Python callbacks, which XLA cannot serialize) and for another
     platform (graft/engine/lowering.py only lowers it)."""
     if self.mesh is not None or self._kernel_platform is not None:
-      return jitted
-    key = {'engine': self.engine_config, 'model': self.config, 'dtype': self.loaded.dtype,
+      return Unsaved(jitted)
+    key = {'engine': self.engine_config, 'model': self.model_config, 'dtype': self.loaded.dtype,
            'numerics': self.numerics, 'dot': self.numerics.__dict__.get('dot'),
            'attention': self._attention_fn, 'compiler_options': self.plan.compiler_options,
            'output_table': None if self._output_table is None else self._output_table.shape,
@@ -213,14 +234,16 @@ class Engine:
     """The most token rows one transformer call has."""
     return self.plan.max_rows
 
+  @property
+  def by_length(self) -> bool:
+    """Whether the plan's calls have a fixed set of shapes whatever the lengths
+    (`Plan.by_length`)."""
+    return self.plan.by_length
+
   def _tiles_for(self, end: int) -> int | None:
-    """Tiles the tiled attention reads for a call whose last token has sequence index end - 1:
-    the tiles holding slots 0 .. end - 1, rounded up to a power of two (fewer compiled shapes);
-    reading more tiles than a row sees does not change its bits (gemma_jax.tiled_attention)."""
-    if self.by_length or not (self.plan.reads_tiles and hasattr(self._attention_fn, 'reading')):
-      return None
-    tile = self._attention_fn.tile
-    return min(next_power_of_two(-(-end // tile)), self._cache_slots // tile)
+    """Tiles the attention reads for a call whose last token has sequence index end - 1 (None:
+    the whole cache), as the plan says (`Plan.tiles_read`)."""
+    return self.plan.tiles_read(end, self._attention_fn.tile, self._cache_slots)
 
   @functools.cached_property
   def model_fingerprint(self) -> dict:
@@ -240,7 +263,7 @@ class Engine:
   @property
   def attention_tile(self) -> int | None:
     """The KV tile of a tiled attention (None for the others)."""
-    return getattr(self._attention_fn, 'tile', None)
+    return self._attention_fn.tile
 
   def projection_weights(self) -> dict[str, jax.Array]:
     """What a self-check probes: one weight per distinct projection shape contracted through a
@@ -250,11 +273,11 @@ class Engine:
       As graft.engine.placement.projection_weights: {'<I>x<O>': [I, O] or its panels
       [O / P, I, P], 'output_table': [D, V] or its panels [V / P, D, P]}.
     """
-    return placement.projection_weights(self.loaded, self.config, self.numerics, self.mesh,
-                                        self._params, self._output_table)
+    return placement.projection_weights(self.loaded, self.model_config, self.numerics,
+                                        self.mesh, self._params, self._output_table)
 
   @property
-  def dtype(self):
+  def dtype(self) -> np.dtype:
     """The KV state's and activations' dtype: the loaded model's."""
     return jnp.dtype(self.loaded.dtype)
 
@@ -270,7 +293,7 @@ class Engine:
       A KVState: per cache layer k, v [1, S, K, H] in the model's dtype (S: the engine's slots,
       a local ring's on local layers) and positions int32 [1, S], all EMPTY; fill [1] = 0.
     """
-    kv = kvs.init_kv_state(self.config, batch_size=1, cache_len=self._cache_slots,
+    kv = kvs.init_kv_state(self.model_config, batch_size=1, cache_len=self._cache_slots,
                            dtype=self.dtype, local_cache_len=self._local_slots)
     return kv if self.mesh is None else jax.device_put(kv, sharding.kv_shardings(kv, self.mesh))
 
@@ -283,9 +306,11 @@ class Engine:
     """A fresh context holding verified rows: `rows` cover sequence indices [0, len(tokens)) of
     `tokens`, at positions start_position + index (their own), in this engine's one fixed
     cache. Every way of grafting (artifacts, the store, shifted grafts) ends here. Raises
-    ValueError when the rows do not fit the engine or do not cover the tokens."""
-    tokens, rows = tuple(int(t) for t in tokens), list(rows)
-    first = int(rows[0].positions[0][0]) - rows[0].start if rows else start_position
+    ValueError, in the one-line words of `extend`, when the tokens do not fit the engine (the
+    vocabulary, cache_len, the model's context), and when the rows do not cover the tokens."""
+    rows = list(rows)
+    tokens = tuple(self._check_fit(0, start_position, tokens))
+    first = kvs.first_position(rows, start_position)
     if first != start_position:
       raise ValueError(f'the rows start at position {first}, not {start_position}')
     kv = kvs.assemble(jax.eval_shape(self.empty_kv), rows, len(tokens))
@@ -294,46 +319,46 @@ class Engine:
     return Context(kv=kv, tokens=tokens, next_position=start_position + len(tokens))
 
   def _check_tokens(self, ctx: Context, tokens: Sequence[int]) -> list[int]:
-    tokens = [int(t) for t in tokens]
-    if not tokens:
+    """`tokens` as ints, checked to extend `ctx` (`_check_fit`) and not empty."""
+    if not len(tokens):
       raise ValueError('nothing to process: the token list is empty')
-    vocab = self.config.vocab_size
+    return self._check_fit(len(ctx.tokens), ctx.next_position, tokens)
+
+  def _check_fit(self, held: int, next_position: int, tokens: Sequence[int]) -> list[int]:
+    """`tokens` as ints, after a context of `held` tokens whose next position is
+    `next_position`; ValueError, in one line, for an id outside the vocabulary, a context past
+    cache_len or positions past the model's context."""
+    tokens = [int(t) for t in tokens]
+    vocab = self.model_config.vocab_size
     for i, t in enumerate(tokens):
       if not 0 <= t < vocab:
         raise ValueError(f'token id {t} at index {i} is outside the vocabulary [0, {vocab})')
-    if len(ctx.tokens) + len(tokens) > self.engine_config.cache_len:
+    if held + len(tokens) > self.engine_config.cache_len:
       raise ValueError(
-          f'a context of {len(ctx.tokens)} + {len(tokens)} tokens does not fit the cache of '
+          f'a context of {held} + {len(tokens)} tokens does not fit the cache of '
           f'{self.engine_config.cache_len} slots; raise cache_len')
-    if ctx.next_position + len(tokens) > self.config.max_context:
-      raise ValueError(f'positions up to {ctx.next_position + len(tokens) - 1} exceed '
-                       f'{self.config.name}\'s context of {self.config.max_context}')
+    if next_position + len(tokens) > self.model_config.max_context:
+      raise ValueError(f'positions up to {next_position + len(tokens) - 1} exceed '
+                       f'{self.model_config.name}\'s context of {self.model_config.max_context}')
     return tokens
 
-  def _call(self, kv, tokens: list[int], first_position: int, rows: int, lead: int, end: int,
-            with_logits: bool = False):
-    """One transformer call of `rows` rows: `lead` padding rows, the tokens, padding; `end`:
-    the context's length after the call."""
-    ids, positions = call_inputs([tokens], [first_position], rows, lead)
-    step = self.step_function(self._tiles_for(end), with_logits)
+  def _call(self, kv, tokens: list[int], first_position: int, call: plans.Call, end: int):
+    """One transformer call as the plan cut it: `call.lead` padding rows, the tokens, padding;
+    `end`: the context's length after the call."""
+    ids, positions = call_inputs([tokens], [first_position], call.rows, call.lead)
+    step = self.step_function(self._tiles_for(end), call.with_logits)
     return step(self._params, self._output_table, ids, positions, kv)
 
   def _logits(self, hidden: jax.Array, rows: list[int]) -> list[np.ndarray]:
     """float32 logits [V] of the given rows of one call's hidden states [B, T, D] (row
-    b * T + t: slot b's row t), in calls of the plan's head row counts (by length: one count,
-    plans.HEAD_ROWS, whatever the number wanted)."""
-    buckets = (plans.HEAD_ROWS,) if self.by_length else self.plan.head_rows
-    if buckets is None:
-      return list(sharding.to_host(self._head(self._params, self._output_table, hidden,
-                                              np.asarray(rows, np.int32),
-                                              np.int32(len(rows))))[0])
+    b * T + t: slot b's row t), in the logits calls the plan cuts them into
+    (`Plan.logits_calls`), each padded to its row count."""
     out = []
-    while len(out) < len(rows):
-      chunk = rows[len(out):len(out) + buckets[-1]]
-      padded = np.zeros(next(r for r in buckets if r >= len(chunk)), np.int32)
-      padded[:len(chunk)] = chunk
+    for count, padded_rows in self.plan.logits_calls(len(rows)):
+      padded = np.zeros(padded_rows, np.int32)
+      padded[:count] = rows[len(out):len(out) + count]
       out.extend(sharding.to_host(self._head(self._params, self._output_table, hidden,
-                                             padded, np.int32(len(chunk))))[0, :len(chunk)])
+                                             padded, np.int32(count)))[0, :count])
     return out
 
   def extend(self, ctx: Context, tokens: Sequence[int], *, logits: str | int = 'none',
@@ -360,24 +385,17 @@ class Engine:
     first_wanted = len(tokens) - wanted
     kv = ctx.kv if consume else jax.tree.map(jnp.copy, ctx.kv)
     logit_rows = []
-    for call in self.plan.calls(len(ctx.tokens), len(tokens), self.by_length):
+    for call in self.plan.calls(len(ctx.tokens), len(tokens), first_wanted):
       chunk = tokens[call.first:call.first + call.count]
       wanted_rows = [j - call.first + call.lead
                      for j in range(max(call.first, first_wanted), call.first + call.count)]
       end = len(ctx.tokens) + call.first + call.count
-      # (By length every one-row call is the decode step: one executable, logits or not.)
-      fused = (self.plan.fuses_decode and call.rows == 1
-               and (bool(wanted_rows) or self.by_length))
-      out = self._call(kv, chunk, ctx.next_position + call.first, call.rows, call.lead, end,
-                       with_logits=fused)
-      if fused:
-        _, kv, row_logits = out
-        if wanted_rows:
-          logit_rows.append(sharding.to_host(row_logits)[0, 0])
-        continue
-      hidden, kv = out
-      if wanted_rows:
-        logit_rows.extend(self._logits(hidden, wanted_rows))
+      out = self._call(kv, chunk, ctx.next_position + call.first, call, end)
+      kv = out[1]
+      if call.with_logits:  # one row, its logits computed by the step itself
+        logit_rows.extend(sharding.to_host(out[2])[0, :len(wanted_rows)])
+      else:
+        logit_rows.extend(self._logits(out[0], wanted_rows))
     result = np.stack(logit_rows) if wanted else None
     self._check_weights()
     new = Context(kv=kv, tokens=ctx.tokens + tuple(tokens),
@@ -405,9 +423,7 @@ class Engine:
     return new, [np.stack(o) if o else None for o in out]
 
   def _check_batch(self, ctxs, tokens, logits) -> tuple[list[list[int]], list[int]]:
-    if not self.plan.batch_slots:
-      raise ValueError(f'batch slots need a plan whose bits do not see the other slots (pinned); '
-                       f'this engine is {self.engine_config.mode!r}')
+    self.plan.check_batch()
     if len(ctxs) != len(tokens) or not ctxs:
       raise ValueError(f'{len(ctxs)} contexts and {len(tokens)} token lists: need one each')
     tokens = [self._check_tokens(c, t) if len(t) else [] for c, t in zip(ctxs, tokens)]
@@ -435,41 +451,38 @@ class Engine:
 
   def _extend_stacked(self, kv, ctxs: Sequence[Context], tokens: list[list[int]],
                       wanted: list[int]):
-    """extend_batch on a stacked state (donated): -> (the new stacked state, each slot's list
-    of logits rows). Only the contexts' lengths and positions are read."""
-    if self.by_length:
-      return self._extend_stacked_by_length(kv, ctxs, tokens, wanted)
-    b = self.max_rows
+    """extend_batch on a stacked state (donated), in the batch calls the plan cuts the request
+    into (`Plan.batch_calls`): -> (the new stacked state, each slot's list of logits rows).
+    Only the contexts' lengths and positions are read."""
     out = [[] for _ in ctxs]
-    for first in range(0, max(len(t) for t in tokens), b):
-      chunks = [t[first:first + b] for t in tokens]
-      # Rows per slot: a row bucket that holds every slot's chunk and gives the call at least
-      # min_rows rows in all (one row per slot when there are min_rows slots or more).
-      rows = self.plan.rows_for(max(max(len(c) for c in chunks),
-                                    -(-self.engine_config.min_rows // len(ctxs))))
-      ids, positions = call_inputs(chunks, [c.next_position + first for c in ctxs], rows)
-      end = max(len(c.tokens) + min(first + b, len(t)) for c, t in zip(ctxs, tokens))
-      hidden, kv = self.step_function(self._tiles_for(end))(self._params, self._output_table,
-                                                             ids, positions, kv)
-      # Every slot's wanted rows in shared logits calls (row i * rows + j: slot i's row j).
-      flat = [(i, i * rows + j - first) for i, chunk in enumerate(chunks)
-              for j in range(max(first, len(tokens[i]) - wanted[i]), first + len(chunk))]
-      for (i, _), row in zip(flat, self._logits(hidden, [r for _, r in flat])):
+    for call in self.plan.batch_calls([len(t) for t in tokens]):
+      if call.alone:
+        return self._extend_slots_alone(kv, ctxs, tokens, wanted)
+      chunks = [t[call.first:call.first + call.count] for t in tokens]
+      ids, positions = call_inputs(chunks, [c.next_position + call.first for c in ctxs],
+                                   call.rows)
+      end = max(len(c.tokens) + min(call.first + call.count, len(t))
+                for c, t in zip(ctxs, tokens))
+      step = self.step_function(self._tiles_for(end), call.with_logits)
+      result = step(self._params, self._output_table, ids, positions, kv)
+      kv = result[1]
+      # Every slot's wanted rows (row i * rows + j: slot i's row j).
+      flat = [(i, i * call.rows + j - call.first) for i, chunk in enumerate(chunks)
+              for j in range(max(call.first, len(tokens[i]) - wanted[i]),
+                             call.first + len(chunk))]
+      if call.with_logits:  # one row per slot, its logits computed by the step itself
+        logits = sharding.to_host(result[2])[0]
+        rows = [logits[r] for _, r in flat]
+      else:
+        rows = self._logits(result[0], [r for _, r in flat])
+      for (i, _), row in zip(flat, rows):
         out[i].append(row)
     return kv, out
 
-  def _extend_stacked_by_length(self, kv, ctxs: Sequence[Context], tokens: list[list[int]],
-                                wanted: list[int]):
-    """`_extend_stacked` by length: a step of one token per slot is one call of the decode
-    step with a row per slot and its logits (one executable per slot count); longer requests
-    run slot by slot through `extend` on the slot's part of the stacked state (the
-    single-stream calls: no executable of their own)."""
-    if max(len(t) for t in tokens) == 1:
-      ids, positions = call_inputs(tokens, [c.next_position for c in ctxs], 1)
-      _, kv, logits = self.step_function(None, with_logits=True)(
-          self._params, self._output_table, ids, positions, kv)
-      logits = sharding.to_host(logits)[0]
-      return kv, [[logits[i]] if wanted[i] else [] for i in range(len(ctxs))]
+  def _extend_slots_alone(self, kv, ctxs: Sequence[Context], tokens: list[list[int]],
+                          wanted: list[int]):
+    """`_extend_stacked` slot by slot through `extend` on the slot's part of the stacked state
+    (the single-stream calls: no executable of their own)."""
     parts, out = [], []
     for i, (ctx, t, part) in enumerate(zip(ctxs, tokens, self._unstack(kv, len(ctxs)))):
       if t:

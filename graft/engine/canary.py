@@ -109,7 +109,7 @@ def _loaded(model: str):
 
 def _engine(model: str, engine_class: type, config_class: type, dot_library: str | None):
   return engine_class(_loaded(model), config_class(**ENGINE, dot_library=dot_library),
-                      canary=False)
+                      checks=False)
 
 
 def computed(model: str, engine_class: type, config_class: type,

@@ -111,7 +111,7 @@ def abstract_engine(config: TransformerConfig, engine_config: EngineConfig, plat
 def abstract_inputs(engine: Engine) -> dict[str, tuple]:
   """The abstract arguments of the step and logits functions for one call of each with the most
   rows a call has."""
-  config, engine_config = engine.config, engine.engine_config
+  config, engine_config = engine.model_config, engine.engine_config
   i32 = jnp.int32
   kv = jax.eval_shape(engine.empty_kv)
   rows = engine.max_rows

@@ -38,8 +38,8 @@ def compared_rows(engine: Engine, num_tokens: int) -> dict[int, tuple[int, int]]
   """Cache layer -> the sequence indices [lo, n) its K and V are compared over: every token on a
   global layer, the last ring-length on a local one (the rest were overwritten)."""
   local = max(0, num_tokens - engine.local_slots)
-  return {layer: (0 if engine.config.layer_spec(layer).window is None else local, num_tokens)
-          for layer in engine.config.cache_layers}
+  return {layer: (0 if engine.model_config.layer_spec(layer).window is None else local, num_tokens)
+          for layer in engine.model_config.cache_layers}
 
 
 def engine_rows(engine: Engine, ctx) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -49,7 +49,7 @@ def engine_rows(engine: Engine, ctx) -> list[tuple[np.ndarray, np.ndarray]]:
   spans = compared_rows(engine, n)
   recent = kvs.take_rows(ctx.kv, max(lo for lo, _ in spans.values()), n)
   out = []
-  for j, layer in enumerate(engine.config.cache_layers):
+  for j, layer in enumerate(engine.model_config.cache_layers):
     lo, _ = spans[layer]
     if lo == recent.start:
       out.append((np.asarray(recent.k[j]), np.asarray(recent.v[j])))
@@ -63,7 +63,7 @@ def reference_rows(engine: Engine, reference, n: int) -> list[tuple[np.ndarray, 
   per cache layer (k, v) [n - lo, K, H]."""
   spans = compared_rows(engine, n)
   return [(reference.k[j][spans[layer][0]:n], reference.v[j][spans[layer][0]:n])
-          for j, layer in enumerate(engine.config.cache_layers)]
+          for j, layer in enumerate(engine.model_config.cache_layers)]
 
 
 def rows_digest(kv_rows, logits: dict, rows) -> str:
@@ -85,11 +85,11 @@ def _first_kv_difference(engine: Engine, ctx, reference, run: str) -> dict | Non
   spans = compared_rows(engine, n)
   for j, ((k, v), (want_k, want_v)) in enumerate(zip(engine_rows(engine, ctx),
                                                      reference_rows(engine, reference, n))):
-    lo = spans[engine.config.cache_layers[j]][0]
+    lo = spans[engine.model_config.cache_layers[j]][0]
     for op, got, want in (('k', k, want_k), ('v', v, want_v)):
       differs = np.any(_bits(got) != _bits(want), axis=tuple(range(1, np.ndim(got))))
       if differs.any():
-        return {'run': run, 'layer': int(engine.config.cache_layers[j]), 'op': op,
+        return {'run': run, 'layer': int(engine.model_config.cache_layers[j]), 'op': op,
                 'position': int(lo + differs.argmax())}
   return None
 
@@ -108,7 +108,7 @@ def _digest(ctx, logits: dict, rows: list[int]) -> str:
 
 def interpreter(engine: Engine, progress=None) -> Interpreter:
   """The NumPy interpreter of the spec engine's model and geometry."""
-  return Interpreter(engine.config, engine.loaded.params, k_chunk=engine.engine_config.k_chunk,
+  return Interpreter(engine.model_config, engine.loaded.params, k_chunk=engine.engine_config.k_chunk,
                      small=engine.numerics.small, tile=engine.attention_tile,
                      rows_per_call=engine.max_rows, progress=progress)
 

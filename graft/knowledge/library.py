@@ -16,7 +16,7 @@ cue ("...Solution: {solution}\\nAnswer:"), all but its last token grafted from t
 model states the answer after the verified trace that reached it, in a few decode tokens. A
 library prefix is BOS followed by the canonical texts of some entries in a fixed order,
 tokenized as one text. Every entry is deposited alone, as its own prefix, in the
-store (graft/store/_store.py), computed once by the pinned engine; a prefix of several entries
+store (graft/store/_store.py), computed once by the byte-exact engine; a prefix of several entries
 grafts its longest stored prefix and computes the rest.
 
 Lookup: `find` (the exact problem: the recurring case), or `retrieve`: the k entries most similar

@@ -1,17 +1,17 @@
 """The knowledge store: KV computed once, found again by its content, grafted byte-exactly.
 
-    store = Store('file:///data/kv/', engine)          # a pinned engine; any kvstore URL
+    store = Store('file:///data/kv/', engine)          # a byte-exact engine; any kvstore URL
     store.put(tokens)                                  # deposits the blocks not stored yet
     ctx, match = store.graft(tokens)                   # the longest stored prefix, grafted
     ctx, logits = engine.extend(ctx, tokens[match.tokens:] + query, logits=...)
 
-Content addressing (blocks.py). The unit is the pinned engine's block: B tokens at
+Content addressing (blocks.py). The unit is the engine's block (its rows_per_call): B tokens at
 sequence indices kB .. kB + B - 1, keyed by a SHA-256 chain over the namespace (model, engine,
 layout, machine), the parent block's key and the block's token ids. Contexts that share a
 prefix share its blocks; a context's last block may be partial. Lookup returns the longest
 stored prefix at token granularity: a query that diverges inside a block still reuses that
-block's first rows, since under the pinned engine a row's bits do not depend on the rows after
-it (tests/test_store.py proves it on every family).
+block's first rows, since under a byte-exact engine (spec, pinned, blocked) a row's bits do not
+depend on the rows after it (tests/test_store.py proves it on every family).
 
 Storage (kvstore.py): TensorStore's kvstore, so the same store runs on local disk, in
 memory or on object stores. Layout under the URL:
@@ -78,12 +78,12 @@ __all__ = ['LEASE_SECONDS', 'HostCache', 'Kind', 'Match', 'Problem', 'Store', 'S
 
 
 class Store:
-  """A store at `url` bound to one namespace: the pinned `engine`'s model and configuration.
+  """A store at `url` bound to one namespace: the byte-exact `engine`'s model and configuration.
 
   Args:
     url: a kvstore URL, or an open KvStore (another view of the same storage: a memory://
       store is private to the KvStore that opened it; a wrapper that injects faults).
-    engine: the pinned, byte-exact engine whose KV the store holds.
+    engine: the byte-exact engine (spec, pinned or blocked) whose KV the store holds.
     host_cache_bytes: the bound of the host tier (an LRU of verified blocks).
     create: whether a missing store is created (else StoreError).
     signing_key: this writer's key; every block it publishes or finds identical is signed.
@@ -115,7 +115,7 @@ class Store:
     self.signing_key, self.trusted_keys = signing_key, trusted_keys
     self.problems = Problems(self.url)  # every entry or object refused, in order
     self.counters = collections.Counter()  # reads by tier, bytes, blocks written, conflicts
-    codec = Codec(self.namespace, self.block_layout, engine.config.vocab_size,
+    codec = Codec(self.namespace, self.block_layout, engine.model_config.vocab_size,
                   self.block_tokens)
     self._reads = Reads(self.backing, codec, HostCache(host_cache_bytes), self.counters)
     self._trust = Trust(self.backing, self.problems, signing_key, trusted_keys)

@@ -112,8 +112,8 @@ class BlockLayout:
   def of(cls, engine) -> 'BlockLayout':
     """The layout of `engine`'s blocks: its dtype, rows_per_call and cache-owning layers."""
     layers = []
-    for i in engine.config.cache_layers:
-      spec = engine.config.layer_spec(i)
+    for i in engine.model_config.cache_layers:
+      spec = engine.model_config.layer_spec(i)
       layers.append((i, spec.attention_type is AttentionType.GLOBAL, spec.num_kv_heads,
                      spec.head_dim))
     layers.sort(key=lambda layer: (not layer[1], layer[0]))

@@ -29,7 +29,7 @@ class Lookup:
   """Finds stored prefixes and grafts them.
 
   Args:
-    engine: the pinned engine, whose fresh context a graft fills.
+    engine: the byte-exact engine, whose fresh context a graft fills.
     codec: the formats bound to the store's namespace (its chain keys, its block tokens).
     index: the published entries (and the quarantine of a block that fails a graft).
     reads: the object reads.
@@ -103,7 +103,7 @@ class Lookup:
     # A block wholly behind every ring is read for its global layers only.
     wanted = [(entry, entry['start'] + rows <= n - ring)
               for entry, rows in zip(match.entries, used)]
-    layers = self._engine.config.cache_layers
+    layers = self._engine.model_config.cache_layers
     out = []
     for (entry, _), rows, leaves in zip(wanted, used, self._reads.read_blocks(wanted)):
       if isinstance(leaves, BlockError):

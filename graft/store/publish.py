@@ -40,7 +40,7 @@ class Publication:
   Args:
     backing: the store's storage.
     codec: the formats bound to the store's namespace and the engine's layout.
-    engine: the pinned engine that computes the blocks.
+    engine: the byte-exact engine that computes the blocks.
     counters: where blocks written and conflicts found are counted.
     lookup: the stored prefix a put builds on.
     index: the published entries (and the quarantine of a block found bad or in conflict).
@@ -90,7 +90,7 @@ class Publication:
                                      consume=True)
       rows = kvs.take_rows(ctx.kv, start, stop)
       leaves = {}
-      for index, k_rows, v_rows in zip(self._engine.config.cache_layers, rows.k, rows.v):
+      for index, k_rows, v_rows in zip(self._engine.model_config.cache_layers, rows.k, rows.v):
         leaves[f'layer_{index}/k'], leaves[f'layer_{index}/v'] = k_rows, v_rows
       batch.append((keys[k - 1] if k else blocks.ROOT, start, tokens[start:stop], leaves))
       report['compute_seconds'] += time.perf_counter() - t1
