@@ -53,8 +53,8 @@ from experiments import common, samples
 from gemma_jax import compare
 from gemma_jax import weights
 from gemma_jax.config import BOS_ID, get_config
+from gemma_jax.digest import canonical_json
 from graft.store import artifact
-from graft.engine import fingerprint
 from graft import shift
 from graft.engine import Engine, EngineConfig, resolve_engine_config
 
@@ -365,7 +365,7 @@ def main(argv):
       'block_size': block_size, 'cache_len': cache_len,
       'engine_config': dataclasses.asdict(standard.engine_config),
       'max_context': config.max_context,
-      'transformer_config': json.loads(fingerprint.canonical_json(config)),
+      'transformer_config': json.loads(canonical_json(config)),
       'model_fingerprint': standard.model_fingerprint['sha256'],
       'pre_rope_model_fingerprint': (engines['pre_rope'].model_fingerprint['sha256']
                                      if 'pre_rope' in engines else None),

@@ -33,13 +33,9 @@ from gemma_jax.tiled_attention import DEFAULT_TILE, TiledAttention
 
 
 def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
-  """[B, T, S] bool: slot s is visible to query t. Empty slots and padding queries see nothing."""
-  q = q_pos[:, :, None]
-  k = k_pos[:, None, :]
-  visible = (k >= 0) & (k <= q)
-  if window is not None:
-    visible &= (q - k) < window
-  return visible
+  """[B, T, S] bool: slot s is visible to query t (`kv_state.visible`). Empty slots and padding
+  queries see nothing."""
+  return kvs.visible(q_pos[:, :, None], k_pos[:, None, :], window)
 
 
 class AttendFn(Protocol):

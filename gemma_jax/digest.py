@@ -12,7 +12,10 @@ chains; only the per-leaf and per-file content hashes change.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import enum
 import hashlib
+import json
 import os
 
 import blake3
@@ -27,6 +30,20 @@ POOL = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix='read-h
 
 class ReadError(OSError):
   """A file that cannot be read, or holds fewer bytes than expected; the message names it."""
+
+
+def canonical_json(value) -> bytes:
+  """`value` as canonical JSON: sorted keys, no spaces, UTF-8 (dataclasses as their fields, enums
+  as their values; any other non-JSON value is a TypeError). The one text that is hashed, signed
+  and stored as a document: fingerprints, block headers and index entries, signatures, verdict
+  keys."""
+  def default(obj):
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+      return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+      return obj.value
+    raise TypeError(f'cannot write {type(obj).__name__} as canonical JSON')
+  return json.dumps(value, sort_keys=True, separators=(',', ':'), default=default).encode()
 
 
 def as_bytes(data) -> memoryview:

@@ -68,6 +68,19 @@ def local_slots_needed(config: TransformerConfig, tokens_per_call: int) -> int:
   return config.sliding_window + tokens_per_call - 1
 
 
+def visible(q_pos, k_pos, window: int | None):
+  """The visibility rule, the one definition every attention (the reference, the tiled one, the
+  Pallas kernel) and the spec's interpreter apply: the key of a slot at position `k_pos` is seen
+  by a query at `q_pos` iff the slot holds a token (not EMPTY: k_pos >= 0), at or before the
+  query, and on a sliding-window layer less than `window` positions before it. A padding query
+  (position EMPTY) sees nothing. Positions broadcast against each other, as jax or NumPy
+  integer arrays (sequence indices obey the same rule) -> bool of the broadcast shape."""
+  seen = (k_pos >= 0) & (k_pos <= q_pos)
+  if window is not None:
+    seen = seen & ((q_pos - k_pos) < window)
+  return seen
+
+
 def init_kv_state(config: TransformerConfig, *, batch_size: int, cache_len: int, dtype,
                   local_cache_len: int | None = None) -> KVState:
   """An empty KV state (every position EMPTY, fill 0), placed on the default device.
@@ -159,8 +172,32 @@ def _write_select(layer: LayerKV, new: LayerKV, padding: jax.Array, start: jax.A
 
 
 def leaf_names(layer_index: int) -> tuple[str, str, str]:
-  """The leaf names of a cache-owning layer's K, V and slot positions."""
-  return tuple(f'layer_{layer_index}/{part}' for part in ('k', 'v', 'positions'))
+  """The leaf names of a cache-owning layer's K, V and slot positions ('layer_<i>/k', '/v',
+  '/positions'): the one spelling artifacts and store blocks use."""
+  k, v, positions = (f'layer_{layer_index}/{part}' for part in ('k', 'v', 'positions'))
+  return k, v, positions
+
+
+def block_leaves(rows: 'KVRows', cache_layers: tuple[int, ...]) -> dict[str, np.ndarray]:
+  """The K and V leaves of rows, as a store block holds them: per cache-owning layer i (in
+  `cache_layers` order, as `rows` holds them) 'layer_<i>/k' and '/v' [T, K, H]. A block holds no
+  positions: its rows are at their own (`block_rows`)."""
+  out = {}
+  for layer_index, k, v in zip(cache_layers, rows.k, rows.v):
+    k_name, v_name, _ = leaf_names(layer_index)
+    out[k_name], out[v_name] = k, v
+  return out
+
+
+def block_rows(leaves: dict[str, np.ndarray], cache_layers: tuple[int, ...], start: int,
+               num_tokens: int) -> 'KVRows':
+  """The rows a store block's leaves (`block_leaves`) hold for sequence indices [start,
+  start + num_tokens), at their own positions: per cache-owning layer k, v [T, K, H] (None for a
+  layer whose leaves were not read) and positions int32 [T]."""
+  names = [leaf_names(i) for i in cache_layers]
+  positions = np.arange(start, start + num_tokens, dtype=np.int32)
+  return KVRows(start, tuple(leaves.get(k) for k, _, _ in names),
+                tuple(leaves.get(v) for _, v, _ in names), (positions,) * len(names))
 
 
 def to_leaves(kv: KVState, cache_layers: tuple[int, ...]) -> dict[str, np.ndarray]:

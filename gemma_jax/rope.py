@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma_jax import kv_state as kvs
 from gemma_jax.numerics import XLA, Numerics
 
 
@@ -238,7 +239,7 @@ class RelativeScores:
     parts = []
     for lo in range(0, q.shape[1], step):
       offsets = q_pos[:, lo:lo + step, None] - k_pos[:, None, :]  # [B, t, S]
-      visible = (k_pos[:, None, :] >= 0) & (offsets >= 0)
+      visible = kvs.visible(q_pos[:, lo:lo + step, None], k_pos[:, None, :], None)
       turned = self.turned_keys(keys, offsets[:, None], visible[:, None],
                                 k.shape[1])  # [B, K, t, S, H]
       parts.append(jnp.einsum('btkgh,bktsh->btkgs', q[:, lo:lo + step], turned))

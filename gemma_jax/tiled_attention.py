@@ -34,6 +34,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from gemma_jax import kv_state as kvs
 from gemma_jax.numerics import MASKED, XLA, Numerics, tree_sum
 
 
@@ -69,9 +70,7 @@ def tiled_attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_p
   kt, vt = tiles(k), tiles(v)
   kp = k_pos[:, :n * tile].reshape(batch, 1, n, 1, tile)
   qp = row_pos[:, None, None, :, None]  # [B, 1, 1, R, 1]
-  visible = (kp >= 0) & (kp <= qp)
-  if window is not None:
-    visible &= (qp - kp) < window
+  visible = kvs.visible(qp, kp, window)
   if scores is None:
     s = numerics.tile_scores(qr, kt)  # [B, K, n, R, tile]: one dot per tile
   else:

@@ -297,6 +297,68 @@ def test_planted_wrong_arrows_are_found(source_of):
 
 
 # ---------------------------------------------------------------------------------------------
+# Facts the exactness rests on live in one function each, used everywhere, copied nowhere.
+
+# fact -> (its home 'module:function', patterns of an inline copy of it in code)
+FACTS = {
+    'KV leaf names': ('gemma_jax.kv_state:leaf_names',
+                      (r"""['"]layer_\{[^}]*\}/""", r"""['"]layer_['"] *\+""")),
+    'canonical JSON': ('gemma_jax.digest:canonical_json',
+                       (r"separators=\(',', *':'\)", r'separators=\(",", *":"\)')),
+    'first position of a row set': ('gemma_jax.kv_state:first_position',
+                                    (r'positions\[0\]\[0\]',)),
+    'visibility rule': ('gemma_jax.kv_state:visible',
+                        (r'>= *0\) *& *\([^)]*<=', r'k_pos *<= *q|kp *<= *qp|index *<= *t\b')),
+}
+
+
+def _code_lines(source: str) -> list[tuple[int, str]]:
+  """(line, text) of the code in `source`: comments and docstrings (string statements) left
+  out."""
+  tree = ast.parse(source)
+  prose = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(
+        node.value.value, str):
+      prose.update(range(node.lineno, node.end_lineno + 1))
+  return [(i, line.split('#', 1)[0]) for i, line in enumerate(source.splitlines(), 1)
+          if i not in prose]
+
+
+def fact_copies(source_of: dict[str, str]) -> list[str]:
+  """'module:line (fact): text' of every inline copy of a fact outside its home, and of a home
+  that is missing."""
+  found = []
+  for fact, (home, patterns) in FACTS.items():
+    module, function = home.split(':')
+    tree = ast.parse(source_of[module])
+    defs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function]
+    if len(defs) != 1:
+      found.append(f'{home} ({fact}): defined {len(defs)} times')
+      continue
+    inside = range(defs[0].lineno, defs[0].end_lineno + 1)
+    for name, source in source_of.items():
+      for line, code in _code_lines(source):
+        if (name, line in inside) == (module, True):
+          continue
+        if any(re.search(p, code) for p in patterns):
+          found.append(f'{name}:{line} ({fact}): {code.strip()}')
+  return found
+
+
+def test_each_fact_has_one_home_and_no_copy(source_of):
+  copies = fact_copies(source_of)
+  assert not copies, '\n'.join(copies)
+
+
+def test_a_planted_copy_of_a_fact_is_found(source_of):
+  planted = _planted(source_of, 'graft.store.lookup',
+                     "def _planted(i):\n  return f'layer_{i}/k'\n")
+  assert [c for c in fact_copies(planted) if c.startswith('graft.store.lookup:')
+          and 'KV leaf names' in c]
+
+
+# ---------------------------------------------------------------------------------------------
 # The engine never branches on its mode: everything that differs by mode is its plan's answer.
 
 ENGINE_MODULE = 'graft.engine._engine'

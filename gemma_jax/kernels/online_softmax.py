@@ -16,6 +16,7 @@ from jax import lax
 
 # The initial running max is gemma_jax.numerics.MASKED: being finite keeps exp(m_old - m_new)
 # finite for rows that have seen nothing.
+from gemma_jax import kv_state as kvs
 from gemma_jax.numerics import MASKED
 
 # q [bq, H] . k [tile, H] contracting H; p [bq, tile] . v [tile, H] contracting the slots.
@@ -27,15 +28,9 @@ _PRECISION = lax.Precision.HIGHEST
 
 
 def visible_slots(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
-  """[bq, tile] bool from q_pos [bq, 1] (or [bq, tile]) and k_pos [1, tile] (or [tile... 2-D]).
-
-  The reference mask (gemma_jax.attention.attention_mask): a slot is visible iff it holds a token
-  (k_pos >= 0) at or before the query's position and, on sliding-window layers, less than
-  `window` positions before it. A padding row (q_pos = -1) sees nothing."""
-  visible = (k_pos >= 0) & (k_pos <= q_pos)
-  if window is not None:
-    visible = visible & ((q_pos - k_pos) < window)
-  return visible
+  """[bq, tile] bool from q_pos [bq, 1] (or [bq, tile]) and k_pos [1, tile] (or [tile... 2-D]):
+  the visibility rule (gemma_jax.kv_state.visible)."""
+  return kvs.visible(q_pos, k_pos, window)
 
 
 def initial_state(block_q: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:

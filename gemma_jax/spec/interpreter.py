@@ -27,6 +27,7 @@ import math
 
 import numpy as np
 
+from gemma_jax import kv_state as kvs
 from gemma_jax.config import AttentionType, TransformerConfig
 from gemma_jax.numerics import MASKED
 from gemma_jax.sizes import round_up
@@ -142,9 +143,7 @@ class Interpreter:
     t = np.arange(t_len)[:, None]
     s = np.arange(slots)[None, :]
     index = s + slots * ((t - s) // slots)  # the latest index <= t held in slot s
-    visible = (index >= 0) & (index <= t)
-    if spec.window is not None:
-      visible &= (t - index) < spec.window
+    visible = kvs.visible(t, index, spec.window)  # the rule over sequence indices
     index = np.where(visible, index, 0)
     cap = self.config.attn_logits_softcap
     tiles = slots // self.tile
@@ -301,9 +300,7 @@ def tiled_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarr
   groups, n = num_heads // num_kv, num_slots // tile
   row_pos = np.repeat(np.asarray(q_pos), groups)[:, None]  # row r = token r // G, head r % G
   k_pos = np.asarray(k_pos)[None]
-  visible = (k_pos >= 0) & (k_pos <= row_pos)
-  if window is not None:
-    visible &= (row_pos - k_pos) < window
+  visible = kvs.visible(row_pos, k_pos, window)
   out = np.zeros((t_len, num_kv, groups, head_dim), F32)
   for kh in range(num_kv):
     rows = q[:, kh * groups:(kh + 1) * groups].reshape(t_len * groups, head_dim)

@@ -13,7 +13,6 @@ exactness rests on and what was measured.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 from typing import Any, Callable, Protocol, Sequence
@@ -26,10 +25,8 @@ from gemma_jax import attention as attention_lib
 from gemma_jax import compilation_cache, executables
 from gemma_jax import kv_state as kvs
 from gemma_jax import model
-from gemma_jax import rope
 from gemma_jax import sharding
 from gemma_jax.config import EOS_ID
-from gemma_jax.sizes import next_power_of_two
 from gemma_jax.weights import LoadedModel
 from graft.engine import fingerprint, placement, plans
 from graft.engine.config import EngineConfig, resolve_engine_config

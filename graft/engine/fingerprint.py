@@ -12,8 +12,6 @@ different core counts.
 from __future__ import annotations
 
 import ast
-import dataclasses
-import enum
 import functools
 import hashlib
 import json
@@ -25,26 +23,15 @@ import jaxlib
 
 from gemma_jax import host as host_lib
 from gemma_jax import sharding
+from gemma_jax.digest import canonical_json
 
 # CPU flags that can change which kernels XLA emits; the rest of /proc/cpuinfo does not matter.
 _ISA_PREFIXES = ('sse', 'ssse', 'avx', 'fma', 'f16c', 'amx', 'bmi', 'vnni', 'neon', 'asimd', 'sve')
 
 
-def canonical_json(value) -> str:
-  """`value` as JSON with sorted keys and no spaces (dataclasses as their fields, enums as their
-  values): the one text a digest is taken of."""
-  def default(obj):
-    if dataclasses.is_dataclass(obj):
-      return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    if isinstance(obj, enum.Enum):
-      return obj.value
-    raise TypeError(f'cannot fingerprint {type(obj).__name__}')
-  return json.dumps(value, sort_keys=True, separators=(',', ':'), default=default)
-
-
 def digest(value) -> str:
-  """The SHA-256 (hex) of `canonical_json(value)`."""
-  return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+  """The SHA-256 (hex) of `value` as canonical JSON (gemma_jax.digest.canonical_json)."""
+  return hashlib.sha256(canonical_json(value)).hexdigest()
 
 
 def model_fingerprint(loaded) -> dict:

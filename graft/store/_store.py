@@ -61,6 +61,7 @@ import collections
 import json
 from typing import Callable
 
+from gemma_jax.digest import canonical_json
 from graft.engine import Context, Engine, fingerprint
 from graft.engine.fingerprint import differences
 from graft.store import blocks, signing
@@ -253,7 +254,7 @@ def _open(backing: KvStore, mine: dict, salt: str, create: bool) -> str:
   if data is None:
     if not create:
       raise StoreError(f'no store at {url} (no {DESCRIPTION})')
-    if backing.write_if_absent(DESCRIPTION, blocks.canonical(mine)):
+    if backing.write_if_absent(DESCRIPTION, canonical_json(mine)):
       return mine['namespace']
     data = backing.read(DESCRIPTION)  # another process created it first
   try:

@@ -52,6 +52,8 @@ import ml_dtypes
 import numpy as np
 
 from gemma_jax import digest
+from gemma_jax import kv_state as kvs
+from gemma_jax.digest import canonical_json
 from gemma_jax.config import AttentionType
 from graft.engine import fingerprint
 
@@ -125,8 +127,8 @@ class BlockLayout:
     itemsize = numpy_dtype(self.dtype).itemsize
     out, offset = [], 0
     for index, _, k, h in self.layers:
-      for part in ('k', 'v'):
-        out.append({'name': f'layer_{index}/{part}', 'dtype': self.dtype,
+      for name in kvs.leaf_names(index)[:2]:  # K, V
+        out.append({'name': name, 'dtype': self.dtype,
                     'shape': [num_tokens, k, h], 'offset': offset})
         offset += num_tokens * k * h * itemsize
     return out
@@ -151,11 +153,6 @@ def numpy_dtype(name: str) -> np.dtype:
     raise ValueError(f'unsupported array dtype {name!r} (stored arrays are '
                      f'{", ".join(_DTYPES)})')
   return _DTYPES[name]
-
-
-def canonical(value) -> bytes:
-  """`value` as canonical JSON bytes (sorted keys, no spaces): what is hashed and stored."""
-  return json.dumps(value, sort_keys=True, separators=(',', ':')).encode()
 
 
 def content_hash(header: dict) -> str:
@@ -204,7 +201,7 @@ def encode_block(ns: str, parent: str, parent_header_sha256: str, start: int, to
             'start': int(start), 'tokens': tokens, 'leaves': described,
             'global_bytes': layout.global_bytes(len(tokens)),
             'data_bytes': layout.data_bytes(len(tokens))}
-  header_bytes = canonical(header)
+  header_bytes = canonical_json(header)
   return key, b''.join([MAGIC, struct.pack('<I', len(header_bytes)), header_bytes, *chunks]), header
 
 
@@ -333,11 +330,11 @@ def _valid_parent_header(value, parent: str) -> bool:
 def encode_entry(header: dict, object_name: str, object_bytes: int, header_bytes: bytes) -> bytes:
   """The index entry that publishes object `object_name` (of `object_bytes` bytes) whose
   header is `header` (decoded) and `header_bytes` (as stored)."""
-  return canonical({'format': ENTRY_FORMAT, 'key': header['key'], 'parent': header['parent'],
-                    'parent_header_sha256': header['parent_header_sha256'],
-                    'start': header['start'], 'tokens': header['tokens'],
-                    'object': object_name, 'object_bytes': object_bytes,
-                    'header_sha256': hashlib.sha256(header_bytes).hexdigest()})
+  return canonical_json({'format': ENTRY_FORMAT, 'key': header['key'], 'parent': header['parent'],
+                         'parent_header_sha256': header['parent_header_sha256'],
+                         'start': header['start'], 'tokens': header['tokens'],
+                         'object': object_name, 'object_bytes': object_bytes,
+                         'header_sha256': hashlib.sha256(header_bytes).hexdigest()})
 
 
 @_malformed_is_refused('the index entry')

@@ -10,6 +10,7 @@ import json
 import time
 import uuid
 
+from gemma_jax.digest import canonical_json
 from graft.store import blocks
 from graft.store.blocks import BlockError
 from graft.store.kvstore import KvStore
@@ -139,7 +140,7 @@ class Index:
         generation = None  # rewritten since it was judged: not what was judged, kept
       data = current if data is None else data  # the bad bytes are kept, not lost
     record = uuid.uuid4().hex
-    self._backing.write(f'quarantine/{record}.json', blocks.canonical(
+    self._backing.write(f'quarantine/{record}.json', canonical_json(
         {'key': key, 'name': name, 'reason': reason, 'time': time.time()}))
     if data is not None:
       self._backing.write(f'quarantine/{record}.object', data)

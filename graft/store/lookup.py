@@ -5,8 +5,6 @@ a fresh context of the engine.
 
 from __future__ import annotations
 
-import numpy as np
-
 from gemma_jax import kv_state as kvs
 from graft.engine import Context, Engine
 from graft.store import blocks
@@ -108,11 +106,8 @@ class Lookup:
     for (entry, _), rows, leaves in zip(wanted, used, self._reads.read_blocks(wanted)):
       if isinstance(leaves, BlockError):
         raise _BadBlock(entry, str(leaves))
-      start = entry['start']
-      k = tuple(leaves.get(f'layer_{i}/k') for i in layers)
-      v = tuple(leaves.get(f'layer_{i}/v') for i in layers)
-      positions = np.arange(start, start + len(entry['tokens']), dtype=np.int32)
-      out.append(kvs.KVRows(start, k, v, (positions,) * len(k)).prefix(rows))
+      out.append(kvs.block_rows(leaves, layers, entry['start'], len(entry['tokens']))
+                 .prefix(rows))
     return out
 
 

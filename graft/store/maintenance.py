@@ -110,9 +110,8 @@ class Maintenance:
           header = self._reads.header_of(entry)
           rows = kvs.take_rows(child_ctx.kv, start, start + len(entry['tokens']))
           hash_name = blocks.content_hash(header)
-          mine = {f'layer_{i}/{part}': digest.hexdigest(hash_name, np.asarray(a))
-                  for i, k, v in zip(self._engine.model_config.cache_layers, rows.k, rows.v)
-                  for part, a in (('k', k), ('v', v))}
+          mine = {name: digest.hexdigest(hash_name, np.asarray(a)) for name, a in
+                  kvs.block_leaves(rows, self._engine.model_config.cache_layers).items()}
           if any(mine[leaf['name']] != leaf[hash_name] for leaf in header['leaves']):
             problems.append(Problem(Kind.FORGED, entry['key'], f'objects/{entry["object"]}',
                                     'forged: its bytes differ from a recomputation by this '

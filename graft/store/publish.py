@@ -18,6 +18,7 @@ from typing import Callable
 
 from gemma_jax import kv_state as kvs
 from gemma_jax import digest
+from gemma_jax.digest import canonical_json
 from graft.engine import Engine
 from graft.store import blocks
 from graft.store.blocks import BlockError
@@ -88,10 +89,8 @@ class Publication:
       if stop > len(ctx.tokens):
         ctx, _ = self._engine.extend(ctx, tokens[len(ctx.tokens):stop], logits='none',
                                      consume=True)
-      rows = kvs.take_rows(ctx.kv, start, stop)
-      leaves = {}
-      for index, k_rows, v_rows in zip(self._engine.model_config.cache_layers, rows.k, rows.v):
-        leaves[f'layer_{index}/k'], leaves[f'layer_{index}/v'] = k_rows, v_rows
+      leaves = kvs.block_leaves(kvs.take_rows(ctx.kv, start, stop),
+                                self._engine.model_config.cache_layers)
       batch.append((keys[k - 1] if k else blocks.ROOT, start, tokens[start:stop], leaves))
       report['compute_seconds'] += time.perf_counter() - t1
       if len(batch) == _WRITE_BATCH or k == len(keys) - 1:
@@ -124,7 +123,7 @@ class Publication:
     # The lease goes first and stays until the batch is published: gc reads leases before it
     # checks for publication, so it sees an object of this put either leased or published.
     lease = f'staging/{uuid.uuid4().hex}.json'
-    self._backing.write(lease, blocks.canonical({'objects': names, 'time': time.time()}))
+    self._backing.write(lease, canonical_json({'objects': names, 'time': time.time()}))
     try:
       out, standing, conflicts = self._publish_batch(batch, encoded, names, first_parent_header)
     finally:

@@ -23,6 +23,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from gemma_jax.digest import canonical_json
+
 
 class SigningKeyError(ValueError):
   """A key file that cannot be used; the message names it and says why."""
@@ -70,7 +72,7 @@ class SigningKey:
   def sign(self, digest_hex: str) -> bytes:
     """The signature record of a SHA-256 (hex): canonical JSON bytes."""
     signature = self.private.sign(bytes.fromhex(digest_hex)).hex()
-    return _canonical({'public_key': self.public.hex, 'signed': digest_hex,
+    return canonical_json({'public_key': self.public.hex, 'signed': digest_hex,
                        'signature': signature})
 
 
@@ -138,7 +140,3 @@ def signed_by(record: bytes | None, digest_hex: str, trusted: tuple[PublicKey, .
     return False
   return any(key.hex == public and key.verifies(bytes.fromhex(digest_hex), signature)
              for key in trusted)
-
-
-def _canonical(value) -> bytes:
-  return json.dumps(value, sort_keys=True, separators=(',', ':')).encode()
