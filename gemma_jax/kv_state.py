@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.typing import DTypeLike
 
 from gemma_jax.config import AttentionType, TransformerConfig
 from gemma_jax.sharding import to_host
@@ -68,7 +69,12 @@ def local_slots_needed(config: TransformerConfig, tokens_per_call: int) -> int:
   return config.sliding_window + tokens_per_call - 1
 
 
-def visible(q_pos, k_pos, window: int | None):
+# Integer positions (or sequence indices) of either array library: the model's and the
+# interpreter's.
+Positions = TypeVar('Positions', jax.Array, np.ndarray)
+
+
+def visible(q_pos: Positions, k_pos: Positions, window: int | None) -> Positions:
   """The visibility rule, the one definition every attention (the reference, the tiled one, the
   Pallas kernel) and the spec's interpreter apply: the key of a slot at position `k_pos` is seen
   by a query at `q_pos` iff the slot holds a token (not EMPTY: k_pos >= 0), at or before the
@@ -81,7 +87,7 @@ def visible(q_pos, k_pos, window: int | None):
   return seen
 
 
-def init_kv_state(config: TransformerConfig, *, batch_size: int, cache_len: int, dtype,
+def init_kv_state(config: TransformerConfig, *, batch_size: int, cache_len: int, dtype: DTypeLike,
                   local_cache_len: int | None = None) -> KVState:
   """An empty KV state (every position EMPTY, fill 0), placed on the default device.
 
@@ -97,18 +103,19 @@ def init_kv_state(config: TransformerConfig, *, batch_size: int, cache_len: int,
     A KVState: per cache layer k, v [B, S, K, H] zeros in `dtype` and positions int32 [B, S];
     fill int32 [B].
   """
-  layers = []
+  host = []
   for i in config.cache_layers:
     spec = config.layer_spec(i)
     slots = cache_len
     if spec.attention_type is AttentionType.LOCAL and local_cache_len is not None:
       slots = min(cache_len, local_cache_len)
     shape = (batch_size, slots, spec.num_kv_heads, spec.head_dim)
-    layers.append(LayerKV(k=np.zeros(shape, dtype), v=np.zeros(shape, dtype),
-                          positions=np.full((batch_size, slots), EMPTY, np.int32)))
+    host.append((np.zeros(shape, dtype), np.zeros(shape, dtype),
+                 np.full((batch_size, slots), EMPTY, np.int32)))
   # Made on the host and placed in one call: no XLA computation per shape (jnp.zeros would
   # compile and dispatch one for every leaf).
-  return jax.device_put(KVState(layers=tuple(layers), fill=np.zeros((batch_size,), np.int32)))
+  layers, fill = jax.device_put((host, np.zeros((batch_size,), np.int32)))
+  return KVState(layers=tuple(LayerKV(k=k, v=v, positions=p) for k, v, p in layers), fill=fill)
 
 
 def write(layer: LayerKV, k: jax.Array, v: jax.Array, positions: jax.Array,
@@ -184,6 +191,8 @@ def block_leaves(rows: 'KVRows', cache_layers: tuple[int, ...]) -> dict[str, np.
   positions: its rows are at their own (`block_rows`)."""
   out = {}
   for layer_index, k, v in zip(cache_layers, rows.k, rows.v):
+    if k is None or v is None:
+      raise ValueError(f'layer {layer_index}: its rows were not read')
     k_name, v_name, _ = leaf_names(layer_index)
     out[k_name], out[v_name] = k, v
   return out
@@ -280,8 +289,9 @@ class KVRows:
     it, so a prefix of a block's rows is the KV of that prefix (tests/test_store.py)."""
     if not 0 <= n <= self.num_tokens:
       raise ValueError(f'a prefix of {n} rows out of {self.num_tokens}')
-    cut = lambda arrays: tuple(None if a is None else a[:n] for a in arrays)
-    return KVRows(self.start, cut(self.k), cut(self.v), cut(self.positions))
+    k = tuple(None if a is None else a[:n] for a in self.k)
+    v = tuple(None if a is None else a[:n] for a in self.v)
+    return KVRows(self.start, k, v, tuple(p[:n] for p in self.positions))
 
 
 @functools.partial(jax.jit, static_argnames=('count',))
@@ -336,7 +346,7 @@ def assemble(empty: KVState, rows: list[KVRows], num_tokens: int) -> KVState:
       keep = (index < num_tokens) & (index >= num_tokens - slots)
       if not keep.any():
         continue
-      if k is None:
+      if k is None or v is None:
         raise ValueError(f'rows {block.start}.. are needed on a layer of {slots} slots but were '
                          'not read')
       k_buf[index[keep] % slots] = k[keep]

@@ -16,12 +16,14 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
+from gemma_jax import sharding
 from gemma_jax.numerics import Numerics
 
 
-def init_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, *, std: float,
-               mean: float = 0.0):
+def init_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: DTypeLike, *, std: float,
+               mean: float = 0.0) -> nnx.Param:
   """A parameter drawn from N(mean, std^2); the single place random weights come from. rngs
   None: its shape and dtype only (jax.ShapeDtypeStruct), for the abstract model every process
   builds to bind parameters (gemma_jax.model), at no tracing cost."""
@@ -39,16 +41,15 @@ class RMSNorm(nnx.Module):
   float32 because a bfloat16 mean of squares loses most of its mantissa over a 2,560-wide row.
   """
 
-  def __init__(self, dim: int, *, offset: float, eps: float, dtype, rngs: nnx.Rngs,
-               with_scale: bool = True):
+  def __init__(self, dim: int, *, offset: float, eps: float, dtype: DTypeLike,
+               rngs: nnx.Rngs | None, with_scale: bool = True):
     self.offset = offset
     self.eps = eps
-    if with_scale:
-      self.scale = init_param(rngs, (dim,), dtype, std=0.1, mean=1.0 - offset)
-    else:
-      self.scale = None
+    self.scale: nnx.Param | None = (
+        init_param(rngs, (dim,), dtype, std=0.1, mean=1.0 - offset) if with_scale else None)
 
   def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
+    """x [..., X] normed over its last axis, in x's dtype."""
     x32 = x.astype(jnp.float32)
     normed = numerics.mul(x32, numerics.rsqrt(numerics.mean_square(x32) + self.eps))
     if self.scale is not None:
@@ -66,27 +67,31 @@ class Dense(nnx.Module):
   "Layouts and speed").
   """
 
-  def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, dtype,
-               rngs: nnx.Rngs):
+  def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, dtype: DTypeLike,
+               rngs: nnx.Rngs | None):
     self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
     self.w = init_param(rngs, self.in_shape + self.out_shape, dtype,
                         std=math.prod(self.in_shape) ** -0.5)
 
   def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
+    """x [..., *in_shape] -> [..., *out_shape]."""
     batch = x.shape[:x.ndim - len(self.in_shape)]
     k, n = math.prod(self.in_shape), math.prod(self.out_shape)
-    y = numerics.dense(x.reshape(-1, k), self.w[...], k, n)  # w as the engine stores it
+    # w in its stored form (gemma_jax.stored: the array, or a kernel's Panels)
+    y = numerics.dense(x.reshape(-1, k), self.w.get_value(), k, n)
     return y.reshape(batch + self.out_shape)
 
 
 class FeedForward(nnx.Module):
   """GeGLU MLP. gate_up_proj w: [D, 2, F] (index 0 is the gate branch); down_proj w: [F, D]."""
 
-  def __init__(self, embed_dim: int, hidden_dim: int, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, embed_dim: int, hidden_dim: int, *, dtype: DTypeLike,
+               rngs: nnx.Rngs | None):
     self.gate_up_proj = Dense((embed_dim,), (2, hidden_dim), dtype=dtype, rngs=rngs)
     self.down_proj = Dense((hidden_dim,), (embed_dim,), dtype=dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
+    """x [B, T, D] -> [B, T, D]."""
     gate_up = self.gate_up_proj(x, numerics)  # [B, T, 2, F]
     hidden = numerics.mul(numerics.gelu(gate_up[..., 0, :]), gate_up[..., 1, :])
-    return self.down_proj(numerics.whole(hidden), numerics)
+    return self.down_proj(sharding.whole(hidden, numerics.call.mesh), numerics)

@@ -13,7 +13,7 @@ import functools
 import hashlib
 import os
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,7 @@ class LoadedModel:
   def params(self) -> model.Params:
     """The canonical parameters (jax arrays in `dtype`)."""
     if self._params is None:
+      assert self.stored is not None  # __init__ refuses neither
       self.check()
       self._params = _as_jax(self.stored.canonical(), self.dtype)
     return self._params
@@ -61,13 +62,15 @@ class LoadedModel:
     """SHA-256 of the canonical parameters (gemma_jax.checkpoints.tree.params_digest)."""
     if self.stored is not None:
       return self.stored.params_sha256
+    assert self._params is not None  # __init__ refuses neither
     return tree.params_digest(self._params)
 
-  def replace(self, **changes) -> 'LoadedModel':
+  def replace(self, **changes: Any) -> 'LoadedModel':
     """This model with some of config, params, tokenizer, weights and dtype changed (new params
     replace the stored ones)."""
-    values = dict(config=self.config, params=self._params, tokenizer=self.tokenizer,
-                  weights=self.weights, dtype=self.dtype, stored=self.stored)
+    values: dict[str, Any] = dict(config=self.config, params=self._params,
+                                  tokenizer=self.tokenizer, weights=self.weights, dtype=self.dtype,
+                                  stored=self.stored)
     if 'params' in changes:
       values['stored'] = None
     values.update(changes)

@@ -97,8 +97,8 @@ def _turner(engine: Engine) -> Callable:
       # The run-time zero of the numerics' barriers, as the model makes it: positions are
       # never below EMPTY, which the compiler cannot know.
       with_zero = numerics.with_zero((positions[0] < kvs.EMPTY).astype(jnp.uint32))
-      sin, cos = rope.sin_cos(positions[None], head_dim, base=base, scale=scale,
-                              rotary_fraction=fraction, mode='float', numerics=with_zero)
+      sin, cos = rope.float_sin_cos(positions[None], head_dim, with_zero, base=base, scale=scale,
+                                    rotary_fraction=fraction)
       return rope.rotate_heads(k[None], (-sin if back else sin, cos), with_zero)[0]
 
     _TURNS[engine] = jax.jit(turn, static_argnames=('head_dim', 'base', 'scale', 'fraction',
@@ -171,11 +171,13 @@ class Kept:
     """Appends sequence indices [start, stop) of the stream's state (just written)."""
     positions = np.arange(first_position, first_position + stop - start, dtype=np.int32)
     smallest = min(layer.num_slots for layer in kv.layers)
+    ks: list[np.ndarray] = []
+    vs: list[np.ndarray] = []
     if stop - start <= smallest:  # every layer holds them: gather only these rows
       rows = kvs.take_rows(kv, start, stop)
-      ks, vs = rows.k, rows.v
+      ks = [k for k in rows.k if k is not None]  # take_rows reads every layer
+      vs = [v for v in rows.v if v is not None]
     else:  # a ring has dropped the oldest: read whole layers
-      ks, vs = [], []
       for layer in kv.layers:
         index = np.arange(start, stop)
         held = (index >= stop - layer.num_slots)[:, None, None]
@@ -266,10 +268,12 @@ def measure(engines: Engines, stream: Context, kept: Kept, next_token: int,
   digest = lambda leaves: compare.sha256_bytes(np.concatenate(
       [np.ravel(leaves[name]).view(np.uint8) for name in sorted(leaves)]))
   ref_ctx, ref_logits = model.extend(reference, [next_token], logits='last')
+  assert ref_logits is not None  # logits='last'
   if engines.relative:
     shift_ctx, shift_logits = model.extend(shifted, [next_token], logits='last')
   else:
     shift_ctx, shift_logits = model.extend(shifted, [next_token], logits='last', consume=True)
+  assert shift_logits is not None  # logits='last'
   ref_tokens = _greedy(model, ref_ctx, continuation)
   shift_tokens = _greedy(model, shift_ctx, continuation)
   return {
@@ -313,6 +317,7 @@ def run(engines: Engines, text: Sequence[int], *, window: int, drop: int,
   kept = Kept(engines.model, llama=not engines.relative)
   prompt = list(text[:window])
   ctx, logits = stream_engine.prefill(prompt)
+  assert logits is not None  # logits='last' (prefill's default)
   kept.write(ctx.kv, 0, len(prompt), 0)
   fed = len(prompt)
   measurements, start = [], time.perf_counter()
@@ -325,6 +330,7 @@ def run(engines: Engines, text: Sequence[int], *, window: int, drop: int,
       measuring = kept.shifts in targets
     n = len(ctx.tokens)
     new, logits = stream_engine.extend(ctx, [token], logits='last', consume=not measuring)
+    assert logits is not None  # logits='last'
     if measuring:
       measurements.append(measure(engines, ctx, kept, token, logits[-1], continuation))
       m = measurements[-1]

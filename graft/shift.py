@@ -33,6 +33,7 @@ RoPE fidelity check and graft.exactness all call `graft_shifted` and `layer_dive
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,7 @@ class ShiftError(ValueError):
 # ----------------------------------------------------------------------------------------------
 
 
-def with_config(loaded: LoadedModel, **changes) -> LoadedModel:
+def with_config(loaded: LoadedModel, **changes: Any) -> LoadedModel:
   """The same parameters under a config with `changes` (e.g. rope_mode, kv_cache_pre_rope).
   Neither field changes the parameter shapes, so the arrays are shared, not copied."""
   return loaded.replace(config=loaded.config.replace(**changes))
@@ -140,7 +141,7 @@ def rerotate(config: TransformerConfig, rows: list[kvs.KVRows], delta: int) -> l
   _check_range(config, rows, delta)
   out = []
   for block in rows:
-    keys = []
+    keys: list[np.ndarray | None] = []
     for layer_index, k in zip(config.cache_layers, block.k):
       if k is None:
         keys.append(None)

@@ -261,7 +261,7 @@ def test_a_spec_manifest_replays_on_this_machines_kernels_whatever_dots_made_it(
                            **{h: row[h] for h in replay.HASHES}}]}
   tile_scores = Spec.tile_scores
   monkeypatch.setattr(Spec, 'tile_scores', lambda self, q, k: tile_scores(
-      self, q[..., ::-1], k[..., ::-1]) if self.dot is None else tile_scores(self, q, k))
+      self, q[..., ::-1], k[..., ::-1]) if self.kernel is None else tile_scores(self, q, k))
   selfcheck._RESULTS.clear()
   engine, writer = replay._engine(manifest)
   assert engine.engine_config.dot_library == writer.engine_config.dot_library == 'native'

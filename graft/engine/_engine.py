@@ -13,6 +13,7 @@ exactness rests on and what was measured.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from typing import Any, Callable, Protocol, Sequence
@@ -27,6 +28,8 @@ from gemma_jax import kv_state as kvs
 from gemma_jax import model
 from gemma_jax import sharding
 from gemma_jax.config import EOS_ID
+from gemma_jax.model import Params
+from gemma_jax.stored import Weight
 from gemma_jax.weights import LoadedModel
 from graft.engine import fingerprint, placement, plans
 from graft.engine.config import EngineConfig, resolve_engine_config
@@ -35,8 +38,10 @@ from graft.engine.shared import shared
 
 
 class Compiled(Protocol):
-  """An engine's jitted function: called like it, lowered like it, and asked to start
-  obtaining its executable for some argument shapes ahead of the call."""
+  """An engine's jitted function (`jitted`, the jax.jit function): called like it, lowered like
+  it, and asked to start obtaining its executable for some argument shapes ahead of the call."""
+
+  jitted: Any
 
   def __call__(self, *args: Any) -> Any: ...
 
@@ -53,8 +58,8 @@ class Compiled(Protocol):
 class Unsaved:
   """A jitted function as it is (no saved executables: `Compiled.preload` does nothing)."""
 
-  def __init__(self, jitted: Callable[..., Any]):
-    self.jitted = jitted
+  def __init__(self, jitted: Any):
+    self.jitted = jitted  # a jax.jit function
 
   def __call__(self, *args: Any) -> Any:
     return self.jitted(*args)
@@ -90,9 +95,12 @@ class Engine:
     self.model_config = loaded.config
     self.engine_config = config
     self.runs_checks = checks
-    self.plan = plans.plan_class(config.mode)(config, kernel_platform)
-    self._attention_fn = attention_lib.build(config.attention, config.attention_tile,
-                                             kernel_platform)
+    # On a mesh: parameters placed by the layout, the KV state over KV heads and sequences,
+    # and (layout 'gather') every row-parallel projection's input gathered whole.
+    self.mesh = sharding.make_mesh(sharding.parse_mesh(config.mesh)) if config.mesh else None
+    self.plan = plans.plan_class(config.mode)(config, kernel_platform, self.mesh)
+    self._attention_fn = attention_lib.build(plans.decided(config.attention),
+                                             config.attention_tile, kernel_platform)
     head_dims = tuple(sorted({self.model_config.layer_spec(i).head_dim
                               for i in range(self.model_config.num_layers)}))
     self._kernel_blocks = self._attention_fn.blocks(head_dims, self.dtype)
@@ -100,36 +108,34 @@ class Engine:
     self._cache_slots = self.plan.cache_slots(multiple)
     self._local_slots = self.plan.local_slots(self.model_config, multiple)
     # (tiles read or None, with logits) -> jitted call, shared by the engines of this model and
-    # config (an XLA:CPU executable of the 270M holds ~160 MB: docs/performance.md).
-    self._held = []  # what this engine shares with others of its model (`shared`)
-    self._steps = shared(self._held, loaded, ('steps', config, kernel_platform), dict)
-    # On a mesh: parameters placed by the layout, the KV state over KV heads and sequences,
-    # and (layout 'gather') every row-parallel projection's input gathered whole.
-    self.mesh = sharding.make_mesh(sharding.parse_mesh(config.mesh)) if config.mesh else None
-    self.numerics = self.plan.running_numerics.on_mesh(
-        self.mesh if config.mesh_layout == 'gather' else None)
-    # Weights placed on the mesh and in the form the numerics read them (the native kernels'
-    # panels; else as loaded), shared with every other engine of this model that places and
-    # stores them alike.
-    held_as = (config.mesh, config.mesh_layout, self.numerics.storage)
+    # config (an executable holds much memory once loaded: docs/performance.md, "The light
+    # engine").
+    self._held: list[Any] = []  # what this engine shares with others of its model (`shared`)
+    self._steps: dict[tuple[int | None, bool], Compiled] = shared(
+        self._held, loaded, ('steps', config, kernel_platform), dict)
+    # The arithmetic with its kernel (on the mesh), and the form the weights are stored in.
+    self.numerics = self.plan.running_numerics
+    self.layout = self.plan.layout
+    # Weights placed on the mesh and in their stored form (gemma_jax.stored: the native
+    # kernels' panels, the output table; else as loaded), shared with every other engine of
+    # this model that places and stores them alike.
+    held_as = (config.mesh, config.mesh_layout, self.layout.storage)
     self._params = shared(self._held, loaded, ('params', held_as), lambda: placement.place_weights(
-        loaded, self.model_config, self.numerics, self.mesh, config.mesh_layout))
-    # The numerics' output table where they read one ('transposed'): the embedding itself,
-    # stored as the [D, V] table or its panels (graft.engine.placement), one array for both.
-    table = self._params['embedder']['input_embedding']
-    abstract = isinstance(table, jax.ShapeDtypeStruct)  # an engine that lowers, never runs
-    self._output_table = table if self.numerics.output_table == 'transposed' else None
+        loaded, self.model_config, self.layout, self.mesh, config.mesh_layout))
+    abstract = isinstance(jax.tree.leaves(self._params)[0], jax.ShapeDtypeStruct)  # lowers only
 
-    def head(params, output_table, hidden, rows, count):
+    def head(params: Params, hidden: jax.Array, rows: jax.Array,
+             count: jax.Array) -> jax.Array:
       # hidden [B, T, D], rows [R] -> logits [1, R, V] of those rows of the B x T rows (row
       # b * T + t: slot b's row t; gathered inside the jit, before the output table); count:
       # how many of the rows are wanted (the rest are padding, which a kernel may skip).
       # The run-time zero of the numerics' barriers: row indices are never negative.
-      numerics = self.numerics.with_zero((rows[0] < 0).astype(jnp.uint32)).with_rows(count)
+      numerics = self.numerics.bind(dataclasses.replace(
+          self.numerics.call, zero=(rows[0] < 0).astype(jnp.uint32), rows=count))
       with jax.default_matmul_precision(config.matmul_precision):
         flat = hidden.reshape(1, -1, hidden.shape[-1])
         return model.compute_logits(params, self.model_config, jnp.take(flat, rows, axis=1),
-                                    numerics, output_table)
+                                    numerics)
 
     self._weights_checked = False
     self._head_fn = head
@@ -148,32 +154,34 @@ class Engine:
       self._weights_checked = True
 
   def head_function(self) -> Compiled:
-    """The jitted logits call (params, output table, hidden [B, T, D], rows [R] of the B x T,
-    count: the first rows wanted, int32) -> logits [1, R, V] (the output table:
-    `output_table`)."""
+    """The jitted logits call (params, hidden [B, T, D], rows [R] of the B x T, count: the
+    first rows wanted, int32) -> logits [1, R, V], against the embedding as stored (the tied
+    table or the output table: `params`)."""
     return self._head
 
   @property
-  def output_table(self) -> jax.Array | None:
-    """The numerics' [D, V] output table when it is not the tied embedding (None)."""
-    return self._output_table
+  def params(self) -> Params:
+    """The engine's weights, placed and in their stored form (gemma_jax.stored): what its
+    functions take first."""
+    return self._params
 
   def step_function(self, tiles: int | None = None, with_logits: bool = False) -> Compiled:
-    """The jitted transformer call (params, output table, tokens [B, T], positions [B, T], kv)
-    -> (hidden [B, T, D], kv[, logits [1, B T, V]]) whose attention reads the first `tiles` KV
-    tiles (None: the whole cache). with_logits: a call that also returns the logits of all its
-    rows (a decode step of one row per slot: the same ops as the call then the head, one
-    dispatch instead of two).
-    The output table (`output_table`) is an argument, never a closed-over constant: a constant
-    would be compiled into the executable (docs/performance.md says what that costs). The KV
-    state is donated: XLA updates the cache in place; callers' contexts stay valid because a
-    context that may be used again is copied first (see extend's `consume`)."""
+    """The jitted transformer call (params, tokens [B, T], positions [B, T], kv) -> (hidden
+    [B, T, D], kv[, logits [1, B T, V]]) whose attention reads the first `tiles` KV tiles (None:
+    the whole cache). with_logits: a call that also returns the logits of all its rows (a
+    decode step of one row per slot: the same ops as the call then the head, one dispatch
+    instead of two).
+    The weights (`params`) are an argument, never closed-over constants: a constant would be
+    compiled into the executable (docs/performance.md says what that costs). The KV state is
+    donated: XLA updates the cache in place; callers' contexts stay valid because a context that
+    may be used again is copied first (see extend's `consume`)."""
     key = (tiles, with_logits)
     if key not in self._steps:
       attention_fn = self._attention_fn.reading(tiles)
       precision, numerics = self.engine_config.matmul_precision, self.numerics
 
-      def step(params, output_table, tokens, positions, kv):
+      def step(params: Params, tokens: jax.Array, positions: jax.Array,
+               kv: kvs.KVState) -> tuple:
         with jax.default_matmul_precision(precision):
           hidden, kv = model.forward(params, self.model_config, tokens, positions, kv,
                                      attention_fn, numerics)
@@ -184,10 +192,10 @@ class Engine:
         # head's run-time zero, and with it every barrier of the head).
         count = tokens.size
         rows = jnp.minimum(kv.fill[:1], 0) + jnp.arange(count, dtype=jnp.int32)
-        return hidden, kv, self._head_fn(params, output_table, hidden, rows, jnp.int32(count))
+        return hidden, kv, self._head_fn(params, hidden, rows, jnp.int32(count))
 
       self._steps[key] = self._compiled(
-          'step', jax.jit(step, donate_argnums=(4,), compiler_options=self.plan.compiler_options),
+          'step', jax.jit(step, donate_argnums=(3,), compiler_options=self.plan.compiler_options),
           tiles=tiles, with_logits=with_logits)
     return self._steps[key]
 
@@ -197,16 +205,16 @@ class Engine:
     checked and its caller gets on (gemma_jax.executables.Saved.preload)."""
     rows, i32 = self.max_rows, jnp.int32
     kv = jax.eval_shape(self.empty_kv)
-    weights = (self._params, self._output_table)
     block, decode = (jax.ShapeDtypeStruct((1, t), i32) for t in (rows, 1))
     head_rows = self.plan.logits_calls(1)[0][1]
     calls = {
-        'block': lambda: (self.step_function(None), (*weights, block, block, kv)),
+        'block': lambda: (self.step_function(None), (self._params, block, block, kv)),
         'head': lambda: (self._head, (
-            *weights, jax.ShapeDtypeStruct((1, rows, self.model_config.embed_dim), self.dtype),
+            self._params, jax.ShapeDtypeStruct((1, rows, self.model_config.embed_dim),
+                                               self.dtype),
             jax.ShapeDtypeStruct((head_rows,), i32), jax.ShapeDtypeStruct((), i32))),
         'decode': lambda: (self.step_function(None, with_logits=True),
-                           (*weights, decode, decode, kv)),
+                           (self._params, decode, decode, kv)),
     }
     for name, compile in self.plan.preloads:
       function, args = calls[name]()
@@ -220,11 +228,9 @@ class Engine:
     if self.mesh is not None or self._kernel_platform is not None:
       return Unsaved(jitted)
     key = {'engine': self.engine_config, 'model': self.model_config, 'dtype': self.loaded.dtype,
-           'numerics': self.numerics, 'dot': self.numerics.__dict__.get('dot'),
-           'attention': self._attention_fn, 'compiler_options': self.plan.compiler_options,
-           'output_table': None if self._output_table is None else self._output_table.shape,
-           **variant}
-    return executables.Saved(name, jitted, key, fixed=2)
+           'numerics': self.numerics, 'layout': self.layout, 'attention': self._attention_fn,
+           'compiler_options': self.plan.compiler_options, **variant}
+    return executables.Saved(name, jitted, key, fixed=1)
 
   @property
   def max_rows(self) -> int:
@@ -262,16 +268,16 @@ class Engine:
     """The KV tile of a tiled attention (None for the others)."""
     return self._attention_fn.tile
 
-  def projection_weights(self) -> dict[str, jax.Array]:
+  def projection_weights(self) -> dict[str, Weight]:
     """What a self-check probes: one weight per distinct projection shape contracted through a
     dot, and the output table, each as this engine stores it.
 
     Returns:
-      As graft.engine.placement.projection_weights: {'<I>x<O>': [I, O] or its panels
-      [O / P, I, P], 'output_table': [D, V] or its panels [V / P, D, P]}.
+      As graft.engine.placement.projection_weights: {'<I>x<O>': [I, O] or its Panels
+      [O / P, I, P], 'output_table': [D, V] or its Panels [V / P, D, P]}.
     """
-    return placement.projection_weights(self.loaded, self.model_config, self.numerics,
-                                        self.mesh, self._params, self._output_table)
+    return placement.projection_weights(self.loaded, self.model_config, self.layout, self.mesh,
+                                        self._params)
 
   @property
   def dtype(self) -> np.dtype:
@@ -339,23 +345,16 @@ class Engine:
                        f'{self.model_config.name}\'s context of {self.model_config.max_context}')
     return tokens
 
-  def _call(self, kv, tokens: list[int], first_position: int, call: plans.Call, end: int):
-    """One transformer call as the plan cut it: `call.lead` padding rows, the tokens, padding;
-    `end`: the context's length after the call."""
-    ids, positions = call_inputs([tokens], [first_position], call.rows, call.lead)
-    step = self.step_function(self._tiles_for(end), call.with_logits)
-    return step(self._params, self._output_table, ids, positions, kv)
-
   def _logits(self, hidden: jax.Array, rows: list[int]) -> list[np.ndarray]:
     """float32 logits [V] of the given rows of one call's hidden states [B, T, D] (row
     b * T + t: slot b's row t), in the logits calls the plan cuts them into
     (`Plan.logits_calls`), each padded to its row count."""
-    out = []
+    out: list[np.ndarray] = []
     for count, padded_rows in self.plan.logits_calls(len(rows)):
       padded = np.zeros(padded_rows, np.int32)
       padded[:count] = rows[len(out):len(out) + count]
-      out.extend(sharding.to_host(self._head(self._params, self._output_table, hidden,
-                                             padded, np.int32(count)))[0, :count])
+      out.extend(sharding.to_host(self._head(self._params, hidden, padded,
+                                             np.int32(count)))[0, :count])
     return out
 
   def extend(self, ctx: Context, tokens: Sequence[int], *, logits: str | int = 'none',
@@ -375,19 +374,23 @@ class Engine:
       [T, V] for 'all', None for 'none').
     """
     tokens = self._check_tokens(ctx, tokens)
-    wanted = {'none': 0, 'last': 1, 'all': len(tokens)}.get(logits, logits)
+    named = {'none': 0, 'last': 1, 'all': len(tokens)}
+    wanted = named.get(logits, logits) if isinstance(logits, str) else logits
     if not isinstance(wanted, int) or not 0 <= wanted <= len(tokens):
       raise ValueError(f"logits must be 'none', 'last', 'all' or a row count in "
                        f'[0, {len(tokens)}], not {logits!r}')
     first_wanted = len(tokens) - wanted
     kv = ctx.kv if consume else jax.tree.map(jnp.copy, ctx.kv)
-    logit_rows = []
+    logit_rows: list[np.ndarray] = []
     for call in self.plan.calls(len(ctx.tokens), len(tokens), first_wanted):
-      chunk = tokens[call.first:call.first + call.count]
+      # One transformer call as the plan cut it: `lead` padding rows, the tokens, padding.
+      ids, positions = call_inputs([tokens[call.first:call.first + call.count]],
+                                   [ctx.next_position + call.first], call.rows, call.lead)
       wanted_rows = [j - call.first + call.lead
                      for j in range(max(call.first, first_wanted), call.first + call.count)]
-      end = len(ctx.tokens) + call.first + call.count
-      out = self._call(kv, chunk, ctx.next_position + call.first, call, end)
+      end = len(ctx.tokens) + call.first + call.count  # the context's length after it
+      out = self.step_function(self._tiles_for(end), call.with_logits)(
+          self._params, ids, positions, kv)
       kv = out[1]
       if call.with_logits:  # one row, its logits computed by the step itself
         logit_rows.extend(sharding.to_host(out[2])[0, :len(wanted_rows)])
@@ -451,7 +454,7 @@ class Engine:
     """extend_batch on a stacked state (donated), in the batch calls the plan cuts the request
     into (`Plan.batch_calls`): -> (the new stacked state, each slot's list of logits rows).
     Only the contexts' lengths and positions are read."""
-    out = [[] for _ in ctxs]
+    out: list[list[np.ndarray]] = [[] for _ in ctxs]
     for call in self.plan.batch_calls([len(t) for t in tokens]):
       if call.alone:
         return self._extend_slots_alone(kv, ctxs, tokens, wanted)
@@ -461,7 +464,7 @@ class Engine:
       end = max(len(c.tokens) + min(call.first + call.count, len(t))
                 for c, t in zip(ctxs, tokens))
       step = self.step_function(self._tiles_for(end), call.with_logits)
-      result = step(self._params, self._output_table, ids, positions, kv)
+      result = step(self._params, ids, positions, kv)
       kv = result[1]
       # Every slot's wanted rows (row i * rows + j: slot i's row j).
       flat = [(i, i * call.rows + j - call.first) for i, chunk in enumerate(chunks)
@@ -482,12 +485,14 @@ class Engine:
     (the single-stream calls: no executable of their own)."""
     parts, out = [], []
     for i, (ctx, t, part) in enumerate(zip(ctxs, tokens, self._unstack(kv, len(ctxs)))):
+      rows: list[np.ndarray] = []
       if t:
         alone = Context(kv=part, tokens=ctx.tokens, next_position=ctx.next_position)
         new, logits = self.extend(alone, t, logits=wanted[i], consume=True)
         part = new.kv
+        rows = [] if logits is None else list(logits)
       parts.append(part)
-      out.append(list(logits) if t and wanted[i] else [])
+      out.append(rows)
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts), out
 
   def generate_batch(self, ctxs: Sequence[Context], max_new_tokens: int) -> list[list[int]]:
@@ -508,22 +513,20 @@ class Engine:
     seeds = list(seeds) if seeds is not None else [0] * n
     if not len(max_new_tokens) == len(temperatures) == len(seeds) == n:
       raise ValueError(f'{n} contexts need {n} token limits, temperatures and seeds')
-    if any(c.last_logits is None for c in ctxs):
-      raise ValueError('every context needs logits at its last token')
+    logits = [_last_logits(c) for c in ctxs]
     self._check_batch(ctxs, [[] for _ in ctxs], None)
     if n == 1:  # one slot: the single stream's calls (its logits fused into the step)
       return [self.decode(ctxs[0], max_new_tokens[0], temperature=temperatures[0],
                           seed=seeds[0], stop=stop)]
     rngs = [np.random.default_rng(s) for s in seeds]
     digests = [hashlib.sha256() for _ in ctxs]
-    logits = [c.last_logits for c in ctxs]
-    new = [[] for _ in ctxs]
+    new: list[list[int]] = [[] for _ in ctxs]
     done = [m < 1 for m in max_new_tokens]
     kv, state = None, list(ctxs)
     while True:
       for i in range(n):
         if not done[i]:
-          digests[i].update(np.ascontiguousarray(logits[i], np.float32))
+          digests[i].update(np.ascontiguousarray(logits[i], np.float32).tobytes())
           new[i].append(sample(logits[i], temperatures[i], rngs[i]))
           done[i] = (len(new[i]) >= max_new_tokens[i]
                      or (stop is not None and stop(new[i])))
@@ -533,7 +536,9 @@ class Engine:
       kv = self._stack(ctxs) if kv is None else kv
       kv, rows = self._extend_stacked(kv, state, step, [len(t) for t in step])
       self._check_weights()
-      state = [Context(kv=None, tokens=c.tokens + tuple(t), next_position=c.next_position + len(t))
+      # (the slots' states live in the stacked kv: only lengths and positions are read here)
+      state = [dataclasses.replace(c, tokens=c.tokens + tuple(t),
+                                   next_position=c.next_position + len(t), last_logits=None)
                for c, t in zip(state, step)]
       logits = [r[-1] if r else l for r, l in zip(rows, logits)]
     slots = [c.kv for c in ctxs] if kv is None else self._unstack(kv, n)
@@ -555,16 +560,16 @@ class Engine:
              seed: int = 0, stop: Callable[[list[int]], bool] | None = None) -> 'Decoded':
     """`generate` that stops once `stop(tokens so far)` holds, and also returns the SHA-256 of
     the float32 logits every token was drawn from (the evidence a replay compares)."""
-    if ctx.last_logits is None:
-      raise ValueError('the context has no logits at its last token; extend it with '
-                       "logits='last' first")
+    last = _last_logits(ctx)
     rng = np.random.default_rng(seed)
-    new_tokens, digest = [], hashlib.sha256()
+    new_tokens: list[int] = []
+    digest = hashlib.sha256()
     while len(new_tokens) < max_new_tokens:
       if new_tokens:  # after the first step the context is this loop's own: update in place
         ctx, _ = self.extend(ctx, new_tokens[-1:], logits='last', consume=len(new_tokens) > 1)
-      digest.update(np.ascontiguousarray(ctx.last_logits, np.float32).tobytes())
-      new_tokens.append(sample(ctx.last_logits, temperature, rng))
+        last = _last_logits(ctx)
+      digest.update(np.ascontiguousarray(last, np.float32).tobytes())
+      new_tokens.append(sample(last, temperature, rng))
       if stop is not None and stop(new_tokens):
         break
     return Decoded(context=ctx, tokens=new_tokens, logits_sha256=digest.hexdigest())
@@ -582,3 +587,11 @@ class Engine:
       (the context, float32 logits [1, V] for 'last', [T, V] for 'all', None for 'none').
     """
     return self.extend(self.empty(start_position), tokens, logits=logits, consume=True)
+
+
+def _last_logits(ctx: Context) -> np.ndarray:
+  """The context's logits at its last token: float32 [V]; ValueError where it has none."""
+  if ctx.last_logits is None:
+    raise ValueError("the context has no logits at its last token; extend it with logits='last' "
+                     'first')
+  return ctx.last_logits

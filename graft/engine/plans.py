@@ -31,15 +31,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import jax
 from absl import logging
+from jax.sharding import Mesh
 
 from gemma_jax import kv_state as kvs
 from gemma_jax.config import TransformerConfig
-from gemma_jax.kernels import native_build, native_dot, spec_dot
-from gemma_jax.numerics import XLA, FixedOrder, Numerics, Spec as SpecNumerics
+from gemma_jax.kernels import DotKernel, native_build, native_dot, spec_dot
+from gemma_jax.numerics import XLA, CallBundle, FixedOrder, Numerics, Spec as SpecNumerics
+from gemma_jax.stored import AS_LOADED, WeightLayout
 from gemma_jax.sizes import next_power_of_two, round_up
 from gemma_jax.spec import selfcheck
 from gemma_jax.spec.interpreter import ROPE_MODES
@@ -62,6 +64,18 @@ SLOT_LAYOUT_VERSION = 2
 # dot in the engine's functions.
 DOT_LIBRARIES = {'eigen': {'xla_cpu_experimental_ynn_fusion_type': ''}, 'ynn': {}, 'pallas': {},
                  'native': {}}
+
+
+_T = TypeVar('_T')
+
+
+def decided(value: _T | None) -> _T:
+  """A field of a resolved engine config (graft.engine.config.resolve_engine_config decides
+  every one a plan reads); ValueError where it was left undecided."""
+  if value is None:
+    raise ValueError('an engine config field is undecided: resolve it first '
+                     '(graft.engine.resolve_engine_config)')
+  return value
 
 
 # The most rows of a spec engine's logits call (more wanted rows take several calls).
@@ -107,8 +121,9 @@ def row_buckets(rows_per_call: int, min_rows: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """The interface, with the default plan's answers. A plan is made from a resolved
-  EngineConfig (graft.engine.config.resolve_engine_config) and the platform its kernels are
-  built for (None: the default backend's), and decides nothing of the config again.
+  EngineConfig (graft.engine.config.resolve_engine_config), the platform its kernels are built
+  for (None: the default backend's) and the engine's mesh, and decides nothing of the config
+  again.
 
   byte_exact: a token's KV and logits do not depend on how the request was cut (grafts are
   byte-exact; the store needs it). batch_slots: a slot of a batched call gets the bits it gets
@@ -122,6 +137,22 @@ class Plan:
   dot_libraries: ClassVar[tuple[str, ...]] = ()  # XLA's own dots, as the process's flags choose
   engine_config: 'EngineConfig'
   kernel_platform: str | None = None
+  mesh: Mesh | None = None  # the engine's devices (None: one)
+
+  def __post_init__(self) -> None:
+    if not self.engine_config.resolved:
+      raise ValueError(f'a plan runs a resolved engine config (resolve_engine_config), not '
+                       f'{self.engine_config}')
+
+  @property
+  def rows_per_call(self) -> int:
+    """The resolved config's rows_per_call."""
+    return decided(self.engine_config.rows_per_call)
+
+  @property
+  def dot_library(self) -> str | None:
+    """The resolved config's dot library (None: XLA's own dots, as the process chooses)."""
+    return self.engine_config.dot_library
 
   @classmethod
   def check(cls, config: 'EngineConfig') -> None:
@@ -136,22 +167,39 @@ class Plan:
 
   @property
   def numerics(self) -> Numerics:
-    """The arithmetic, as the fingerprint names it."""
+    """The arithmetic, as the fingerprint names it (no kernel, unbound)."""
     return XLA
+
+  @property
+  def gathering_mesh(self) -> Mesh | None:
+    """The mesh on which every row-parallel projection's input is gathered whole (the 'gather'
+    layout's; None: one device, or the 'split' layout)."""
+    return self.mesh if self.engine_config.mesh_layout == 'gather' else None
+
+  @functools.cached_property
+  def kernel(self) -> DotKernel | None:
+    """The dot kernel the arithmetic's contractions run through on the plan's platform and mesh
+    (None: XLA's own dots). It decides no bit."""
+    return None
 
   @functools.cached_property
   def running_numerics(self) -> Numerics:
-    """The arithmetic with the kernels it runs through on the plan's platform, which decide no
-    bit."""
-    return self.numerics
+    """The arithmetic as the engine runs it: with its kernel, and the mesh its calls bind."""
+    return dataclasses.replace(self.numerics, kernel=self.kernel,
+                               call=CallBundle(mesh=self.gathering_mesh))
+
+  @functools.cached_property
+  def layout(self) -> WeightLayout:
+    """How the engine stores its weights (gemma_jax.stored): here as loaded."""
+    return AS_LOADED
 
   @property
   def by_length(self) -> bool:
     """Whether the plan's calls have one of two shapes whatever the lengths met (a decode step,
     or rows_per_call rows whose padding is not computed) and attention reads the whole cache:
-    a byte-exact plan whose numerics' kernels follow a call's run-time length
-    (`Numerics.runs_by_length`). A fixed set of executables."""
-    return self.byte_exact and self.running_numerics.runs_by_length
+    a byte-exact plan whose kernel computes attention whole (`DotKernel.attends`), so that its
+    work follows a call's run-time length. A fixed set of executables."""
+    return self.byte_exact and self.kernel is not None and self.kernel.attends
 
   @property
   def compiler_options(self) -> dict | None:
@@ -242,7 +290,7 @@ class _Shaped(Plan):
 
   @property
   def max_rows(self) -> int:
-    return self.engine_config.rows_per_call
+    return self.rows_per_call
 
   def local_slots(self, model_config: TransformerConfig, multiple: int) -> int | None:
     # In whole kernel tiles, so the kernel never pads the cache.
@@ -280,7 +328,7 @@ class Blocked(_Shaped):
   def _cut(self, done: int, num_tokens: int) -> list[Call]:
     # Blocks aligned to the sequence: the token with sequence index j always sits in row
     # j mod B, whatever the calls before (the first block may start with padding rows).
-    b = self.engine_config.rows_per_call
+    b = self.rows_per_call
     out = []
     for start in range(-(done % b), num_tokens, b):
       first = max(start, 0)
@@ -304,19 +352,27 @@ class Pinned(_Shaped):
     return 'eigen'
 
   @property
-  def numerics(self) -> Numerics:
+  def numerics(self) -> FixedOrder:
     return FixedOrder(k_chunk=self.engine_config.k_chunk)
+
+  @functools.cached_property
+  def layout(self) -> WeightLayout:
+    return WeightLayout(self.kernel, self.numerics.small)
+
+  @property
+  def dot_library(self) -> str:
+    return decided(self.engine_config.dot_library)
 
   @property
   def compiler_options(self) -> dict | None:
-    return DOT_LIBRARIES[self.engine_config.dot_library] or None
+    return DOT_LIBRARIES[self.dot_library] or None
 
   def cache_slots(self, multiple: int) -> int:
     return round_up(self.engine_config.cache_len, multiple)
 
   def rows_for(self, num_tokens: int) -> int:
     """The smallest row bucket that holds `num_tokens` tokens (one row for one token)."""
-    buckets = row_buckets(self.engine_config.rows_per_call, self.engine_config.min_rows)
+    buckets = row_buckets(self.rows_per_call, self.engine_config.min_rows)
     return next(r for r in buckets if r >= num_tokens)
 
   def _cut(self, done: int, num_tokens: int) -> list[Call]:
@@ -324,7 +380,7 @@ class Pinned(_Shaped):
     # is needed. By length: a call is one row (a decode step) or rows_per_call rows, whatever
     # its token count (its padding rows are not computed).
     del done
-    b = self.engine_config.rows_per_call
+    b = self.rows_per_call
     out = []
     for first in range(0, num_tokens, b):
       count = min(b, num_tokens - first)
@@ -361,7 +417,7 @@ class Pinned(_Shaped):
     longest = max(lengths)
     if self.by_length:
       return [BatchCall(0, 1, 1, with_logits=True)] if longest == 1 else [BatchCall(alone=True)]
-    b, least = self.engine_config.rows_per_call, -(-self.engine_config.min_rows // len(lengths))
+    b, least = self.rows_per_call, -(-self.engine_config.min_rows // len(lengths))
     return [BatchCall(first, b, self.rows_for(max(max(min(b, n - first) for n in lengths),
                                                   least)))
             for first in range(0, longest, b)]
@@ -369,9 +425,9 @@ class Pinned(_Shaped):
   def check_engine(self, engine: 'Engine') -> None:
     """Refuses a configuration (device count, threads, flags) where a row's dot follows its
     call's row count: a graft would then differ from fresh (gemma_jax.spec.selfcheck)."""
-    selfcheck.run_rows(dataclasses.replace(engine.numerics, mesh=None), self.compiler_options,
+    selfcheck.run_rows(engine.numerics.bind(CallBundle()), self.compiler_options,
                        weights=engine.projection_weights(),
-                       rows=row_buckets(self.engine_config.rows_per_call,
+                       rows=row_buckets(self.rows_per_call,
                                         self.engine_config.min_rows))
 
 
@@ -411,14 +467,22 @@ class Spec(Pinned):
                          *row_buckets(HEAD_ROWS, self.engine_config.min_rows)}))
 
   @functools.cached_property
-  def running_numerics(self) -> Numerics:
-    library = self.engine_config.dot_library
+  def kernel(self) -> DotKernel | None:
+    library = self.dot_library
+    kernel: DotKernel
     if library == 'native':
-      return dataclasses.replace(self.numerics, dot=native_dot.make_native_dot())
-    if library == 'pallas':
-      return dataclasses.replace(self.numerics,
-                                 dot=spec_dot.make_spec_dot(platform=self.kernel_platform))
-    return self.numerics
+      kernel = native_dot.make_native_dot()
+    elif library == 'pallas':
+      kernel = spec_dot.make_spec_dot(platform=self.kernel_platform)
+    else:
+      return None
+    return kernel.on_mesh(self.gathering_mesh)
+
+  @functools.cached_property
+  def layout(self) -> WeightLayout:
+    # The logits read the output table (the transposed embedding); projections and the table
+    # in the kernel's panels where it keeps them.
+    return WeightLayout(self.kernel, self.numerics.small, output_table=True)
 
   def check_engine(self, engine: 'Engine') -> None:
     if not engine.runs_checks:  # the canary's own engine: the canary's digest is its check
@@ -429,13 +493,14 @@ class Spec(Pinned):
     cfg = engine.model_config
     if cfg.rope_mode not in ROPE_MODES:
       raise ValueError(f'the spec engine runs RoPE modes {ROPE_MODES}, not {cfg.rope_mode!r}')
-    numerics = dataclasses.replace(engine.numerics, mesh=None)  # with its dot kernel
+    # with its dot kernel, off the mesh
+    numerics = dataclasses.replace(self.numerics, kernel=engine.numerics.kernel)
     weights = engine.projection_weights()
     head_dims = tuple(sorted({cfg.layer_spec(i).head_dim for i in range(cfg.num_layers)}))
     groups = {cfg.num_heads // cfg.layer_spec(i).num_kv_heads for i in range(cfg.num_layers)}
     # The row counts its calls have: by length, a decode step's and a block's (fewer real rows
     # compute the same chains), and one logits call's; else every bucket.
-    rows_per_call, min_rows = self.engine_config.rows_per_call, self.engine_config.min_rows
+    rows_per_call, min_rows = self.rows_per_call, self.engine_config.min_rows
     rows = (1, rows_per_call) if self.by_length else row_buckets(rows_per_call, min_rows)
     try:
       selfcheck.run(numerics, self.compiler_options, weights=weights, rows=rows,
@@ -443,12 +508,12 @@ class Spec(Pinned):
                     # (two rows: the relative mode's per-row scores, numerics.row_scores)
                     attention_rows=tuple(sorted({max(r * g, 2) for r in rows for g in groups}
                                                 | {2})),
-                    head_dims=head_dims, tile=engine.attention_tile,
+                    head_dims=head_dims, tile=decided(engine.attention_tile),
                     kv_heads=max(cfg.layer_spec(i).num_kv_heads for i in range(cfg.num_layers)),
                     groups=max(groups), softcap=cfg.attn_logits_softcap,
                     relative=_relative_rope(cfg))
     except selfcheck.SpecError as e:
-      if self.engine_config.dot_library in ('pallas', 'native') or not e.in_dots_only:
+      if self.dot_library in ('pallas', 'native') or not e.in_dots_only:
         raise
       # Where a library's dots are not FMA chains (XLA:CPU's Eigen on AVX2 machines without
       # AVX-512, docs/determinism.md), the spec dot kernel is, by construction.
@@ -456,7 +521,7 @@ class Spec(Pinned):
                                 "engine's own kernels (sequential FMA by construction)",
                                 e.failures) from None
     # The canary, in an engine of its own, of this one's classes.
-    canary.check(self.numerics.version, canary.model_for(cfg), self.engine_config.dot_library,
+    canary.check(self.numerics.version, canary.model_for(cfg), self.dot_library,
                  type(engine), type(self.engine_config))
 
   def fingerprint(self, engine: 'Engine') -> dict:
@@ -467,7 +532,7 @@ class Spec(Pinned):
     version = self.numerics.version
     parts = {'mode': self.name, 'numerics': self.numerics.describe(),
              'attention': 'tiled', 'attention_tile': engine.attention_tile,
-             'rows_per_call': self.engine_config.rows_per_call, 'dtype': engine.loaded.dtype,
+             'rows_per_call': self.rows_per_call, 'dtype': engine.loaded.dtype,
              'slot_layout_version': SLOT_LAYOUT_VERSION, 'rope': engine.model_config.rope_mode,
              'canary': canary.EXPECTED.get(version, {}).get(canary.model_for(engine.model_config))}
     return {'sha256': fingerprint.digest(parts), **parts,

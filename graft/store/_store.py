@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import collections
 import json
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 from gemma_jax.digest import canonical_json
 from graft.engine import Context, Engine, fingerprint
@@ -115,9 +115,10 @@ class Store:
     self.namespace = _open(self.backing, self.description(), namespace_salt, create)
     self.signing_key, self.trusted_keys = signing_key, trusted_keys
     self.problems = Problems(self.url)  # every entry or object refused, in order
-    self.counters = collections.Counter()  # reads by tier, bytes, blocks written, conflicts
+    # reads by tier, bytes, blocks written, conflicts
+    self.counters: collections.Counter[str] = collections.Counter()
     codec = Codec(self.namespace, self.block_layout, engine.model_config.vocab_size,
-                  self.block_tokens)
+                  self.block_layout.block_tokens)
     self._reads = Reads(self.backing, codec, HostCache(host_cache_bytes), self.counters)
     self._trust = Trust(self.backing, self.problems, signing_key, trusted_keys)
     self._index = Index(self.backing, codec, self.problems, self._reads)
@@ -144,13 +145,14 @@ class Store:
 
   # Reads ---------------------------------------------------------------------------------------
 
-  def lookup(self, tokens) -> Match:
+  def lookup(self, tokens: Sequence[int]) -> Match:
     """The longest stored prefix of `tokens` (token ids from position 0), at token
     granularity: a block that fails verification, is not signed by a trusted key or was
     computed on another version of its parent ends it (reported in `problems`)."""
     return self._lookup.match(tokens)
 
-  def graft(self, tokens, *, whole_blocks: bool = False) -> tuple[Context, Match]:
+  def graft(self, tokens: Sequence[int], *,
+            whole_blocks: bool = False) -> tuple[Context, Match]:
     """The longest stored prefix of `tokens`, grafted. A block that fails verification is
     quarantined and the prefix ends before it (the caller's engine computes the rest).
 
@@ -186,7 +188,7 @@ class Store:
 
   # Writes --------------------------------------------------------------------------------------
 
-  def put(self, tokens, *, recompute: bool = False) -> dict:
+  def put(self, tokens: Sequence[int], *, recompute: bool = False) -> dict:
     """Deposits `tokens` (a context from position 0): every block not stored yet is computed
     and published (graft/store/publish.py); `recompute` computes every block and compares it
     with what is stored (a stored block that differs is a conflict: replaced, quarantined,
@@ -201,7 +203,7 @@ class Store:
 
   def quarantine(self, key: str, name: str, reason: str, *, kind: Kind | None = None,
                  entry_name: str | None = None, data: bytes | None = None,
-                 judged=None) -> None:
+                 judged: Any = None) -> None:
     """Reports a bad entry or object `name` of block `key` (as `kind`; default: a bad object
     or entry, as `name` is one) and moves it aside: a copy and the reason go under quarantine/,
     the entry `entry_name` is removed if it still holds `judged` (its bytes or decoded entry),
@@ -210,7 +212,7 @@ class Store:
     self._index.quarantine(key, name, reason, kind=kind, entry_name=entry_name, data=data,
                            judged=judged)
 
-  def quarantine_object(self, entry: dict, reason: str, judged=None) -> None:
+  def quarantine_object(self, entry: dict, reason: str, judged: Any = None) -> None:
     """A published block that failed verification: its object, if not sound on its own, and
     its entry are moved aside; a sound object's entry is rebuilt from it
     (`Index.quarantine_object`)."""
@@ -258,6 +260,8 @@ def _open(backing: KvStore, mine: dict, salt: str, create: bool) -> str:
       return mine['namespace']
     data = backing.read(DESCRIPTION)  # another process created it first
   try:
+    if data is None:
+      raise TypeError('it is gone')
     theirs = json.loads(data)
   except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
     raise StoreError(f'{url}{DESCRIPTION} is damaged ({e})') from None

@@ -47,6 +47,7 @@ import hashlib
 import json
 import re
 import struct
+from typing import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -55,7 +56,7 @@ from gemma_jax import digest
 from gemma_jax import kv_state as kvs
 from gemma_jax.digest import canonical_json
 from gemma_jax.config import AttentionType
-from graft.engine import fingerprint
+from graft.engine import Engine, fingerprint
 
 STORE_FORMAT = 'kv-graft-store/2'
 BLOCK_FORMAT = 'kv-graft-block/3'
@@ -78,21 +79,21 @@ class BlockError(ValueError):
 
 def namespace(model_fp: dict, engine_fp: dict, salt: str = '') -> str:
   """The namespace of a model and an engine; a salt separates tenants who share a backing store
-  (a stored prefix answers ~20x faster than a miss, which would let one tenant probe another's
-  prefixes)."""
+  (a stored prefix answers much faster than a miss, which would let one tenant probe
+  another's prefixes: docs/security.md)."""
   parts = {'format': STORE_FORMAT, 'model': model_fp['sha256'], 'engine': engine_fp['sha256']}
   return fingerprint.digest({**parts, 'salt': salt} if salt else parts)
 
 
-def block_key(ns: str, parent: str, tokens) -> str:
+def block_key(ns: str, parent: str, tokens: Sequence[int]) -> str:
   """A block's key: the SHA-256 over the namespace, its parent's key and its token ids."""
-  tokens = np.asarray(tokens, '<i4')
+  ids = np.asarray(tokens, '<i4')
   payload = (KEY_DOMAIN + bytes.fromhex(ns) + bytes.fromhex(parent)
-             + struct.pack('<I', len(tokens)) + tokens.tobytes())
+             + struct.pack('<I', len(ids)) + ids.tobytes())
   return hashlib.sha256(payload).hexdigest()
 
 
-def chain_keys(ns: str, tokens, block_tokens: int) -> list[str]:
+def chain_keys(ns: str, tokens: Sequence[int], block_tokens: int) -> list[str]:
   """The keys of every block of a context (the last one partial when len(tokens) % B)."""
   keys, parent = [], ROOT
   for start in range(0, len(tokens), block_tokens):
@@ -111,7 +112,7 @@ class BlockLayout:
   layers: tuple[tuple[int, bool, int, int], ...]  # (layer index, is global, K, H), stored order
 
   @classmethod
-  def of(cls, engine) -> 'BlockLayout':
+  def of(cls, engine: Engine) -> 'BlockLayout':
     """The layout of `engine`'s blocks: its dtype, rows_per_call and cache-owning layers."""
     layers = []
     for i in engine.model_config.cache_layers:
@@ -119,7 +120,7 @@ class BlockLayout:
       layers.append((i, spec.attention_type is AttentionType.GLOBAL, spec.num_kv_heads,
                      spec.head_dim))
     layers.sort(key=lambda layer: (not layer[1], layer[0]))
-    return cls(dtype=engine.loaded.dtype, block_tokens=engine.engine_config.rows_per_call,
+    return cls(dtype=engine.loaded.dtype, block_tokens=engine.plan.rows_per_call,
                layers=tuple(layers))
 
   def leaves(self, num_tokens: int) -> list[dict]:
@@ -187,8 +188,9 @@ def hash_leaves(leaves: dict[str, np.ndarray], num_tokens: int,
   return described, chunks
 
 
-def encode_block(ns: str, parent: str, parent_header_sha256: str, start: int, tokens,
-                 hashed: tuple[list[dict], list[bytes]],
+def encode_block(ns: str, parent: str, parent_header_sha256: str, start: int,
+                 tokens: Sequence[int],
+                 hashed: tuple[list[dict], list[memoryview]],
                  layout: BlockLayout) -> tuple[str, bytes, dict]:
   """(key, object bytes, header) of a block whose leaves `hash_leaves` described. The header
   records the SHA-256 of its parent's header (ROOT for block 0), which binds the parent's

@@ -13,6 +13,7 @@ from graft.store.index import Index
 from graft.store.reads import Reads
 from graft.store.shared import Codec, Match
 from graft.store.trust import Trust
+from typing import Sequence
 
 
 class _BadBlock(Exception):
@@ -38,7 +39,7 @@ class Lookup:
     self._engine, self._codec = engine, codec
     self._index, self._reads, self._trust = index, reads, trust
 
-  def match(self, tokens) -> Match:
+  def match(self, tokens: Sequence[int]) -> Match:
     """The longest stored prefix of `tokens` (token ids, from position 0), at token
     granularity, cut before its first block that may not be used."""
     tokens = [int(t) for t in tokens]
@@ -69,7 +70,8 @@ class Lookup:
         break
     return self._trust.trusted_prefix(Match(tokens=matched, entries=tuple(used), rows=rows))
 
-  def graft(self, tokens, *, whole_blocks: bool = False) -> tuple[Context, Match]:
+  def graft(self, tokens: Sequence[int], *,
+            whole_blocks: bool = False) -> tuple[Context, Match]:
     """A fresh context holding the longest stored prefix of `tokens` at its own positions. A
     block that fails verification is quarantined and the prefix ends before it (the caller's
     engine computes the rest). whole_blocks: a prefix that ends inside a block and is followed

@@ -145,7 +145,7 @@ class Maintenance:
       elif problem.kind in (Kind.BAD_ENTRY, Kind.BAD_OBJECT):
         data = self._backing.read(problem.name)
         try:
-          entry = json.loads(data)
+          entry = json.loads(data) if data is not None else None  # gone: not an entry
           if not isinstance(entry, dict) or not isinstance(entry.get('object'), str):
             raise ValueError('not an entry')
           self._index.quarantine_object({**entry, 'key': problem.key,
@@ -163,7 +163,9 @@ class Maintenance:
   def _leases(self, lease_seconds: float) -> tuple[set[str], list[str]]:
     """(the objects held by live put leases, the names of leases older than `lease_seconds`).
     A lease that does not decode holds nothing and is left alone, like any stray name."""
-    live, expired, now = set(), [], time.time()
+    live: set[str] = set()
+    expired: list[str] = []
+    now = time.time()
     for name in self._backing.list('staging/'):
       try:
         lease = json.loads(self._backing.read(name) or b'null')

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Sequence
 
 from gemma_jax import kv_state as kvs
 from gemma_jax import digest
@@ -58,7 +58,7 @@ class Publication:
     self._lookup, self._index, self._reads, self._trust = lookup, index, reads, trust
     self._after_step = after_step or (lambda step, names: None)
 
-  def put(self, tokens, *, recompute: bool = False) -> dict:
+  def put(self, tokens: Sequence[int], *, recompute: bool = False) -> dict:
     """Deposits `tokens` (a context from position 0): grafts the longest stored prefix of whole
     blocks (the trusted one, with a trust list), computes the rest block by block with the
     engine and writes every block not stored yet; `recompute` computes every block and compares
@@ -160,7 +160,8 @@ class Publication:
         won, conflict, theirs = self._publish_over(parent, start, key, name, header, entry_name,
                                                    entry_bytes, standing.get(parent))
         conflicts += conflict
-        standing[key] = standing[key] if won else theirs
+        if not won and theirs is not None:  # (a copy not ours stands: its header's hash)
+          standing[key] = theirs
       self._trust.sign(key, standing[key])
       self._counters['blocks_written'] += won
       out.append(len(data) if won else 0)
@@ -224,7 +225,7 @@ def pause_at(at: str, resume: str | None = None) -> Callable[[str, list[str]], N
   step_at, _, count = at.partition(':')
   if step_at not in STEPS or not (count or '1').isdigit():
     raise ValueError(f'pause at {at!r}: expected STEP:N with STEP one of {", ".join(STEPS)}')
-  reached = collections.Counter()
+  reached: collections.Counter[str] = collections.Counter()
 
   def pause(step: str, names: list[str]) -> None:
     reached[step] += 1

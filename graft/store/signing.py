@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from typing import Iterable
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -122,7 +123,7 @@ def load_public(path: str) -> PublicKey:
   return PublicKey(raw)
 
 
-def load_trusted(paths) -> tuple[PublicKey, ...]:
+def load_trusted(paths: Iterable[str]) -> tuple[PublicKey, ...]:
   """The public keys in the .pub files `paths`: a reader's trust list."""
   return tuple(load_public(p) for p in paths)
 
