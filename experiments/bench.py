@@ -10,10 +10,17 @@ only), decode tokens/s over --decode_tokens greedy steps after a 32-token prompt
 call, KV cache on), and time to first token for a --library_tokens library plus a
 --query_tokens query, recomputed from scratch and (where the system can) restored from a saved
 KV state. Ours splits the graft's time into restore (read), verify (hash), graft (into the
-engine's cache) and query compute. Each number is the median of --repeats timed runs after an
-untimed warm-up. The machine's ceilings are measured in the same run: a large float32 matmul's
-GFLOP/s and a streaming read's GB/s (experiments/ceilings.py), so every figure is also a
-fraction of the limit.
+engine's cache) and query compute. The systems' repeats are interleaved (experiments/
+interleaved.py): after an untimed warm-up of everything, repeat r of every system's every
+operation runs before repeat r + 1 of any (A B A B ...), so the machine's drift falls on all
+alike; each figure is the median of --repeats with its spread (`spread`: (max - min) / median
+of the seconds), and each ratio the median of the repeats' own ratios (repeat r against repeat
+r; `ratio_spread` gives their min, max and spread). The machine's ceilings are measured in the
+same run: a large float32 matmul's GFLOP/s and a streaming read's GB/s (experiments/
+ceilings.py), so every figure is also a fraction of the limit. In a process of their own, and
+so not interleaved with the rest: the start (fresh processes), deepmind_gemma (its own
+Python); with --processes or --baseline each repeat is a fresh process per system or tree, the
+processes interleaved the same way (A B A B).
 
 Systems (`--systems`, default all but the relative ones): ours_spec (on its default dot
 library: the native kernels on a CPU), ours_spec_eigen (the spec engine on XLA's Eigen dots),
@@ -36,13 +43,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
+import jax
 from absl import app, flags, logging
 
-from experiments import ceilings, common, peers, samples
-from experiments.peers import llama_cpp
-from gemma_jax import compilation_cache as compilation_cache_module
-from gemma_jax import cost, executables, resources, verdicts
+from experiments import bench_start, ceilings, common, interleaved, peers, samples
+from gemma_jax import cost, resources
 from gemma_jax.checkpoints import orbax_util
 from graft.store import artifact
 from graft import shift
@@ -74,6 +81,8 @@ def define_flags() -> None:
   flags.DEFINE_integer('query_tokens', 64, 'Query length for time to first token.', lower_bound=1)
   flags.DEFINE_list('batch_slots', [], 'Also measure the spec engine\'s decode with N contexts '
                     'per call (Engine.generate_batch) for each N listed, e.g. 1,2,4,8.')
+  flags.DEFINE_list('batch_cache_len', [], 'The cache lengths (slots per context) the batch '
+                    'slots are measured at, an engine each (default: --cache_len), e.g. 2560,256.')
   flags.DEFINE_bool('start', True, 'Also time a fresh process to its first logits, on an empty '
                     'compilation cache and on a warm one, by phase (import, load, engine, first '
                     'logits: start_phases_s), ours and llama.cpp\'s on the same GGUF.')
@@ -147,207 +156,222 @@ def _read_files(root: str, keep: bool = True) -> int:
   return total
 
 
-# A fresh process's phases, in order, and the stamp (experiments.generate --phases) that ends each.
-START_PHASES = (('import_s', 'imported'), ('load_s', 'loaded'), ('engine_s', 'engine'),
-                ('first_logits_s', 'first_logits'))
-
-
-def process_phases(command: list[str], env: dict | None = None) -> dict:
-  """Runs `command` (which takes --phases=PATH and writes there the wall-clock stamps of
-  START_PHASES) as a fresh process; returns each phase's seconds and `total_s`, from the
-  process's start to its first logits."""
-  with tempfile.TemporaryDirectory() as scratch:
-    path = os.path.join(scratch, 'phases.json')
-    start = time.time()
-    subprocess.run(command + [f'--phases={path}'], env=env, check=True, capture_output=True,
-                   cwd=common.REPO)
-    with open(path) as f:
-      stamps = json.load(f)
-  phases, last = {}, start
-  for name, stamp in START_PHASES:
-    phases[name] = stamps[stamp] - last
-    last = stamps[stamp]
-  phases['total_s'] = stamps['first_logits'] - start
-  return phases
-
-
-def _medians(runs: list[dict]) -> dict:
-  return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-
-
-def measure_start(mode: str, dot_library: str | None, repeats: int) -> dict:
-  """A fresh process (`experiments.generate`, one new token) to its first logits: cold (each run
-  on an empty compilation cache and no saved executables, every check run again:
-  GEMMA_JAX_RECHECK) and warm (on what the first cold run left, with its kept verdicts); medians
-  of `repeats`, per phase
-  (START_PHASES). Weights come from the parameter cache in both."""
-  command = [sys.executable, '-m', 'experiments.generate', '--max_new_tokens=1',
-             f'--model={FLAGS.model}', f'--weights={FLAGS.weights}', f'--dtype={FLAGS.dtype}',
-             f'--engine={mode}'] + ([f'--dot_library={dot_library}'] if dot_library else [])
-  with tempfile.TemporaryDirectory() as scratch:
-    env = lambda i, **more: {**os.environ,
-                             compilation_cache_module.ENV: os.path.join(scratch, str(i), 'xla'),
-                             executables.ENV: os.path.join(scratch, str(i), 'executables'),
-                             **more}
-    cold = [process_phases(command, env(i, **{verdicts.RECHECK_ENV: '1'}))
-            for i in range(repeats)]
-    warm = [process_phases(command, env(0)) for _ in range(repeats)]
-  cold, warm = _medians(cold), _medians(warm)
-  return {'ttft_cold_start_s': cold['total_s'], 'ttft_warm_start_s': warm['total_s'],
-          'start_phases_s': {'cold': cold, 'warm': warm}}
-
-
-def measure_peer_start(name: str, repeats: int) -> dict:
-  """llama.cpp's fresh process to its first logits on the same GGUF (after one untimed run,
-  so the file is in the page cache as ours is warm); {} for a peer without a start measure."""
-  if not name.startswith('llama_cpp'):
-    return {}
-  path = llama_cpp.gguf_for(name.removeprefix('llama_cpp_'))
-  if path is None:
-    return {}
-  command = [sys.executable, '-P', os.path.join(common.REPO, 'experiments', 'peers',
-                                                'llama_start.py'),
-             path, json.dumps(llama_cpp.settings())]
-  process_phases(command)
-  warm = _medians([process_phases(command) for _ in range(repeats)])
-  return {'ttft_warm_start_s': warm['total_s'], 'start_phases_s': {'warm': warm}}
-
-
-def measure_ours(engine, work: Workload) -> dict:
-  prefill = {len(prompt): len(prompt) / common.median_seconds(
-      lambda prompt=prompt: engine.prefill(prompt, logits='last'), work.repeats)
-             for prompt in work.prompts}
+def ours_ops(engine, work: Workload, scratch: str) -> tuple[dict, Callable[[dict], dict]]:
+  """One of our engines' timed operations and the function of their seconds giving its row:
+  prefill_<L> (each prompt, last logits), decode (generate of decode_tokens + 1 from the
+  32-token prompt: decode_tokens calls after the first token), ttft_recompute (library +
+  query), ttft_graft (the library's artifact, saved under `scratch`, restored, verified and
+  grafted, then the query: `_time_graft`'s phases), and the same files read raw (kept, and
+  each buffer freed before the next) and by Orbax's restore: what restore + verify is set
+  against."""
   ctx, _ = engine.prefill(work.decode_prompt, logits='last')
-  decode = common.median_seconds(
-      lambda: engine.generate(ctx, work.decode_tokens + 1, stop_at_eos=False), work.repeats)
-  recompute = common.median_seconds(
-      lambda: engine.prefill(work.library + work.query, logits='last'), work.repeats)
-  with tempfile.TemporaryDirectory() as scratch:
-    path = os.path.join(scratch, 'library')
-    library, _ = engine.prefill(work.library, logits='none')
-    artifact.save(path, engine, library)
-    artifact_bytes = sum(f['size'] for f in artifact.load(path, engine).manifest['files'].values())
-    _time_graft(engine, path, work.query)  # warm-up (the files are in the page cache after it)
-    runs = [_time_graft(engine, path, work.query) for _ in range(work.repeats)]
-    raw_read = common.median_seconds(lambda: _read_files(path), work.repeats)
-    raw_read_discarding = common.median_seconds(lambda: _read_files(path, keep=False),
-                                                work.repeats)
-    orbax_restore = common.median_seconds(
-        lambda: orbax_util.restore(os.path.join(path, artifact.STATE)), work.repeats)
-  median = lambda key: sorted(r[key] for r in runs)[len(runs) // 2]
-  split = {key: median(key) for key in runs[0]}
-  return {'prefill_tok_s': prefill[len(work.prompts[0])], 'prefill_tok_s_by_length': prefill,
-          # generate(n + 1) makes n extend calls after the first token.
-          'decode_tok_s': work.decode_tokens / decode,
-          'ttft_recompute_s': recompute, 'ttft_graft_s': split['total_s'],
-          'ttft_graft_split_s': split, 'artifact_bytes': artifact_bytes,
-          'restore_gbps': artifact_bytes / (split['restore_s'] + split['verify_s']) / 1e9,
-          # The same files read raw (no decoding, no hashing) and kept, in this run: what
-          # restore + verify is measured against (issue goal: >= 0.7); and read with each
-          # file's memory reused by the next, which pays no page faults (_read_files).
-          'raw_read_gbps': artifact_bytes / raw_read / 1e9,
-          'restore_fraction_of_raw_read': raw_read / (split['restore_s'] + split['verify_s']),
-          'raw_read_discarding_gbps': artifact_bytes / raw_read_discarding / 1e9,
-          'restore_fraction_of_raw_read_discarding':
-              raw_read_discarding / (split['restore_s'] + split['verify_s']),
-          # Orbax's own restore of the same checkpoint (no hashing): what reading the leaf
-          # files directly saves.
-          'orbax_restore_gbps': artifact_bytes / orbax_restore / 1e9,
-          'engine_config': dataclasses.asdict(engine.engine_config)}
+  path = os.path.join(scratch, f'library-{id(engine)}')
+  library, _ = engine.prefill(work.library, logits='none')
+  artifact.save(path, engine, library)
+  artifact_bytes = sum(f['size'] for f in artifact.load(path, engine).manifest['files'].values())
+  grafts = []
+  closures = {**{f'prefill_{len(p)}': lambda p=p: engine.prefill(p, logits='last')
+                 for p in work.prompts},
+              'decode': lambda: engine.generate(ctx, work.decode_tokens + 1, stop_at_eos=False),
+              'ttft_recompute': lambda: engine.prefill(work.library + work.query, logits='last'),
+              'ttft_graft': lambda: grafts.append(_time_graft(engine, path, work.query)),
+              'raw_read': lambda: _read_files(path),
+              'raw_read_discarding': lambda: _read_files(path, keep=False),
+              'orbax_restore': lambda: orbax_util.restore(os.path.join(path, artifact.STATE))}
+
+  def row(times: dict) -> dict:
+    median = {name: statistics.median(t) for name, t in times.items()}
+    runs = grafts[-len(times['ttft_graft']):]  # the timed ones (after the warm-up)
+    split = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    restore = split['restore_s'] + split['verify_s']
+    prefill = {len(p): len(p) / median[f'prefill_{len(p)}'] for p in work.prompts}
+    return {'prefill_tok_s': prefill[len(work.prompts[0])], 'prefill_tok_s_by_length': prefill,
+            # generate(n + 1) makes n extend calls after the first token.
+            'decode_tok_s': work.decode_tokens / median['decode'],
+            'ttft_recompute_s': median['ttft_recompute'], 'ttft_graft_s': split['total_s'],
+            'ttft_graft_split_s': split, 'artifact_bytes': artifact_bytes,
+            'restore_gbps': artifact_bytes / restore / 1e9,
+            # The same files read raw (no decoding, no hashing) and kept, in this run: what
+            # restore + verify is measured against (issue goal: >= 0.7); and read with each
+            # file's memory reused by the next, which pays no page faults (_read_files).
+            'raw_read_gbps': artifact_bytes / median['raw_read'] / 1e9,
+            'restore_fraction_of_raw_read': median['raw_read'] / restore,
+            'raw_read_discarding_gbps': artifact_bytes / median['raw_read_discarding'] / 1e9,
+            'restore_fraction_of_raw_read_discarding': median['raw_read_discarding'] / restore,
+            # Orbax's own restore of the same checkpoint (no hashing): what reading the leaf
+            # files directly saves.
+            'orbax_restore_gbps': artifact_bytes / median['orbax_restore'] / 1e9,
+            'engine_config': dataclasses.asdict(engine.engine_config)}
+
+  return closures, row
 
 
-def measure_batches(engine, work: Workload, slots: list[int]) -> list[dict]:
-  """Decode tokens/s of the engine serving N contexts per call (one per batch slot), each
-  continuing the same 32-token prompt (every slot gets the bits it gets alone), and its ratio
-  to one stream (`Engine.generate`, its logits fused into the step) measured here, in turn with
-  the batches (`speedup_vs_one_stream`)."""
+def batch_ops(engine, work: Workload, slots: list[int]) -> tuple[dict, Callable[[dict], list]]:
+  """Decode of the engine serving N contexts per call (one per batch slot), each continuing the
+  same 32-token prompt (every slot gets the bits it gets alone), against one stream
+  (`Engine.generate`, its logits fused into the step), as timed operations: one_stream, and
+  slots_<N> the next decode_tokens + 1 tokens of every slot of a batch stacked once
+  (`Engine.batch`: a caller that decodes slots together keeps them stacked between steps) --
+  and, apart, stack_<N> (stacking the N states) and split_<N> (splitting them back), what a
+  slot's joining and leaving cost. Rows: decode tok/s and the speedup over one stream, a
+  median of the repeats' own ratios (each batch repeat against the one-stream repeat next to
+  it) with their spread."""
   ctx, _ = engine.prefill(work.decode_prompt, logits='last')
-  one_stream = lambda: engine.generate(ctx, work.decode_tokens + 1, stop_at_eos=False)
-  rows = []
+  closures = {'one_stream': lambda: engine.generate(ctx, work.decode_tokens + 1,
+                                                    stop_at_eos=False)}
+  batches = {}
   for n in slots:
-    batch = lambda n=n: engine.generate_batch([ctx] * n, work.decode_tokens + 1)
-    one, many = common.median_seconds(one_stream, work.repeats), common.median_seconds(
-        batch, work.repeats)
-    rows.append({'batch_slots': n, 'decode_tok_s': n * work.decode_tokens / many,
-                 'one_stream_decode_tok_s': work.decode_tokens / one,
-                 'speedup_vs_one_stream': n * one / many})
-    logging.info('batch of %d: %.1f decode tok/s (%.2fx one stream)', n,
-                 rows[-1]['decode_tok_s'], rows[-1]['speedup_vs_one_stream'])
-  return rows
+    if n == 1:
+      closures['slots_1'] = closures['one_stream']
+      continue
+    batches[n] = engine.batch([ctx] * n)
+    closures[f'slots_{n}'] = lambda n=n: batches[n].decode([work.decode_tokens + 1] * n,
+                                                           digests=False)
+    closures[f'stack_{n}'] = lambda n=n: jax.block_until_ready(engine._stack([ctx] * n))
+    closures[f'split_{n}'] = lambda n=n: jax.block_until_ready(
+        [c.kv for c in batches[n].contexts()])
+
+  def rows(times: dict) -> list[dict]:
+    out = []
+    for n in slots:
+      many = times[f'slots_{n}']
+      speedup = interleaved.paired([n * t for t in times['one_stream']], many)
+      out.append({'batch_slots': n, 'decode_tok_s': n * work.decode_tokens / statistics.median(
+                      many),
+                  'one_stream_decode_tok_s': work.decode_tokens / statistics.median(
+                      times['one_stream']),
+                  'speedup_vs_one_stream': speedup['median'], 'speedup_spread': speedup,
+                  'decode_s': interleaved.summary(many),
+                  **({'stack_s': statistics.median(times[f'stack_{n}']),
+                      'split_s': statistics.median(times[f'split_{n}'])} if n > 1 else {}),
+                  'cache_len': engine.engine_config.cache_len})
+      logging.info('batch of %d: %.1f decode tok/s (%.2fx one stream)', n,
+                   out[-1]['decode_tok_s'], out[-1]['speedup_vs_one_stream'])
+    return out
+
+  return closures, rows
 
 
-def _ratios(row: dict, other: dict, name: str) -> dict:
-  """{name}_prefill_tok_s (and at each prompt length), {name}_decode_tok_s: row / other."""
-  out = {f'{name}_decode_tok_s': row['decode_tok_s'] / other['decode_tok_s'],
-         f'{name}_prefill_tok_s': row['prefill_tok_s'] / other['prefill_tok_s']}
-  for length, speed in row.get('prefill_tok_s_by_length', {}).items():
-    theirs = other.get('prefill_tok_s_by_length', {}).get(length)
-    if theirs:
-      out[f'{name}_prefill_tok_s_{length}'] = speed / theirs
-  if row.get('peak_rss_bytes') and other.get('peak_rss_bytes'):
-    out[f'{name}_peak_rss_bytes'] = row['peak_rss_bytes'] / other['peak_rss_bytes']
+def repeat_figures(times: dict, work: Workload) -> list[dict]:
+  """Each timed repeat's throughputs from a system's operations' seconds (the names ours_ops
+  and the peers give them): prefill_tok_s_<L> and decode_tok_s, for ratios taken repeat by
+  repeat."""
+  out = []
+  for r in range(len(next(iter(times.values())))):
+    figures = {}
+    for name, seconds in times.items():
+      if name.startswith('prefill_'):
+        figures[f'prefill_tok_s_{name.removeprefix("prefill_")}'] = int(
+            name.removeprefix('prefill_')) / seconds[r]
+    if 'prefill' in times:  # llama.cpp's, on the first prompt
+      figures[f'prefill_tok_s_{len(work.prompt)}'] = len(work.prompt) / times['prefill'][r]
+    if 'decode' in times:
+      figures['decode_tok_s'] = work.decode_tokens / times['decode'][r]
+    if 'decode_loop' in times:  # the peers': the loop net of its prompt
+      figures['decode_tok_s'] = work.decode_tokens / max(
+          times['decode_loop'][r] - times['decode_prompt'][r], 1e-9)
+    out.append(figures)
   return out
+
+
+def _ratios(row: dict, other: dict, name: str) -> tuple[dict, dict]:
+  """({name}_decode_tok_s, {name}_prefill_tok_s[_L]: row / other, each the median of the
+  repeats' own ratios}, {the same: their interleaved.paired summary}) from the rows'
+  `repeats` (repeat_figures)."""
+  ratios, spread = {}, {}
+  mine, theirs = row.get('repeats', []), other.get('repeats', [])
+  first = len(row['prefill_tok_s_by_length']) and next(iter(row['prefill_tok_s_by_length']))
+  for metric in mine[0] if mine and theirs else []:
+    if metric not in theirs[0]:
+      continue
+    paired = interleaved.paired([f[metric] for f in mine], [f[metric] for f in theirs])
+    key = f'{name}_{metric}'
+    ratios[key], spread[key] = paired['median'], paired
+    if metric == f'prefill_tok_s_{first}':
+      ratios[f'{name}_prefill_tok_s'], spread[f'{name}_prefill_tok_s'] = paired['median'], paired
+  if (row.get('interleaved') == other.get('interleaved') == 'processes'
+      and row.get('peak_rss_bytes') and other.get('peak_rss_bytes')):  # each process's own
+    ratios[f'{name}_peak_rss_bytes'] = row['peak_rss_bytes'] / other['peak_rss_bytes']
+  return ratios, spread
 
 
 def _workload_flags(work: Workload) -> list[str]:
   """This run's workload and model as flags of a bench of its own."""
   return ([f'--prompt_tokens={len(p)}' for p in work.prompts]
           + [f'--decode_tokens={work.decode_tokens}', f'--library_tokens={len(work.library)}',
-             f'--query_tokens={len(work.query)}', f'--repeats={work.repeats}',
-             f'--model={FLAGS.model}', f'--weights={FLAGS.weights}', f'--dtype={FLAGS.dtype}',
+             f'--query_tokens={len(work.query)}', f'--model={FLAGS.model}',
+             f'--weights={FLAGS.weights}', f'--dtype={FLAGS.dtype}',
              f'--cache_len={FLAGS.cache_len}'])
 
 
-def measure_in_process(name: str, tree: str, work: Workload) -> dict:
-  """`name` measured by this bench in a fresh process of its own (from `tree`): its row, with
-  that process's peak resident memory as `peak_rss_bytes`."""
-  with tempfile.TemporaryDirectory() as scratch:
-    output = os.path.join(scratch, 'row.json')
-    subprocess.run([sys.executable, '-m', 'experiments.bench', f'--systems={name}', '--nostart',
-                    *_workload_flags(work), f'--output={output}'], cwd=tree,
-                   env={**os.environ, 'PYTHONPATH': tree}, check=True, capture_output=True,
-                   text=True)
-    with open(output) as f:
-      result = json.load(f)
-  row = result['systems'][0]
-  return {**row, 'prefill_tok_s_by_length': {  # (JSON made the lengths strings)
-      int(k): v for k, v in row.get('prefill_tok_s_by_length', {}).items()},
-          'peak_rss_bytes': result['resources']['peak_rss_bytes']}
-
-
-def baseline_rows(revision: str, systems: list[str], work: Workload) -> list[dict]:
-  """`systems` (ours) as the code at git `revision` measures them, on this run's workload: its
-  own bench, run in a subprocess from a temporary worktree of the revision (throughput only:
-  no start or graft timings beyond what it always measures). Rows named NAME@REVISION."""
-  with tempfile.TemporaryDirectory() as scratch:
-    tree, output = os.path.join(scratch, 'tree'), os.path.join(scratch, 'baseline.json')
-    subprocess.run(['git', 'worktree', 'add', '--detach', tree, revision], cwd=common.REPO,
-                   check=True, capture_output=True)
-    try:
-      # The revision's own flags: one prompt length (--prompt_tokens took one value then).
-      measured = []
-      for prompt in work.prompts:
-        command = [sys.executable, '-m', 'experiments.bench', f'--systems={",".join(systems)}',
-                   '--nostart', f'--prompt_tokens={len(prompt)}',
-                   f'--decode_tokens={work.decode_tokens}',
-                   f'--library_tokens={len(work.library)}', f'--query_tokens={len(work.query)}',
-                   f'--repeats={work.repeats}', f'--model={FLAGS.model}',
-                   f'--weights={FLAGS.weights}', f'--dtype={FLAGS.dtype}',
-                   f'--cache_len={FLAGS.cache_len}', f'--output={output}']
-        logging.info('measuring %s at %s (prompt of %d tokens)', systems, revision, len(prompt))
-        subprocess.run(command, cwd=tree, env={**os.environ, 'PYTHONPATH': tree}, check=True,
-                       capture_output=True, text=True)
-        with open(output) as f:
-          measured.append(json.load(f)['systems'])
-    finally:
-      subprocess.run(['git', 'worktree', 'remove', '--force', tree], cwd=common.REPO,
-                     capture_output=True)
+def _bench_process(tree: str, names: list[str], flag_sets: list[list[str]]) -> list[dict]:
+  """Our systems `names` measured once (--repeats=1, after its warm-up) by the bench of `tree`
+  in fresh processes, one per flag set (an older bench took one prompt length a run): the
+  rows, one per system, merged over the flag sets (prefill by length), each with its
+  process's peak resident memory and its figures as one repeat."""
+  measured = []
+  for extra in flag_sets:
+    with tempfile.TemporaryDirectory() as scratch:
+      output = os.path.join(scratch, 'rows.json')
+      subprocess.run([sys.executable, '-m', 'experiments.bench', f'--systems={",".join(names)}',
+                      '--nostart', '--repeats=1', *extra, f'--output={output}'], cwd=tree,
+                     env={**os.environ, 'PYTHONPATH': tree}, check=True, capture_output=True,
+                     text=True)
+      with open(output) as f:
+        result = json.load(f)
+    measured.append((result['systems'], result.get('resources', {}).get('peak_rss_bytes')))
   rows = []
-  for i, row in enumerate(measured[0]):
-    by_length = {len(p): run[i]['prefill_tok_s'] for p, run in zip(work.prompts, measured)}
-    rows.append({**row, 'name': f"{row['name']}@{revision}", 'prefill_tok_s_by_length': by_length,
-                 'skipped': row.get('skipped')})
+  for i, row in enumerate(measured[0][0]):
+    by_length = {}
+    for systems, _ in measured:
+      got = systems[i].get('prefill_tok_s_by_length') or {
+          str(result['config']['prompt_tokens']): systems[i]['prefill_tok_s']}
+      by_length.update({int(k): v for k, v in got.items()})
+    figures = {f'prefill_tok_s_{k}': v for k, v in by_length.items()}
+    figures['decode_tok_s'] = row['decode_tok_s']
+    rows.append({**row, 'prefill_tok_s_by_length': by_length, 'repeats': [figures],
+                 'peak_rss_bytes': max(p or 0 for _, p in measured) or None})
   return rows
+
+
+def process_rows(trees: dict[str, tuple[str, list[list[str]]]], names: list[str],
+                 repeats: int, separately: bool) -> dict[str, list[dict]]:
+  """Our systems measured in fresh processes, interleaved by repeat: for r in range(repeats),
+  each tree's bench in turn (label -> (tree, its flag sets)), each system in a process of its
+  own when `separately` (A B A B ...). Returns label -> the rows, one per system: figures the
+  medians over the repeats' processes, `repeats` each process's figures, peak_rss_bytes the
+  largest."""
+  runs = {label: {name: [] for name in names} for label in trees}
+  for r in range(repeats):
+    logging.info('processes: repeat %d of %d', r + 1, repeats)
+    for label, (tree, flag_sets) in trees.items():
+      for group in ([[n] for n in names] if separately else [names]):
+        for row in _bench_process(tree, group, flag_sets):
+          runs[label][row['name']].append(row)
+  out = {}
+  for label, by_name in runs.items():
+    out[label] = []
+    for name, rows in by_name.items():
+      lengths = rows[0]['prefill_tok_s_by_length']
+      by_length = {k: statistics.median(r['prefill_tok_s_by_length'][k] for r in rows)
+                   for k in lengths}
+      out[label].append({**rows[-1], 'name': name, 'prefill_tok_s_by_length': by_length,
+                         'prefill_tok_s': by_length[next(iter(lengths))],
+                         'decode_tok_s': statistics.median(r['decode_tok_s'] for r in rows),
+                         'repeats': [r['repeats'][0] for r in rows], 'interleaved': 'processes',
+                         'peak_rss_bytes': max((r['peak_rss_bytes'] or 0) for r in rows) or None})
+  return out
+
+
+def baseline_trees(revision: str, work: Workload, scratch: str) -> dict:
+  """{'head': this tree, REVISION: a worktree of it under `scratch`} with their flag sets (the
+  revision's bench runs one prompt length a process, as it may take one --prompt_tokens)."""
+  tree = os.path.join(scratch, 'tree')
+  subprocess.run(['git', 'worktree', 'add', '--detach', tree, revision], cwd=common.REPO,
+                 check=True, capture_output=True)
+  flags_ = [f for f in _workload_flags(work) if not f.startswith('--prompt_tokens')]
+  return {'head': (common.REPO, [_workload_flags(work)]),
+          revision: (tree, [[f'--prompt_tokens={len(p)}', *flags_] for p in work.prompts])}
 
 
 def main(argv):
@@ -361,48 +385,93 @@ def main(argv):
   work = workload(loaded.tokenizer)
   logging.info('measuring the ceilings')
   limits = ceilings.measure(repeats=FLAGS.repeats)
-  rows = []
-  for name in FLAGS.systems:
-    logging.info('measuring %s', name)
-    if FLAGS.processes and (name in OURS or name in RELATIVE):
-      rows.append(measure_in_process(name, common.REPO, work))
-      continue
-    if name in OURS:
-      mode, library = OURS[name]
-      row = {**measure_ours(common.make_engine(loaded, mode=mode, dot_library=library), work),
-             **(measure_start(mode, library, work.repeats) if FLAGS.start else {})}
-    elif name in RELATIVE:
-      mode, library = RELATIVE[name]
-      relative = shift.with_config(loaded, rope_mode='relative')
-      row = measure_ours(common.make_engine(relative, mode=mode, dot_library=library), work)
-    else:
-      row = peers.measure(name, loaded, work)
-      if FLAGS.start and not row.get('skipped'):
-        row.update(measure_peer_start(name, work.repeats))
-    row = {'name': name, 'skipped': None, **row, 'peak_rss_bytes': resources.peak_rss_bytes()}
-    if row['skipped']:
-      print(f'{name}: skipped ({row["skipped"]})')
-    rows.append(row)
+  ours = [n for n in FLAGS.systems if n in OURS or n in RELATIVE]
+  slots = [int(n) for n in FLAGS.batch_slots]
+  systems, finish, alone, batch_rows = {}, {}, {}, []
+  with tempfile.TemporaryDirectory() as scratch:
+    if FLAGS.processes and ours:
+      alone.update({row['name']: {**row, 'interleaved': 'processes'} for row in process_rows(
+          {'head': (common.REPO, [_workload_flags(work)])}, ours, FLAGS.repeats,
+          separately=True)['head']})
+    for name in FLAGS.systems:
+      if name in alone:
+        continue
+      logging.info('preparing %s', name)
+      if name in ours:
+        mode, library = OURS.get(name) or RELATIVE[name]
+        model = loaded if name in OURS else shift.with_config(loaded, rope_mode='relative')
+        systems[name], finish[name] = ours_ops(
+            common.make_engine(model, mode=mode, dot_library=library), work, scratch)
+        continue
+      made = peers.ops(name, loaded, work)
+      if made is None:  # a peer measured in a process of its own
+        alone[name] = {**peers.measure(name, loaded, work), 'interleaved': False}
+      elif isinstance(made, dict):  # skipped
+        alone[name] = made
+      else:
+        systems[name], finish[name] = made
+    for cache_len in [int(n) for n in FLAGS.batch_cache_len] or [FLAGS.cache_len] if slots else []:
+      label = f'batches@{cache_len}'
+      systems[label], finish[label] = batch_ops(
+          common.make_engine(loaded, mode='spec', cache_len=cache_len), work, slots)
+    logging.info('measuring %s interleaved, %d repeats', ', '.join(systems), FLAGS.repeats)
+    times = interleaved.run(systems, FLAGS.repeats, log=logging.info)
+    rows = []
+    for name in FLAGS.systems:
+      if name in alone:
+        row = alone[name]
+      else:
+        row = {**finish[name](times[name]), 'interleaved': True,
+               'repeats': repeat_figures(times[name], work),
+               'spread': {op: interleaved.summary(t) for op, t in times[name].items()}}
+      if name in OURS and FLAGS.start:
+        row.update(bench_start.measure_start(*OURS[name], work.repeats))
+      elif FLAGS.start and not row.get('skipped') and name not in ours:
+        row.update(bench_start.measure_peer_start(name, work.repeats))
+      row = {'name': name, 'skipped': None, **row,
+             'peak_rss_bytes': row.get('peak_rss_bytes') or resources.peak_rss_bytes()}
+      if row['skipped']:
+        print(f'{name}: skipped ({row["skipped"]})')
+      rows.append(row)
+    for label in systems:
+      if label.startswith('batches@'):
+        batch_rows.extend(finish[label](times[label]))
   by_name = {r['name']: r for r in rows if not r['skipped']}
-  batches = measure_batches(common.make_engine(loaded, mode='spec'), work,
-                            [int(n) for n in FLAGS.batch_slots]) if FLAGS.batch_slots else []
-  ratios = {f'batch_decode_speedup_{row["batch_slots"]}': row['speedup_vs_one_stream']
-            for row in batches}
+  ratios, spread = {}, {}
+  for row in batch_rows:
+    suffix = '' if row['cache_len'] == FLAGS.cache_len else f'_cache{row["cache_len"]}'
+    ratios[f'batch_decode_speedup_{row["batch_slots"]}{suffix}'] = row['speedup_vs_one_stream']
+    spread[f'batch_decode_speedup_{row["batch_slots"]}{suffix}'] = row['speedup_spread']
   if 'ours_spec' in by_name and 'batch_decode_speedup_8' in ratios:
     by_name['ours_spec']['batch_decode_speedup_8'] = ratios['batch_decode_speedup_8']
-  for ours, other in (('spec', 'spec_eigen'), ('spec', 'pinned'), ('spec', 'default'),
+  for mine, other in (('spec', 'spec_eigen'), ('spec', 'pinned'), ('spec', 'default'),
                       ('spec_eigen', 'pinned'), ('pinned', 'default'),
                       ('spec_relative', 'spec'), ('pinned_relative', 'pinned'),
                       ('default_relative', 'default')):
-    if f'ours_{ours}' in by_name and f'ours_{other}' in by_name:
-      ratios.update(_ratios(by_name[f'ours_{ours}'], by_name[f'ours_{other}'],
-                            f'{ours}_vs_{other}'))
+    if f'ours_{mine}' in by_name and f'ours_{other}' in by_name:
+      more, more_spread = _ratios(by_name[f'ours_{mine}'], by_name[f'ours_{other}'],
+                                  f'{mine}_vs_{other}')
+      ratios.update(more)
+      spread.update(more_spread)
   if FLAGS.baseline:
-    for row in baseline_rows(FLAGS.baseline, [n for n in FLAGS.systems if n in OURS], work):
-      rows.append(row)
-      by_name[row['name']] = row
-      ratios.update(_ratios(by_name[row['name'].split('@')[0]], row,
-                            f"{row['name'].split('@')[0].removeprefix('ours_')}_vs_baseline"))
+    with tempfile.TemporaryDirectory() as scratch:
+      trees = baseline_trees(FLAGS.baseline, work, scratch)
+      try:
+        measured = process_rows(trees, [n for n in FLAGS.systems if n in OURS], FLAGS.repeats,
+                                separately=False)
+      finally:
+        subprocess.run(['git', 'worktree', 'remove', '--force', trees[FLAGS.baseline][0]],
+                       cwd=common.REPO, capture_output=True)
+    for head, base in zip(measured['head'], measured[FLAGS.baseline]):
+      name = head['name']
+      for label, row in (('head', head), (FLAGS.baseline, base)):
+        row = {**row, 'name': f'{name}@{label}', 'skipped': row.get('skipped'),
+               'interleaved': 'processes'}
+        rows.append(row)
+        by_name[row['name']] = row
+      more, more_spread = _ratios(head, base, f"{name.removeprefix('ours_')}_vs_baseline")
+      ratios.update(more)
+      spread.update(more_spread)
   # Prefill FLOPs per token of the --prompt_tokens prompt with last-position logits; decode
   # reads every weight once per token (gemma_jax/cost.py).
   flops_per_token = cost.prefill_flops(loaded.config, len(work.prompt)) / len(work.prompt)
@@ -419,50 +488,39 @@ def main(argv):
             'prompt_tokens': [len(p) for p in work.prompts], 'baseline': FLAGS.baseline,
             'decode_tokens': work.decode_tokens,
             'library_tokens': len(work.library), 'query_tokens': len(work.query),
-            'repeats': work.repeats, 'batch_slots': [int(n) for n in FLAGS.batch_slots],
+            'repeats': work.repeats, 'batch_slots': slots, 'cache_len': FLAGS.cache_len,
+            'batch_cache_len': [int(n) for n in FLAGS.batch_cache_len] or [FLAGS.cache_len],
+            'interleaved': True, 'processes': FLAGS.processes,
             'prefill_flops_per_token': flops_per_token,
             'decode_bytes_per_token': bytes_per_token, 'environment': fingerprint.environment()}
   output = FLAGS.output or common.default_output('bench', FLAGS.model, FLAGS.dtype)
   common.write_result(output, 'bench', {'config': config, 'ceilings': limits, 'systems': rows,
-                                        'ratios': ratios, 'batches': batches})
+                                        'ratios': ratios, 'ratio_spread': spread,
+                                        'batches': batch_rows})
   print(f"ceilings: matmul {limits['matmul_gflops']:.0f} GFLOP/s, read {limits['read_gbps']:.1f} "
         'GB/s')
   for row in by_name.values():
-    graft = 'n/a' if row['ttft_graft_s'] is None else f"{row['ttft_graft_s']:.3f}s"
+    graft = 'n/a' if row.get('ttft_graft_s') is None else f"{row['ttft_graft_s']:.3f}s"
     print(f"{row['name']:18s} prefill {row['prefill_tok_s']:7.1f} tok/s  decode "
-          f"{row['decode_tok_s']:6.2f} tok/s  ttft recompute {row['ttft_recompute_s']:.3f}s  "
-          f'graft {graft}')
+          f"{row['decode_tok_s']:6.2f} tok/s  ttft recompute {row.get('ttft_recompute_s', 0):.3f}s"
+          f'  graft {graft}')
     if 'ttft_cold_start_s' in row:
       print(f"{'':18s} a fresh process to its first logits: {row['ttft_cold_start_s']:.1f}s cold, "
             f"{row['ttft_warm_start_s']:.1f}s warm")
-  for row in batches:
-    print(f"ours_spec, {row['batch_slots']} batch slots: decode {row['decode_tok_s']:.1f} tok/s "
-          f"({row['speedup_vs_one_stream']:.2f}x one stream)")
-  print('ratios:', {k: round(v, 3) for k, v in ratios.items()})
+  for row in batch_rows:
+    s = row['speedup_spread']
+    print(f"ours_spec, {row['batch_slots']} batch slots, {row['cache_len']} slots: decode "
+          f"{row['decode_tok_s']:.1f} tok/s ({row['speedup_vs_one_stream']:.2f}x one stream, "
+          f"{s['min']:.2f}-{s['max']:.2f})")
+  print('ratios (median of the repeats\' own; min-max):', {
+      k: f'{v:.3f}' + (f" ({spread[k]['min']:.3f}-{spread[k]['max']:.3f})" if k in spread else '')
+      for k, v in ratios.items()})
 
 
 def start_only() -> None:
-  """--start_only: the start phases of every system in --systems that has them."""
-  rows = []
-  for name in FLAGS.systems:
-    logging.info('timing the start of %s', name)
-    if name in OURS:
-      row = measure_start(*OURS[name], FLAGS.repeats)
-    else:
-      row = measure_peer_start(name, FLAGS.repeats) or {
-          'skipped': 'no start measure for this peer, or it is not installed'}
-    rows.append({'name': name, 'skipped': None, **row})
-  config = {**common.model_config_json(), 'systems': list(FLAGS.systems), 'start_only': True,
-            'repeats': FLAGS.repeats, 'environment': fingerprint.environment()}
-  output = FLAGS.output or common.default_output('bench', FLAGS.model, FLAGS.dtype, 'start')
-  common.write_result(output, 'bench', {'config': config, 'ceilings': {}, 'systems': rows})
-  for row in rows:
-    if row['skipped']:
-      print(f"{row['name']:18s} skipped ({row['skipped']})")
-      continue
-    for when, phases in row['start_phases_s'].items():
-      print(f"{row['name']:18s} {when}: " + ', '.join(
-          f"{k.removesuffix('_s')} {v:.2f}s" for k, v in phases.items()))
+  """--start_only: the start phases of every system in --systems that has them, and a process
+  that only imports jax (bench_start)."""
+  bench_start.start_only(FLAGS.systems, OURS, FLAGS.repeats, FLAGS.output)
 
 
 if __name__ == '__main__':

@@ -270,5 +270,6 @@ class Attention(nnx.Module):
     encoded = step.attention_fn(q, keys, cache.v, positions, cache.positions,
                                 window=self.spec.window, softcap=self.config.attn_logits_softcap,
                                 scores=scores, numerics=numerics)
-    return self.o_proj(sharding.whole(encoded, numerics.call.mesh), numerics), cache
+    mesh = numerics.call.mesh
+    return sharding.whole(self.o_proj(sharding.whole(encoded, mesh), numerics), mesh), cache
 

@@ -94,4 +94,5 @@ class FeedForward(nnx.Module):
     """x [B, T, D] -> [B, T, D]."""
     gate_up = self.gate_up_proj(x, numerics)  # [B, T, 2, F]
     hidden = numerics.mul(numerics.gelu(gate_up[..., 0, :]), gate_up[..., 1, :])
-    return self.down_proj(sharding.whole(hidden, numerics.call.mesh), numerics)
+    mesh = numerics.call.mesh
+    return sharding.whole(self.down_proj(sharding.whole(hidden, mesh), numerics), mesh)

@@ -143,7 +143,8 @@ class Block(nnx.Module):
                              self.post_per_layer_input_norm)
       assert gate is not None and project is not None and norm is not None
       gated = n.mul(n.gelu(gate(x, n)), step.per_layer_inputs[:, :, self.index])
-      x = n.barrier(x + norm(project(sharding.whole(gated, n.call.mesh), n), n))
+      mesh = n.call.mesh
+      x = n.barrier(x + norm(sharding.whole(project(sharding.whole(gated, mesh), n), mesh), n))
     if self.skip_scale is not None:
       x = n.barrier(n.mul(x, self.skip_scale[...]))
     return x, cache

@@ -17,13 +17,18 @@ Two layouts (LAYOUTS), because where a contraction is split decides the bits:
            results on 1 or 4. The fixed-order numerics (pinned, spec) add their contraction
            chunks' results in chunk order whichever device made them, and measured at two
            devices they keep the one-device bits (docs/determinism.md, "Meshes").
-  gather   no contraction is ever split: row-parallel weights are replicated and the activation
-           entering them is gathered whole (`whole`, a sharding constraint the model applies
-           before every row-parallel projection, on the mesh the engine binds into each call's
-           gemma_jax.numerics.CallBundle). The output table [D, V] (the embedding's one copy)
-           is split by its columns, the vocabulary (`vocabulary_sharding`: a column split
-           moves no bit; the lookup is exact, `table_rows`). More communication, but every dot
-           sees the whole contraction on every mesh.
+  gather   no contraction is ever split: the activation entering a row-parallel projection is
+           gathered whole (`whole`, a sharding constraint the model applies before every
+           row-parallel projection and after it, on the mesh the engine binds into each call's
+           gemma_jax.numerics.CallBundle), and
+           the row-parallel weights are split by their output columns instead, as the
+           column-parallel ones are (each output column is its own chain over the whole
+           contraction, wherever it is computed: a column split moves no bit), so each device
+           holds its share of them rather than all of them (the 1B's o_proj and down_proj are
+           0.95 GB: on model:8 a replica of them on every device was 7.6 GB). The output table
+           [D, V] (the embedding's one copy) is split by its columns, the vocabulary
+           (`vocabulary_sharding`; the lookup is exact, `table_rows`). More communication, but
+           every dot sees the whole contraction on every mesh.
 
 The KV state is sharded over KV heads ('model') where they divide, and over the batch
 ('data').
@@ -125,8 +130,8 @@ def partition_spec(name: str, shape: tuple[int, ...], model_size: int,
   spec: list[str | None] = [None] * len(shape)
   if module in _COLUMN:
     axis = len(shape) - 1
-  elif module in _ROW and layout == 'split':
-    axis = 0
+  elif module in _ROW:  # split: the contraction; gather: the outputs (the input whole)
+    axis = 0 if layout == 'split' else len(shape) - 1
   elif parts[-1] == 'input_embedding' and layout == 'split':
     axis = 0
   else:
@@ -156,9 +161,11 @@ def shard_params(params: Any, mesh: Mesh, layout: str = 'split') -> Any:
 
 
 def whole(x: jax.Array, mesh: Mesh | None) -> jax.Array:
-  """x [B, ...], about to be contracted by a row-parallel projection: whole on every device of
-  `mesh` (the 'gather' layout: the contraction is never split; sequences stay split over 'data'
-  where B divides), unchanged where mesh is None."""
+  """x [B, ...], about to be contracted by a row-parallel projection, or just made by one from
+  its weight's output columns: whole on every device of `mesh` (the 'gather' layout: the
+  contraction is never split, and the residual stream, whose norms reduce over its features,
+  never holds them split; sequences stay split over 'data' where B divides), unchanged where
+  mesh is None."""
   if mesh is None:
     return x
   batch = 'data' if x.shape[0] % mesh.shape['data'] == 0 else None

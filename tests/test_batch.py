@@ -114,6 +114,41 @@ def test_sampled_decoding_with_a_stop_rule_equals_alone():
               == sha256_bytes(eng.extend(alone.context, more, logits='all')[1]))
 
 
+def test_a_batch_stays_stacked_between_decodes_and_splits_only_when_a_slot_leaves(monkeypatch):
+  """Engine.batch: the slots' states are stacked once and stay stacked through two decodes
+  (no split, no stacking again); the decodes go on as one decode of each slot alone does, with
+  each piece's logits digest equal to the stream's; a slot leaving (context) gets its state,
+  equal to the stream's, and the others go on."""
+  eng = engine()
+  ctxs = [eng.extend(eng.empty(), tokens(n, 70 + n), logits=1)[0] for n in (5, 23, 11)]
+  calls = []
+  for name in ('_stack', '_unstack'):
+    real = getattr(Engine, name)
+    monkeypatch.setattr(Engine, name, staticmethod(
+        lambda *a, name=name, real=real: calls.append(name) or real(*a)))
+  limits = [[4, 2, 4], [3, 3, 0], [2, 0, 2]]  # slot 1 leaves after the second decode
+  batch = eng.batch(ctxs)
+  pieces = [batch.decode(limits[0]), batch.decode(limits[1])]
+  leaving = batch.context(1)
+  pieces.append(batch.decode(limits[2]))
+  assert calls == ['_stack']
+  leaves = lambda c: {k: sha256_bytes(v) for k, v in kvs.to_leaves(c.kv, eng.config.cache_layers)
+                      .items()}
+  for i, ctx in enumerate(ctxs):
+    alone = eng.decode(ctx, limits[0][i])
+    assert pieces[0][i] == (alone.tokens, alone.logits_sha256), i
+    for piece, limit in zip(pieces[1:], (limits[1][i], limits[2][i])):
+      if limit == 0:
+        assert piece[i][0] == [], i
+        continue
+      going_on, _ = eng.extend(alone.context, alone.tokens[-1:], logits='last')
+      alone = eng.decode(going_on, limit)
+      assert piece[i] == (alone.tokens, alone.logits_sha256), i
+      if i == 1:
+        assert leaving.tokens == alone.context.tokens
+        assert leaves(leaving) == leaves(alone.context)
+
+
 def test_one_slot_leaves_the_callers_context_valid():
   """The batched state is donated to the call: with one slot it must still be a copy (the
   benchmark's one-slot row reused its context and found its buffers deleted)."""

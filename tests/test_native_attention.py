@@ -157,6 +157,10 @@ RELATIVE = {
     'grouped heads': (6, 4, 1, 32, 96, 32, None, None, 1.0, 1.0, False),
     'window, soft-cap, scale': (9, 2, 2, 16, 64, 16, 20, 30.0, 8.0, 1.0, False),
     'partial rotary, a ring': (5, 2, 1, 32, 64, 16, 40, None, 1.0, 0.25, True),
+    # Tiles wider than a path's register tile, and a tile of odd size (the fused turning's
+    # vector and slot-by-slot tails); windows that start a tile's run past its first slot.
+    'wide tiles, a window': (70, 4, 1, 64, 256, 128, 100, None, 1.0, 1.0, False),
+    'a tile of odd size': (11, 2, 1, 8, 45, 15, 7, 30.0, 1.0, 1.0, False),
 }
 
 

@@ -21,6 +21,12 @@ def test_partition_specs_split_columns_rows_and_vocabulary():
   assert partition_spec('embedder/input_embedding', (262144, 640), 2) == P('model', None)
   assert partition_spec('layers/0/pre_attention_norm/scale', (640,), 2) == P()
   assert partition_spec('layers/0/attn/q_proj/w', (640, 4, 255), 2) == P()  # uneven: whole
+  # The gather layout never splits a contraction: row-parallel weights by their outputs.
+  gather = lambda name, shape: partition_spec(name, shape, 2, 'gather')
+  assert gather('layers/0/attn/o_proj/w', (4, 256, 640)) == P(None, None, 'model')
+  assert gather('layers/0/mlp/down_proj/w', (2048, 640)) == P(None, 'model')
+  assert gather('layers/0/attn/q_proj/w', (640, 4, 256)) == P(None, None, 'model')
+  assert gather('embedder/input_embedding', (262144, 640)) == P()  # the output table's own
 
 
 SCRIPT = '''

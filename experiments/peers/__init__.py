@@ -31,6 +31,23 @@ def embedded_float32(loaded) -> str | None:
   return None
 
 
+def ops(name: str, loaded, work) -> tuple[dict, object] | dict | None:
+  """A peer's timed operations (closures) and a function of their seconds (operation -> the
+  timed runs) giving its row, for experiments/bench.py to interleave with the other systems';
+  a skipped row where it cannot run; None for a peer measured only in a process of its own
+  (deepmind_gemma: `measure`)."""
+  reason = embedded_float32(loaded)
+  if reason:
+    return skipped(reason)
+  if name == 'hf_transformers':
+    return hf.ops(work)
+  if name.startswith('llama_cpp_'):
+    return llama_cpp.peer_ops(name.removeprefix('llama_cpp_'), work)
+  if name == 'deepmind_gemma':
+    return None
+  raise ValueError(f'unknown peer {name!r}; expected one of {NAMES}')
+
+
 def measure(name: str, loaded, work) -> dict:
   reason = embedded_float32(loaded)
   if reason:

@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import copy
 import os
+import statistics
 
 from experiments import common
 from experiments.peers.row import skipped
 from gemma_jax.weights import embedded_gguf_path
 
 
-def measure(loaded, work) -> dict:
-  del loaded
+def ops(work) -> tuple[dict, object] | dict:
+  """The timed operations (closures) and a function of their seconds (operation -> the timed
+  runs) giving the row; or the row of a skip where torch or transformers is missing.
+
+  prefill: the prompt from scratch; decode_prompt / decode_loop: the 32-token decode prompt
+  alone, and it then decode_tokens greedy steps on its cache (decode is their difference);
+  ttft_recompute: library + query; ttft_graft: the library's cache deep-copied, then the
+  query."""
   try:
     import torch  # optional (the test extra), and heavy
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -48,16 +55,30 @@ def measure(loaded, work) -> dict:
   def restored():
     return forward(work.query, past_key_values=copy.deepcopy(library_cache), use_cache=True)
 
-  prefill = common.median_seconds(lambda: forward(work.prompt, use_cache=False), work.repeats)
-  # The decode loop's time net of its 32-token prompt.
-  prompt_only = common.median_seconds(lambda: forward(work.decode_prompt, use_cache=False),
-                                      work.repeats)
-  loop = common.median_seconds(decode, work.repeats)
-  recompute = common.median_seconds(lambda: forward(work.library + work.query, use_cache=False),
-                                    work.repeats)
-  return {'prefill_tok_s': len(work.prompt) / prefill,
-          'decode_tok_s': work.decode_tokens / max(loop - prompt_only, 1e-9),
-          'ttft_recompute_s': recompute,
-          'ttft_graft_s': common.median_seconds(restored, work.repeats),
-          'ttft_graft_note': 'the library\'s DynamicCache deep-copied in memory, then the query',
-          'torch_threads': torch.get_num_threads()}
+  closures = {f'prefill_{len(work.prompt)}': lambda: forward(work.prompt, use_cache=False),
+              'decode_prompt': lambda: forward(work.decode_prompt, use_cache=False),
+              'decode_loop': decode,
+              'ttft_recompute': lambda: forward(work.library + work.query, use_cache=False),
+              'ttft_graft': restored}
+
+  def row(times: dict) -> dict:
+    median = {name: statistics.median(t) for name, t in times.items()}
+    return {'prefill_tok_s': len(work.prompt) / median[f'prefill_{len(work.prompt)}'],
+            # The decode loop's time net of its 32-token prompt.
+            'decode_tok_s': work.decode_tokens / max(median['decode_loop']
+                                                     - median['decode_prompt'], 1e-9),
+            'ttft_recompute_s': median['ttft_recompute'], 'ttft_graft_s': median['ttft_graft'],
+            'ttft_graft_note': 'the library\'s DynamicCache deep-copied in memory, then the query',
+            'torch_threads': torch.get_num_threads()}
+
+  return closures, row
+
+
+def measure(loaded, work) -> dict:
+  """The row of HF alone (its operations timed one after another, medians of work.repeats)."""
+  del loaded
+  made = ops(work)
+  if isinstance(made, dict):
+    return made
+  closures, row = made
+  return row({name: [common.median_seconds(fn, work.repeats)] for name, fn in closures.items()})

@@ -211,18 +211,40 @@ def gguf_for(variant: str) -> str | None:
   return path
 
 
-def measure_peer(variant: str, work) -> dict:
-  """The benchmark's row for the embedded GGUF as shipped ('q4_k_m') or written unquantized
-  ('f32', 'f16')."""
+def peer_ops(variant: str, work) -> tuple[dict, object] | dict:
+  """The benchmark's timed operations for the embedded GGUF as shipped ('q4_k_m') or written
+  unquantized ('f32', 'f16'), and a function of their seconds (operation -> the timed runs)
+  giving its row; or the row of a skip where llama-cpp-python is missing."""
   path = gguf_for(variant)
   if path is None:
     return skipped('llama-cpp-python is not installed: pip install -e ".[bench]" (it compiles '
                    'llama.cpp, about 20 minutes on two cores)')
-  row = measure(path, work.prompt, work.decode_tokens, work.library, work.query, work.repeats)
-  return {'prefill_tok_s': row['prefill_tokens_per_s'], 'decode_tok_s': row['decode_tokens_per_s'],
-          'ttft_recompute_s': row['ttft_recompute_s'], 'ttft_graft_s': row['ttft_restored_s'],
-          'ttft_graft_note': 'llm.load_state of the library\'s saved state, then the query',
-          'details': {k: v for k, v in row.items() if k != 'runs_s'}}
+  closures, info = ops(path, work.prompt, work.decode_tokens, work.library, work.query)
+  info['repeats'] = work.repeats
+  for fn in closures.values():  # WARMUP untimed runs in all: one here, one by the caller's
+    for _ in range(WARMUP - 1):  # warm-up (experiments/interleaved.py)
+      fn()
+
+  def row(times: dict) -> dict:
+    measured = summarize(times, info, len(work.prompt), work.decode_tokens)
+    return {'prefill_tok_s': measured['prefill_tokens_per_s'],
+            'decode_tok_s': measured['decode_tokens_per_s'],
+            'ttft_recompute_s': measured['ttft_recompute_s'],
+            'ttft_graft_s': measured['ttft_restored_s'],
+            'ttft_graft_note': 'llm.load_state of the library\'s saved state, then the query',
+            'details': {k: v for k, v in measured.items() if k != 'runs_s'}}
+
+  return closures, row
+
+
+def measure_peer(variant: str, work) -> dict:
+  """The benchmark's row for one GGUF variant alone (peer_ops timed one operation after
+  another: time_ops)."""
+  made = peer_ops(variant, work)
+  if isinstance(made, dict):
+    return made
+  closures, row = made
+  return row(time_ops(closures, work.repeats))
 
 
 def measure(gguf_path: str, prompt_ids: list[int], decode_tokens: int, library_ids: list[int],

@@ -32,8 +32,9 @@ from gemma_jax.model import Params
 from gemma_jax.stored import Weight
 from gemma_jax.weights import LoadedModel
 from graft.engine import fingerprint, placement, plans
+from graft.engine.batch import Batch
 from graft.engine.config import EngineConfig, resolve_engine_config
-from graft.engine.context import Context, Decoded, call_inputs, sample
+from graft.engine.context import Context, Decoded, Place, call_inputs, sample
 from graft.engine.shared import shared
 
 
@@ -321,7 +322,7 @@ class Engine:
       kv = jax.device_put(kv, sharding.kv_shardings(kv, self.mesh))
     return Context(kv=kv, tokens=tokens, next_position=start_position + len(tokens))
 
-  def _check_tokens(self, ctx: Context, tokens: Sequence[int]) -> list[int]:
+  def _check_tokens(self, ctx: Place, tokens: Sequence[int]) -> list[int]:
     """`tokens` as ints, checked to extend `ctx` (`_check_fit`) and not empty."""
     if not len(tokens):
       raise ValueError('nothing to process: the token list is empty')
@@ -449,8 +450,8 @@ class Engine:
     parts = [jnp.split(x, n, axis=0) for x in leaves]
     return [jax.tree.unflatten(tree, [p[i] for p in parts]) for i in range(n)]
 
-  def _extend_stacked(self, kv, ctxs: Sequence[Context], tokens: list[list[int]],
-                      wanted: list[int]):
+  def _extend_stacked(self, kv: kvs.KVState, ctxs: Sequence[Place], tokens: list[list[int]],
+                      wanted: list[int]) -> tuple[kvs.KVState, list[list[np.ndarray]]]:
     """extend_batch on a stacked state (donated), in the batch calls the plan cuts the request
     into (`Plan.batch_calls`): -> (the new stacked state, each slot's list of logits rows).
     Only the contexts' lengths and positions are read."""
@@ -479,8 +480,8 @@ class Engine:
         out[i].append(row)
     return kv, out
 
-  def _extend_slots_alone(self, kv, ctxs: Sequence[Context], tokens: list[list[int]],
-                          wanted: list[int]):
+  def _extend_slots_alone(self, kv: kvs.KVState, ctxs: Sequence[Place], tokens: list[list[int]],
+                          wanted: list[int]) -> tuple[kvs.KVState, list[list[np.ndarray]]]:
     """`_extend_stacked` slot by slot through `extend` on the slot's part of the stacked state
     (the single-stream calls: no executable of their own)."""
     parts, out = [], []
@@ -495,10 +496,19 @@ class Engine:
       out.append(rows)
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts), out
 
+  def batch(self, ctxs: Sequence[Context]) -> Batch:
+    """The contexts on one stacked KV state, a batch slot each, to decode together and keep
+    stacked between calls (graft.engine.batch.Batch: the state is split only when a slot
+    leaves)."""
+    return Batch(self, ctxs)
+
   def generate_batch(self, ctxs: Sequence[Context], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations of N contexts (each with its last logits), decoded together one
-    token per slot per call (the tokens each context gets alone: see `decode_batch`)."""
-    return [d.tokens for d in self.decode_batch(ctxs, [max_new_tokens] * len(ctxs))]
+    token per slot per call (the tokens each context gets alone: see `decode_batch`); the
+    contexts are not split back (`batch` keeps them for a caller that goes on)."""
+    if len(ctxs) == 1:
+      return [self.decode(ctxs[0], max_new_tokens).tokens]
+    return [t for t, _ in self.batch(ctxs).decode([max_new_tokens] * len(ctxs), digests=False)]
 
   def decode_batch(self, ctxs: Sequence[Context], max_new_tokens: Sequence[int], *,
                    temperatures: Sequence[float] | None = None,
@@ -507,45 +517,23 @@ class Engine:
     """`decode` of N contexts together on one stacked state, a batch slot each: slot i gets
     exactly what decode(ctxs[i], max_new_tokens[i], temperature=temperatures[i],
     seed=seeds[i], stop=stop) gets alone (tokens, logits digest, context), by extend_batch's
-    slot invariance. A slot that has finished stays idle until every slot has."""
+    slot invariance. A slot that has finished stays idle until every slot has; the contexts
+    are split back once at the end (`batch` keeps them stacked for a caller that goes on)."""
     n = len(ctxs)
-    temperatures = list(temperatures) if temperatures is not None else [0.0] * n
-    seeds = list(seeds) if seeds is not None else [0] * n
-    if not len(max_new_tokens) == len(temperatures) == len(seeds) == n:
-      raise ValueError(f'{n} contexts need {n} token limits, temperatures and seeds')
-    logits = [_last_logits(c) for c in ctxs]
-    self._check_batch(ctxs, [[] for _ in ctxs], None)
     if n == 1:  # one slot: the single stream's calls (its logits fused into the step)
-      return [self.decode(ctxs[0], max_new_tokens[0], temperature=temperatures[0],
-                          seed=seeds[0], stop=stop)]
-    rngs = [np.random.default_rng(s) for s in seeds]
-    digests = [hashlib.sha256() for _ in ctxs]
-    new: list[list[int]] = [[] for _ in ctxs]
-    done = [m < 1 for m in max_new_tokens]
-    kv, state = None, list(ctxs)
-    while True:
-      for i in range(n):
-        if not done[i]:
-          digests[i].update(np.ascontiguousarray(logits[i], np.float32).tobytes())
-          new[i].append(sample(logits[i], temperatures[i], rngs[i]))
-          done[i] = (len(new[i]) >= max_new_tokens[i]
-                     or (stop is not None and stop(new[i])))
-      if all(done):
-        break
-      step = [[] if d else self._check_tokens(c, t[-1:]) for d, c, t in zip(done, state, new)]
-      kv = self._stack(ctxs) if kv is None else kv
-      kv, rows = self._extend_stacked(kv, state, step, [len(t) for t in step])
-      self._check_weights()
-      # (the slots' states live in the stacked kv: only lengths and positions are read here)
-      state = [dataclasses.replace(c, tokens=c.tokens + tuple(t),
-                                   next_position=c.next_position + len(t), last_logits=None)
-               for c, t in zip(state, step)]
-      logits = [r[-1] if r else l for r, l in zip(rows, logits)]
-    slots = [c.kv for c in ctxs] if kv is None else self._unstack(kv, n)
-    return [Decoded(context=Context(kv=slots[i], tokens=state[i].tokens,
-                                    next_position=state[i].next_position,
-                                    last_logits=logits[i]),
-                    tokens=new[i], logits_sha256=digests[i].hexdigest()) for i in range(n)]
+      if temperatures is not None and len(temperatures) != 1 or seeds is not None and len(
+          seeds) != 1 or len(max_new_tokens) != 1:
+        raise ValueError('1 context needs 1 token limit, temperature and seed')
+      if ctxs[0].last_logits is None:
+        raise ValueError('every context needs logits at its last token')
+      self._check_batch(ctxs, [[]], None)
+      return [self.decode(ctxs[0], max_new_tokens[0],
+                          temperature=temperatures[0] if temperatures else 0.0,
+                          seed=seeds[0] if seeds else 0, stop=stop)]
+    batch = self.batch(ctxs)
+    drawn = batch.decode(max_new_tokens, temperatures=temperatures, seeds=seeds, stop=stop)
+    return [Decoded(context=c, tokens=t, logits_sha256=h or '')  # (digests: every h is made)
+            for c, (t, h) in zip(batch.contexts(), drawn)]
 
   def generate(self, ctx: Context, max_new_tokens: int, *, temperature: float = 0.0,
                seed: int = 0, stop_at_eos: bool = True) -> tuple[Context, list[int]]:

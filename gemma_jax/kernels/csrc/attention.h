@@ -334,6 +334,89 @@ inline void TurnTile(const Attend& a, const float* keys_t, const int32_t* kp, bo
   }
 }
 
+// The scores of rows against one tile's keys turned for a query at position qp, the turning
+// fused into the score chains (no turned tile is written and read back): for a tile of
+// consecutive positions kp[c] = kp0 + c whose seen slots are one run [lo, hi) at offsets
+// d = qp - kp0 - c (TurnTile's usual case), the turned key of slot c, term k, is computed where
+// the chain needs it, with the operations and roundings TurnTile writes, then chained as Panel
+// chains it. Slot c reads the table at cos + c (a run from the first seen slot's entry), so the
+// slots outside [lo, hi), which no row here sees, read other finite entries of the table, and
+// their scores, masked, are whatever they come to (as TurnTile leaves them). `cos`, `sin`: the
+// table's entries of pair 0 at slot 0 (pair i at + i * size).
+struct TurnedTile {
+  const float* keys_t;  // [H, tile]
+  const float* cos;
+  const float* sin;
+  int64_t size, half, tile;
+};
+
+// Term k of the turned keys of slots [c, c + lanes): pair i = k mod H/2, (k1, k2) its two
+// halves, k1 c - k2 (-s) for k < H/2, k2 c + k1 (-s) past it (each product rounded; TurnTile).
+template <class W>
+inline typename W::T TurnedTerm(const TurnedTile& t, int64_t k, int64_t c) {
+  const int64_t i = k < t.half ? k : k - t.half;
+  const auto x1 = W::load(t.keys_t + i * t.tile + c);
+  const auto x2 = W::load(t.keys_t + (i + t.half) * t.tile + c);
+  const auto co = W::load(t.cos + i * t.size + c), si = W::load(t.sin + i * t.size + c);
+  return k < t.half ? W::add(W::mul(x1, co), W::mul(x2, si))
+                    : W::sub(W::mul(x2, co), W::mul(x1, si));
+}
+
+// Panel's Tile with B the turned keys: MR rows by NV vectors of slots, one chunk at a time.
+template <class V, int MR, int NV>
+inline void TurnedScoresTile(const Problem& p, const TurnedTile& t, int64_t row0, int64_t col0) {
+  using T = typename V::T;
+  const float* a = p.a + row0 * p.lda;
+  float* o = p.o + row0 * p.ldo + col0;
+  for (int64_t k0 = 0; k0 < p.terms; k0 += p.chunk) {
+    T acc[MR][NV];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NV; ++j) acc[i][j] = V::zero();
+    for (int64_t k = k0; k < k0 + p.chunk; ++k) {
+      T bv[NV];
+      for (int j = 0; j < NV; ++j) bv[j] = TurnedTerm<V>(t, k, col0 + j * V::kLanes);
+      for (int i = 0; i < MR; ++i) {
+        const T av = V::splat(a[i * p.lda + k]);
+        for (int j = 0; j < NV; ++j) acc[i][j] = V::fma(av, bv[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NV; ++j) {
+        float* out = o + i * p.ldo + j * V::kLanes;
+        V::store(out, k0 == 0 ? acc[i][j] : V::add(V::load(out), acc[i][j]));
+      }
+  }
+}
+
+template <class V, int NV>
+inline void TurnedScoresRows(const Problem& p, const TurnedTile& t, int64_t rows, int64_t col0) {
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4) TurnedScoresTile<V, 4, NV>(p, t, i, col0);
+  for (; i + 2 <= rows; i += 2) TurnedScoresTile<V, 2, NV>(p, t, i, col0);
+  for (; i < rows; ++i) TurnedScoresTile<V, 1, NV>(p, t, i, col0);
+}
+
+// Panel(p, 0, rows, 0, tile) on the turned keys: vectors of slots, then the tail slot by slot
+// (ScalarColumn's chains, the term turned by Scalar's operations: the same roundings).
+template <class V>
+inline void TurnedScores(const Problem& p, const TurnedTile& t, int64_t rows) {
+  constexpr int NV = V::kVectors;
+  int64_t c = 0;
+  for (; c + NV * V::kLanes <= t.tile; c += NV * V::kLanes) TurnedScoresRows<V, NV>(p, t, rows, c);
+  for (; c + V::kLanes <= t.tile; c += V::kLanes) TurnedScoresRows<V, 1>(p, t, rows, c);
+  for (; c < t.tile; ++c)
+    for (int64_t i = 0; i < rows; ++i) {
+      float out = 0.0f;
+      for (int64_t k0 = 0; k0 < p.terms; k0 += p.chunk) {
+        float acc = 0.0f;
+        for (int64_t k = k0; k < k0 + p.chunk; ++k)
+          acc = Fma(p.a[i * p.lda + k], TurnedTerm<Scalar>(t, k, c), acc);
+        out = k0 == 0 ? acc : out + acc;
+      }
+      p.o[i * p.ldo + c] = out;
+    }
+}
+
 // Rows [r0, r0 + rows) of group g = b K + k (row r: token r / G, query head k G + r % G).
 // tiles: the tiles some of these rows may see, ascending (the others hold nothing they see).
 template <class V>
@@ -364,7 +447,22 @@ inline void AttendRows(const Attend& a, int64_t group, int64_t r0, int64_t rows,
     bool consecutive = kp[0] >= 0;
     for (int64_t c = 1; consecutive && c < tile; ++c) consecutive = kp[c] == kp[0] + c;
     for (int64_t i = 0; i < rows; i += g) {
-      TurnTile<V>(a, keys, kp, consecutive, a.qpos[b * a.tokens + row_of(i).first], w);
+      const int32_t qp = a.qpos[b * a.tokens + row_of(i).first];
+      const int64_t d0 = static_cast<int64_t>(qp) - kp[0];  // slot 0's offset
+      // The usual case, fused (TurnedScores): consecutive slots whose seen ones are one run of
+      // offsets inside the table (TurnTile's first case, with at least one seen slot).
+      const int64_t lo = a.window == 0 ? 0 : std::max<int64_t>(0, d0 - a.window + 1);
+      if (consecutive && d0 >= 0 && d0 < s_len && lo < std::min<int64_t>(tile, d0 + 1)) {
+        const OffsetTable& table = *a.offsets;
+        const int64_t first = table.at(0, d0 - lo) - lo;  // slot c reads entry first + c
+        const TurnedTile t{keys, table.cos.data() + first, table.sin.data() + first, table.size,
+                           h / 2, tile};
+        Problem p{w.q + i * h, h, nullptr, tile, w.scores + i * s_len + tj * tile, s_len,
+                  g, h, tile, a.chunk};
+        TurnedScores<V>(p, t, g);
+        continue;
+      }
+      TurnTile<V>(a, keys, kp, consecutive, qp, w);
       Problem p{w.q + i * h, h, w.turned, tile, w.scores + i * s_len + tj * tile, s_len,
                 g, h, tile, a.chunk};
       Panel<V, V::kVectors>(p, 0, g, 0, tile);
