@@ -16,12 +16,11 @@ import glob
 import json
 import tempfile
 
-import jax
 from absl import logging
 
 from gemma_jax import sharding, weights
 from graft import exactness
-from graft.engine import Engine, EngineConfig, fingerprint, plans
+from graft.engine import Engine, EngineConfig, fingerprint
 from graft.knowledge.flywheel import Asker  # the decoding a flywheel run used
 from graft.engine.fingerprint import differences
 
@@ -76,16 +75,18 @@ def select(pattern: str) -> str:
 def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Engine]:
   """Two separately constructed engines of the manifest's model and configuration, after
   checking that this machine loads the same model. A spec manifest's engine runs under this
-  process's XLA_FLAGS and on this machine's kernels (`kernels_here`), or on `dot_library` where
-  one is asked for: neither decides a bit there (the self-check says whether this machine
+  process's XLA_FLAGS and on this machine's kernels (the spec engine's default dot library), or
+  on `dot_library` where one is asked for: neither decides a bit there (the self-check says whether this machine
   computes the spec under them), so the dots it was made on do not matter."""
   config = manifest['config']
   loaded = weights.load(config['model'], config['weights'], config['dtype'])
   # Manifests made before the config was named EngineConfig hold it under 'pinned'.
   engine_config = EngineConfig.from_dict(config.get('engine_config') or config['pinned'])
   if machine_independent(manifest):
+    # This process's flags, and the dot library asked for or else this machine's default (the
+    # spec's own kernels where they build: resolve_engine_config decides it, as for any engine).
     engine_config = dataclasses.replace(engine_config, xla_flags=sharding.xla_flags(),
-                                        dot_library=dot_library or kernels_here())
+                                        dot_library=dot_library)
   elif dot_library:
     raise ValueError(f'dot library {dot_library!r}: only a spec manifest replays with another '
                      'dot library (the others\' bits follow it)')
@@ -112,21 +113,6 @@ def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Eng
   if environment:
     logging.warning('engine environment differs from the manifest: %s', '; '.join(environment))
   return engine, writer
-
-
-def kernels_here() -> str:
-  """The dot library a spec manifest replays on here: the spec's own kernels (the native ones on
-  a CPU, whose executables every other spec engine of this process shares; the Pallas kernel on
-  an accelerator), or Eigen's dots where the native kernels cannot be built (said in one line;
-  the self-check then decides)."""
-  if jax.default_backend() != 'cpu':
-    return 'pallas'
-  reason = plans.native_unavailable()
-  if reason:
-    logging.warning("this machine cannot build the native kernels (%s): replaying on Eigen's "
-                    'dots', reason.rstrip('.'))
-    return 'eigen'
-  return 'native'
 
 
 def records(manifest: dict) -> list[dict]:

@@ -557,7 +557,7 @@ def kernel_library(platform: str | None = None) -> str | None:
     return 'pallas'
   reason = native_unavailable()
   if reason:
-    _warn_once(reason)
+    _warn_once(f"{reason.rstrip('.')}: computing on Eigen's dots (the self-check decides)")
     return None
   return 'native'
 
