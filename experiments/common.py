@@ -115,7 +115,7 @@ def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096
   flags.DEFINE_integer('rows_per_call', None,
                        'pinned: the most token rows per transformer call (default 256); '
                        'blocked: the rows of every call (default 16).', lower_bound=1)
-  flags.DEFINE_alias('block_size', 'rows_per_call')
+  flags.DEFINE_alias('block_size', 'rows_per_call')  # the old name: retire in 0.2.0
   flags.DEFINE_integer('cache_len', cache_len, 'KV slots: the most tokens a context holds'
                        + (' (0: as many as the run needs).' if cache_len == 0 else '.'),
                        lower_bound=0 if cache_len == 0 else 1)
@@ -125,7 +125,7 @@ def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096
                       'model:2,data:2 (on a CPU host the device count is set from it).')
   flags.DEFINE_enum('mesh_layout', 'gather', list(sharding.LAYOUTS),
                     'Mesh layout: gather (no contraction split) or split (Megatron).')
-  flags.DEFINE_alias('layout', 'mesh_layout')
+  flags.DEFINE_alias('layout', 'mesh_layout')  # the old name: retire in 0.2.0
   flags.DEFINE_string('coordinator', None, 'host:port of the jax.distributed coordination '
                       'service (process 0 runs it): this process joins a run of several, and '
                       '--mesh spans every process\'s devices.')
