@@ -52,7 +52,7 @@ def define_flags() -> None:
   common.define_model_flags('tiny_gemma3', 'random:0')  # tiny: thousands of trials in minutes
   flags.DEFINE_integer('rows_per_call', 8, 'Token rows per call of the pinned engine.',
                        lower_bound=1)
-  flags.DEFINE_alias('block_size', 'rows_per_call')
+  flags.DEFINE_alias('block_size', 'rows_per_call')  # the old name: retire in 0.2.0
   flags.DEFINE_integer('cache_len', 512, 'KV slots.', lower_bound=1)
 
 
