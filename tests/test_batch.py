@@ -132,7 +132,7 @@ def test_a_batch_stays_stacked_between_decodes_and_splits_only_when_a_slot_leave
   leaving = batch.context(1)
   pieces.append(batch.decode(limits[2]))
   assert calls == ['_stack']
-  leaves = lambda c: {k: sha256_bytes(v) for k, v in kvs.to_leaves(c.kv, eng.config.cache_layers)
+  leaves = lambda c: {k: sha256_bytes(v) for k, v in kvs.to_leaves(c.kv, eng.model_config.cache_layers)
                       .items()}
   for i, ctx in enumerate(ctxs):
     alone = eng.decode(ctx, limits[0][i])

@@ -171,7 +171,7 @@ def export_engine(config: TransformerConfig, engine_config: EngineConfig, platfo
     engine_config = dataclasses.replace(engine_config, attention=attention)
   engine = abstract_engine(config, engine_config, platform, dtype=dtype)
   args = abstract_inputs(engine)
-  return {name: jax.export.export(fn, platforms=[platform],
+  return {name: jax.export.export(fn.jitted, platforms=[platform],
                                   disabled_checks=list(disabled_checks))(*args[name])
           for name, fn in _functions(engine).items()}
 
