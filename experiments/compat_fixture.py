@@ -9,6 +9,7 @@ refused with the version named). The fixture holds:
 
     artifact/       graft.store.artifact.save of the context `tokens`
     store/          a file:// store holding `tokens` (graft.store.Store.put)
+    weights.safetensors  the model's parameters (a later release may draw random:0 otherwise)
     fixture.json    the engine config, tokens, query, the SHA-256 of the fresh logits of
                     tokens + query, the fingerprints and the commit that made it
 """
@@ -23,6 +24,7 @@ import numpy as np
 
 from experiments import common
 from gemma_jax import weights
+from gemma_jax.checkpoints import safetensors_io
 from gemma_jax.compare import sha256_bytes
 from graft.engine import Engine, EngineConfig
 from graft.store import Store, artifact
@@ -60,6 +62,8 @@ def main(argv):
   os.makedirs(staging)
   artifact.save(os.path.join(staging, 'artifact'), engine, ctx)
   Store(f'file://{os.path.abspath(staging)}/store/', engine).put(context)
+  safetensors_io.save_safetensors(engine.loaded.params, engine.model_config,
+                                  os.path.join(staging, 'weights.safetensors'))
   record = {'model': MODEL, 'weights': WEIGHTS, 'engine_config': ENGINE, 'tokens': context,
             'query': query, 'fresh_logits_sha256': sha256_bytes(fresh),
             'model_fingerprint': engine.model_fingerprint['sha256'],

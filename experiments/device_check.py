@@ -138,7 +138,11 @@ def mesh_steps(mesh: str, samples: int, model_flags: tuple[str, ...] = ()) -> di
                             f'--samples={samples}', f'--output={output}'])
     if os.path.exists(output):
       with open(output) as f:
-        step['runs'] = [{k: v for k, v in r.items() if k != 'rows'} for r in json.load(f)['runs']]
+        # Each run's counts, and the reason its first carried artifact was refused (if it was).
+        step['runs'] = [{**{k: v for k, v in r.items() if k != 'rows'},
+                         'first_refusal': next((row['carried_refused'] for row in r['rows']
+                                                if 'carried_refused' in row), None)}
+                        for r in json.load(f)['runs']]
       os.unlink(output)
     steps[f'mesh_exactness_{engine}'] = step
   return steps

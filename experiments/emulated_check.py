@@ -3,6 +3,7 @@ and in every process configuration of this one.
 
   python -m experiments.emulated_check                  # an AMD EPYC-Rome (Zen 2: AVX2, FMA)
   python -m experiments.emulated_check --cpu=Haswell --replay_limit=4
+  python -m experiments.emulated_check --cpu=SandyBridge --dot_libraries=native --flywheel_limit=4
   python -m experiments.emulated_check --cpu= --configurations=devices:8,threads:1,isa:SSE4_2
   QEMU_LD_PREFIX=ROOT CXX=aarch64-linux-gnu-g++ python -m experiments.emulated_check \
       --qemu=qemu-aarch64 --cpu=max --python=ROOT/usr/bin/python3.11 --dot_libraries=native
@@ -12,13 +13,19 @@ Debian package qemu-user; 7.2 or later emulates AVX2 and FMA):
 
 1. a probe, here and emulated: the CPU XLA compiles for (the LLVM target in the IR of a small
    jitted function) and the bits of XLA's reciprocal square root against the spec's 1 / sqrt.
-   A different target and different rsqrt bits show the emulated machine is not this one;
+   A different target and different rsqrt bits show the emulated machine is not this one. It
+   also hashes the inputs the spec's bits rest on: the random:0 weights of the tiny models
+   (gemma_jax.seeded) and the draws of a sampled decode from fixed logits (gemma_jax.sampling),
+   which must hash the same there as here;
 2. experiments.spec_check on tiny Gemma 2, 3, 4 and 3-wide (chained projections) past their
    sliding windows, with each of --dot_libraries: XLA's own dots (eigen), the spec engine's
    native kernels (native), the spec dot kernel in Pallas's interpret mode (pallas); each also
    here, and its digest compared with the emulated one's;
 3. with --replay_limit, experiments.replay of the first records of the committed spec CI
-   manifest (made on a real CPU; the embedded 270M, self-check included), with each;
+   manifest (made on a real CPU; the embedded 270M, self-check included), with each; with
+   --flywheel_limit, of the first records of a committed flywheel manifest whose answers were
+   sampled at a temperature (--flywheel_manifest: tiny Gemma 3 on random:0 weights), emulated
+   on the native kernels;
 4. with --configurations, the same spec_checks (and --config_models, the 270M among them) run
    natively in processes of other configurations: `devices:N` host devices, `threads:1` (one
    core of the affinity mask), `isa:X` (XLA_FLAGS=--xla_cpu_max_isa=X); --cpu= (empty) skips
@@ -30,7 +37,8 @@ Each spec_check or replay ends `equal` (the spec's bits, the manifest's hashes) 
 (the engine's self-check named the probes this machine does not compute as the spec says);
 `differs` would be a silent difference, which the design rules out. The check passes when the
 machine is another one, every step is equal or refused, every emulated spec_check that is equal
-has this machine's digest, and the spec dot kernel is equal. Under QEMU's x86 emulator the
+has this machine's digest, the random weights and the draws hash as here, and the spec dot
+kernel is equal. Under QEMU's x86 emulator the
 self-checks skip the flush-to-zero edge (QEMU flushes before rounding there, x86 after:
 `skip_env`); under its aarch64 emulator they probe it.
 
@@ -60,7 +68,7 @@ import jax
 import numpy as np
 
 from experiments import common
-from gemma_jax import numerics
+from gemma_jax import numerics, sampling, weights
 from gemma_jax.kernels import native_build, native_dot
 from gemma_jax.spec import binary32, functions, selfcheck
 from graft.engine import fingerprint
@@ -68,6 +76,10 @@ from graft.engine import fingerprint
 FLAGS = flags.FLAGS
 
 CI_MANIFEST = 'manifests/ci_gemma3_270m_float32.json'
+# Sampled answers (temperature 0.7) of tiny Gemma 3 on random:0 weights, made on a real CPU.
+FLYWHEEL_MANIFEST = 'manifests/flywheel_tiny_gemma3_sampled.json'
+# Fixed logits of the sampling probe: 4,096 values from -8 to 23.2 (tests/test_sampling.py).
+SAMPLING_LOGITS = (np.arange(4096, dtype=np.int64) * 7919 % 1000).astype(np.float32) / 32 - 8
 # XLA's own dots (Eigen); the spec engine's native kernels and the spec dot kernel in Pallas's
 # interpret mode, both sequential FMA chains by construction (gemma_jax/kernels).
 DOT_LIBRARIES = ('eigen', 'native', 'pallas')
@@ -95,6 +107,10 @@ def define_flags() -> None:
                        'library (0: none; one record of the 270M took 7 min on the native kernels '
                        'under EPYC-Rome, and did not finish in 70 min on the Pallas kernel).',
                        lower_bound=0)
+  flags.DEFINE_string('flywheel_manifest', FLYWHEEL_MANIFEST, 'A flywheel manifest of sampled '
+                      'answers to replay emulated on the native kernels.')
+  flags.DEFINE_integer('flywheel_limit', 0, 'Records of --flywheel_manifest to replay (0: none).',
+                       lower_bound=0)
   flags.DEFINE_integer('step_timeout', 7200, 'Seconds a step may take before it is recorded as '
                        'timed out.', lower_bound=1)
   flags.DEFINE_string('probe_only', None, 'Run only the probe, with XLA dumping to this folder, '
@@ -106,11 +122,15 @@ def probe(dump: str) -> dict:
   """What XLA compiles for in this process (run with --xla_dump_to=`dump`), and the bits of its
   reciprocal square root and of the spec engine's (1 / sqrt, gemma_jax.numerics.Spec) on
   163,840 inputs, and whether the latter is the interpreter's, and the flush-to-zero edge's
-  probes: {"llvm_target_cpu", "avx512", "underflow_edge_failures" (with XLA's dots),
-  "underflow_edge_failures_native" (with the native kernels), "flush_in_code",
-  "xla_rsqrt_sha256", "spec_rsqrt_sha256", "spec_rsqrt_is_the_spec"}."""
+  probes, and the inputs' hashes: {"llvm_target_cpu", "avx512", "underflow_edge_failures"
+  (with XLA's dots), "underflow_edge_failures_native" (with the native kernels),
+  "flush_in_code", "xla_rsqrt_sha256", "spec_rsqrt_sha256", "spec_rsqrt_is_the_spec",
+  "random_weights_sha256" (each tiny model's random:0 params_sha256), "sampling_sha256"}."""
   rng = np.random.default_rng(0)
-  x = rng.uniform(0.01, 100.0, (256, 640)).astype(np.float32)
+  # Integers to binary32 (one correctly rounded conversion), then a power of two: exact, the
+  # same inputs on every machine (a float64 uniform's multiply-add may be fused by a compiler).
+  x = (rng.integers(10_486, 104_857_600, (256, 640)).astype(np.float32)
+       * np.float32(2.0 ** -20))
   xla = np.asarray(jax.jit(jax.lax.rsqrt)(x))
   spec = np.asarray(jax.jit(lambda v, zero: numerics.Spec().with_zero(zero).rsqrt(v))(
       x, np.uint32(0)))
@@ -131,7 +151,19 @@ def probe(dump: str) -> dict:
           'underflow_edge_failures': underflow, 'underflow_edge_failures_native': native,
           'flush_in_code': numerics.flush_in_code(),
           'xla_rsqrt_sha256': sha(xla), 'spec_rsqrt_sha256': sha(spec),
-          'spec_rsqrt_is_the_spec': sha(spec) == sha(functions.rsqrt(binary32.OPS, x))}
+          'spec_rsqrt_is_the_spec': sha(spec) == sha(functions.rsqrt(binary32.OPS, x)),
+          'random_weights_sha256': {m: weights.load(m, 'random:0', 'float32').params_sha256
+                                    for m in TINY_MODELS},
+          'sampling_sha256': sampling_digest()}
+
+
+def sampling_digest() -> str:
+  """SHA-256 of the integer weights of SAMPLING_LOGITS at temperature 0.7 and of the 64 tokens a
+  decode seeded 3 draws from them (gemma_jax.sampling)."""
+  h = hashlib.sha256(sampling.weights(SAMPLING_LOGITS, 0.7).astype('<i8').tobytes())
+  h.update(np.asarray([sampling.draw(SAMPLING_LOGITS, 0.7, 3, j) for j in range(64)],
+                      '<i8').tobytes())
+  return h.hexdigest()
 
 
 def probe_step(command: list[str], timeout: int = 7200, env: dict | None = None) -> dict:
@@ -253,6 +285,14 @@ def main(argv):
       step['outcome'] = outcome(step)
       steps[f'replay_ci_manifest_{library}'] = step
       print(f'replay {library}: {step["outcome"]}, {step["seconds"]:.0f} s', flush=True)
+    if FLAGS.flywheel_limit:
+      step = common.run_step(
+          emulate + ['-m', 'experiments.replay', f'--manifest={FLAGS.flywheel_manifest}',
+                     f'--limit={FLAGS.flywheel_limit}', '--dot_library=native'],
+          timeout=FLAGS.step_timeout, env=emulated_env)
+      step['outcome'] = outcome(step)
+      steps['replay_flywheel_manifest_native'] = step
+      print(f'replay of sampled answers: {step["outcome"]}, {step["seconds"]:.0f} s', flush=True)
   for name, (prefix, config_env) in configurations.items():
     for model in FLAGS.config_models:
       for library in FLAGS.dot_libraries:
@@ -274,6 +314,11 @@ def main(argv):
           here['xla_rsqrt_sha256'] != there['xla_rsqrt_sha256'])),
       'spec_rsqrt_equal': bool(here and there and
                                here['spec_rsqrt_sha256'] == there['spec_rsqrt_sha256']),
+      # The inputs: random:0 weights and sampled draws, the same bits there as here.
+      'random_weights_equal': bool(here and there and here['random_weights_sha256']
+                                   == there['random_weights_sha256']),
+      'sampling_equal': bool(here and there and
+                             here['sampling_sha256'] == there['sampling_sha256']),
       'outcomes': {o: checks.count(o) for o in sorted(set(checks))},
       # Each emulated spec_check's digest against the same run here (both equal to the spec).
       'digests_equal_here': {name[len('spec_check_'):]: digest_equal(steps[name], step)
@@ -283,7 +328,9 @@ def main(argv):
   }
   # Exact or refused, never different; and the kernels that are FMA chains by construction
   # exact everywhere.
-  report['ok'] = ((not FLAGS.cpu or (report['another_machine'] and report['spec_rsqrt_equal']))
+  report['ok'] = ((not FLAGS.cpu or (report['another_machine'] and report['spec_rsqrt_equal']
+                                     and report['random_weights_equal']
+                                     and report['sampling_equal']))
                   and all(o in ('equal', 'refused') for o in checks)
                   and all(equal for name, equal in report['digests_equal_here'].items()
                           if steps[f'spec_check_{name}']['outcome'] == 'equal')
@@ -300,12 +347,15 @@ def main(argv):
                  'host': fingerprint.environment(),
                  'dot_libraries': FLAGS.dot_libraries, 'configurations': FLAGS.configurations,
                  'config_models': FLAGS.config_models,
-                 'replay_limit': FLAGS.replay_limit, 'manifest': CI_MANIFEST},
+                 'replay_limit': FLAGS.replay_limit, 'manifest': CI_MANIFEST,
+                 'flywheel_limit': FLAGS.flywheel_limit,
+                 'flywheel_manifest': FLAGS.flywheel_manifest},
       'report': report})
   for name, step in steps.items():
     print(f'{name}: {step.get("outcome", step["status"])}, {step["seconds"]:.0f} s')
-  print(f'another machine: {report["another_machine"]}; every check exact or refused, the '
-        f'kernels of the spec\'s order exact: {report["ok"]}')
+  print(f'another machine: {report["another_machine"]}; random weights and draws as here: '
+        f'{report["random_weights_equal"]}, {report["sampling_equal"]}; every check exact or '
+        f'refused, the kernels of the spec\'s order exact: {report["ok"]}')
   return 0 if report['ok'] else 1
 
 

@@ -8,7 +8,9 @@ text source once drawn.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import decimal
 import glob
 import os
 import sysconfig
@@ -82,10 +84,24 @@ def library_lengths(count: int, window: int, rng: np.random.Generator) -> list[i
 
 
 def query_lengths(count: int, rng: np.random.Generator) -> list[int]:
-  """1 to 128 tokens, log-uniform, with the edge cases 1 and 128 first."""
+  """1 to 128 tokens, log-uniform, with the edge cases 1 and 128 first: 128^U rounded to the
+  nearest integer, U = rng.random() (a multiple of 2^-53), decided exactly (`_log_uniform`)."""
   fixed = [1, 128]
-  draws = [int(round(np.exp(rng.uniform(0, np.log(128))))) for _ in range(max(0, count - 2))]
+  draws = [_log_uniform(rng.random()) for _ in range(max(0, count - 2))]
   return (fixed + draws)[:count]
+
+
+def _log_uniform(u: float) -> int:
+  """round(128^u) for u in [0, 1): the k with log_128(k - 1/2) <= u < log_128(k + 1/2), u
+  compared exactly with thresholds computed to 40 digits (the same integer on every machine;
+  exp in binary64 is the C library's, whose last bit may follow the CPU)."""
+  return 1 + bisect.bisect_right(_QUERY_THRESHOLDS, decimal.Decimal(u))
+
+
+_CONTEXT = decimal.Context(prec=40)
+# log_128(k + 1/2), k = 1 .. 127: where round(128^u) steps from k to k + 1.
+_QUERY_THRESHOLDS = [_CONTEXT.divide(_CONTEXT.ln(decimal.Decimal(k) + decimal.Decimal('0.5')),
+                                     _CONTEXT.ln(decimal.Decimal(128))) for k in range(1, 128)]
 
 
 def draw(tokenizer, count: int, *, seed: int, window: int) -> list[Sample]:

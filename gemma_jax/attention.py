@@ -199,22 +199,22 @@ class Attention(nnx.Module):
   """
 
   def __init__(self, config: TransformerConfig, spec: LayerSpec, *, owns_kv: bool,
-               dtype: DTypeLike, rngs: nnx.Rngs | None):
+               dtype: DTypeLike):
     d, n, k, h = config.embed_dim, config.num_heads, spec.num_kv_heads, spec.head_dim
     self.config = config
     self.spec = spec
     self.owns_kv = owns_kv
-    self.q_proj = Dense((d,), (n, h), dtype=dtype, rngs=rngs)
-    self.o_proj = Dense((n, h), (d,), dtype=dtype, rngs=rngs)
+    self.q_proj = Dense((d,), (n, h), dtype=dtype)
+    self.o_proj = Dense((n, h), (d,), dtype=dtype)
     norm = functools.partial(RMSNorm, offset=config.norm_scale_offset, eps=config.rms_norm_eps,
-                           dtype=dtype, rngs=rngs)
+                           dtype=dtype)
     self.query_norm = norm(h) if config.use_qk_norm else None
     self.key_norm = norm(h) if config.use_qk_norm and owns_kv else None
     self.value_norm = (norm(h, with_scale=False)
                        if config.use_v_norm and owns_kv else None)
-    self.k_proj = (Dense((d,), (k, h), dtype=dtype, rngs=rngs)
+    self.k_proj = (Dense((d,), (k, h), dtype=dtype)
                    if owns_kv and spec.k_eq_v else None)
-    self.kv_proj = (Dense((d,), (2, k, h), dtype=dtype, rngs=rngs)
+    self.kv_proj = (Dense((d,), (2, k, h), dtype=dtype)
                     if owns_kv and not spec.k_eq_v else None)
 
   def rope_key(self) -> RopeKey:

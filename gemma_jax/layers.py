@@ -3,10 +3,9 @@
 Every call takes the `Numerics` value that says how its arithmetic is computed
 (gemma_jax/numerics.py).
 
-Parameters are created by `init_param`, which draws from a seeded generator when the model is built
-with random weights (`nnx.Rngs`); built with rngs None it gives each parameter's shape and dtype
-only (jax.ShapeDtypeStruct, no tracing), the abstract model gemma_jax.model binds a checkpoint's
-arrays to.
+Parameters are declared by `init_param`: their shape, dtype and the distribution random weights
+draw them from. Models are built abstract and filled from a checkpoint's arrays or by
+gemma_jax.model.init_params.
 """
 
 from __future__ import annotations
@@ -22,15 +21,17 @@ from gemma_jax import sharding
 from gemma_jax.numerics import Numerics
 
 
-def init_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: DTypeLike, *, std: float,
+def init_param(shape: tuple[int, ...], dtype: DTypeLike, *, std: float,
                mean: float = 0.0) -> nnx.Param:
-  """A parameter drawn from N(mean, std^2); the single place random weights come from. rngs
-  None: its shape and dtype only (jax.ShapeDtypeStruct), for the abstract model every process
-  builds to bind parameters (gemma_jax.model), at no tracing cost."""
-  if rngs is None:
-    return nnx.Param(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)))
-  value = mean + std * jax.random.normal(rngs.params(), shape, jnp.float32)
-  return nnx.Param(value.astype(dtype))
+  """A parameter of `shape` and `dtype` as its jax.ShapeDtypeStruct, carrying the distribution
+  random weights draw it from (metadata `init_mean`, `init_std`): the single place that
+  distribution is stated. Every model is built abstract (no memory, no tracing); a checkpoint
+  fills it, or gemma_jax.model.init_params draws each parameter by its name
+  (gemma_jax.seeded: integer bits, the same on every machine). `std` must be computed by
+  correctly rounded operations (1 / math.sqrt(n), not n ** -0.5: pow is the C library's, whose
+  last bit may follow the CPU)."""
+  return nnx.Param(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), init_mean=float(mean),
+                   init_std=float(std))
 
 
 class RMSNorm(nnx.Module):
@@ -42,11 +43,11 @@ class RMSNorm(nnx.Module):
   """
 
   def __init__(self, dim: int, *, offset: float, eps: float, dtype: DTypeLike,
-               rngs: nnx.Rngs | None, with_scale: bool = True):
+               with_scale: bool = True):
     self.offset = offset
     self.eps = eps
     self.scale: nnx.Param | None = (
-        init_param(rngs, (dim,), dtype, std=0.1, mean=1.0 - offset) if with_scale else None)
+        init_param((dim,), dtype, std=0.1, mean=1.0 - offset) if with_scale else None)
 
   def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
     """x [..., X] normed over its last axis, in x's dtype."""
@@ -67,11 +68,10 @@ class Dense(nnx.Module):
   "Layouts and speed").
   """
 
-  def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, dtype: DTypeLike,
-               rngs: nnx.Rngs | None):
+  def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, dtype: DTypeLike):
     self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
-    self.w = init_param(rngs, self.in_shape + self.out_shape, dtype,
-                        std=math.prod(self.in_shape) ** -0.5)
+    self.w = init_param(self.in_shape + self.out_shape, dtype,
+                        std=1 / math.sqrt(math.prod(self.in_shape)))
 
   def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
     """x [..., *in_shape] -> [..., *out_shape]."""
@@ -85,10 +85,9 @@ class Dense(nnx.Module):
 class FeedForward(nnx.Module):
   """GeGLU MLP. gate_up_proj w: [D, 2, F] (index 0 is the gate branch); down_proj w: [F, D]."""
 
-  def __init__(self, embed_dim: int, hidden_dim: int, *, dtype: DTypeLike,
-               rngs: nnx.Rngs | None):
-    self.gate_up_proj = Dense((embed_dim,), (2, hidden_dim), dtype=dtype, rngs=rngs)
-    self.down_proj = Dense((hidden_dim,), (embed_dim,), dtype=dtype, rngs=rngs)
+  def __init__(self, embed_dim: int, hidden_dim: int, *, dtype: DTypeLike):
+    self.gate_up_proj = Dense((embed_dim,), (2, hidden_dim), dtype=dtype)
+    self.down_proj = Dense((hidden_dim,), (embed_dim,), dtype=dtype)
 
   def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
     """x [B, T, D] -> [B, T, D]."""

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gemma_jax import kv_state as kvs
-from gemma_jax import sharding
+from gemma_jax import seeded, sharding
 from gemma_jax.attention import XLA_ATTENTION, AttendFn, Attention, Step
 from gemma_jax.config import TransformerConfig
 from gemma_jax.kernels import native_dot
@@ -52,17 +52,17 @@ class Embedder(nnx.Module):
   [D, L, E], per_layer_projection_norm over E.
   """
 
-  def __init__(self, config: TransformerConfig, *, dtype: DTypeLike, rngs: nnx.Rngs | None):
+  def __init__(self, config: TransformerConfig, *, dtype: DTypeLike):
     self.config = config
     d, p = config.embed_dim, config.per_layer_embed_dim
-    self.input_embedding = init_param(rngs, (config.vocab_size, d), dtype, std=d ** -0.5)
+    self.input_embedding = init_param((config.vocab_size, d), dtype, std=1 / math.sqrt(d))
     if p:
       num_layers = config.num_layers
-      self.per_layer_embeddings = init_param(rngs, (config.vocab_size, num_layers, p), dtype,
-                                             std=p ** -0.5)
-      self.per_layer_model_projection = Dense((d,), (num_layers, p), dtype=dtype, rngs=rngs)
+      self.per_layer_embeddings = init_param((config.vocab_size, num_layers, p), dtype,
+                                             std=1 / math.sqrt(p))
+      self.per_layer_model_projection = Dense((d,), (num_layers, p), dtype=dtype)
       self.per_layer_projection_norm = RMSNorm(p, offset=config.norm_scale_offset,
-                                               eps=config.rms_norm_eps, dtype=dtype, rngs=rngs)
+                                               eps=config.rms_norm_eps, dtype=dtype)
 
   def encode(self, tokens: jax.Array,
              numerics: Numerics) -> tuple[jax.Array, jax.Array | None]:
@@ -109,26 +109,25 @@ class Embedder(nnx.Module):
 class Block(nnx.Module):
   """One transformer layer: normed attention and normed MLP, each with a residual."""
 
-  def __init__(self, config: TransformerConfig, index: int, *, dtype: DTypeLike,
-               rngs: nnx.Rngs | None):
+  def __init__(self, config: TransformerConfig, index: int, *, dtype: DTypeLike):
     spec = config.layer_spec(index)
     d = config.embed_dim
     norm = functools.partial(RMSNorm, offset=config.norm_scale_offset, eps=config.rms_norm_eps,
-                           dtype=dtype, rngs=rngs)
+                           dtype=dtype)
     self.index = index
     self.pre_attention_norm = norm(d)
-    self.attn = Attention(config, spec, owns_kv=spec.kv_source == index, dtype=dtype, rngs=rngs)
+    self.attn = Attention(config, spec, owns_kv=spec.kv_source == index, dtype=dtype)
     self.post_attention_norm = norm(d)
     self.pre_ffw_norm = norm(d)
-    self.mlp = FeedForward(d, spec.mlp_hidden, dtype=dtype, rngs=rngs)
+    self.mlp = FeedForward(d, spec.mlp_hidden, dtype=dtype)
     self.post_ffw_norm = norm(d)
     p = config.per_layer_embed_dim  # Gemma 4 E-models: a gated per-layer input after the MLP
     self.per_layer_input_gate = (
-        Dense((d,), (p,), dtype=dtype, rngs=rngs) if p else None)
+        Dense((d,), (p,), dtype=dtype) if p else None)
     self.per_layer_projection = (
-        Dense((p,), (d,), dtype=dtype, rngs=rngs) if p else None)
+        Dense((p,), (d,), dtype=dtype) if p else None)
     self.post_per_layer_input_norm = norm(d) if p else None
-    self.skip_scale = (init_param(rngs, (1,), dtype, std=0.1, mean=1.0)
+    self.skip_scale = (init_param((1,), dtype, std=0.1, mean=1.0)
                        if config.use_skip_scale else None)
 
   def __call__(self, x: jax.Array, cache: kvs.LayerKV,
@@ -160,18 +159,18 @@ class Transformer(nnx.Module):
   Args:
     config: the model's TransformerConfig.
     dtype: the parameters' dtype (float32 or bfloat16).
-    rngs: nnx.Rngs for seeded random weights; None gives every parameter as its
-      jax.ShapeDtypeStruct (no memory: `abstract_params`).
+
+  Built abstract: every parameter is its jax.ShapeDtypeStruct with the distribution random
+  weights draw it from (gemma_jax.layers.init_param); `bind` fills it.
   """
 
-  def __init__(self, config: TransformerConfig, *, dtype: DTypeLike = jnp.float32,
-               rngs: nnx.Rngs | None):
+  def __init__(self, config: TransformerConfig, *, dtype: DTypeLike = jnp.float32):
     self.config = config
-    self.embedder = Embedder(config, dtype=dtype, rngs=rngs)
-    self.layers = nnx.List([Block(config, i, dtype=dtype, rngs=rngs)
+    self.embedder = Embedder(config, dtype=dtype)
+    self.layers = nnx.List([Block(config, i, dtype=dtype)
                             for i in range(config.num_layers)])
     self.final_norm = RMSNorm(config.embed_dim, offset=config.norm_scale_offset,
-                              eps=config.rms_norm_eps, dtype=dtype, rngs=rngs)
+                              eps=config.rms_norm_eps, dtype=dtype)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, kv: kvs.KVState,
                attention_fn: AttendFn = XLA_ATTENTION,
@@ -210,9 +209,9 @@ class Transformer(nnx.Module):
 
 @functools.lru_cache(maxsize=None)
 def _abstract_model(config: TransformerConfig, dtype_name: str):
-  # rngs None: every parameter as its jax.ShapeDtypeStruct (gemma_jax.layers.init_param), the
-  # tree nnx.eval_shape of a seeded construction gives, without tracing 200 random draws.
-  return nnx.split(Transformer(config, dtype=jnp.dtype(dtype_name), rngs=None))
+  # Every parameter as its jax.ShapeDtypeStruct (gemma_jax.layers.init_param): no memory, no
+  # tracing.
+  return nnx.split(Transformer(config, dtype=jnp.dtype(dtype_name)))
 
 
 def abstract_params(config: TransformerConfig, dtype: DTypeLike = jnp.float32) -> Params:
@@ -221,10 +220,29 @@ def abstract_params(config: TransformerConfig, dtype: DTypeLike = jnp.float32) -
   return nnx.to_pure_dict(state)
 
 
+def parameter_distributions(config: TransformerConfig) -> dict[str, tuple[tuple[int, ...], float,
+                                                                          float]]:
+  """Every parameter by flat name ('layers/0/mlp/down_proj/w'), sorted: (shape, mean, std) of
+  the distribution random weights draw it from (gemma_jax.layers.init_param)."""
+  _, state = _abstract_model(config, 'float32')
+  out = {}
+  for path, variable in nnx.to_flat_state(state):
+    meta = variable.get_metadata()
+    out['/'.join(str(p) for p in path)] = (tuple(variable.get_value().shape),
+                                           meta['init_mean'], meta['init_std'])
+  return dict(sorted(out.items()))
+
+
 def init_params(config: TransformerConfig, seed: int, dtype: DTypeLike = jnp.float32) -> Params:
-  """Seeded random weights (for tests and random-weight ablations)."""
-  model = Transformer(config, dtype=dtype, rngs=nnx.Rngs(seed))
-  return nnx.to_pure_dict(nnx.state(model))
+  """Seeded random weights (`--weights=random:SEED`: tests and random-weight ablations): each
+  parameter drawn by its name from the integer stream of (seed, name) (gemma_jax.seeded.normal),
+  the same bits on every machine; made in float32, then given `dtype` (rounded to nearest even)."""
+  distributions = parameter_distributions(config)
+  def draw(path: tuple, leaf: jax.ShapeDtypeStruct) -> jax.Array:
+    name = '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
+    shape, mean, std = distributions[name]
+    return jnp.asarray(seeded.normal(seed, name, shape, mean, std), dtype)
+  return jax.tree_util.tree_map_with_path(draw, abstract_params(config))
 
 
 def bind(params: Params, config: TransformerConfig) -> Transformer:
@@ -238,7 +256,7 @@ def dense_weights(config: TransformerConfig) -> dict[str, tuple[int, int]]:
   """Every dense projection's weight, by flat name ('layers/0/mlp/down_proj/w'), as the [I, O]
   matrix it is contracted as (I the product of its input dims, O of its outputs)."""
   out = {}
-  for path, node in nnx.iter_graph(Transformer(config, rngs=None)):
+  for path, node in nnx.iter_graph(Transformer(config)):
     if isinstance(node, Dense):
       name = '/'.join(str(p) for p in path) + '/w'
       out[name] = (math.prod(node.in_shape), math.prod(node.out_shape))

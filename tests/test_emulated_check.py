@@ -70,6 +70,27 @@ def test_an_emulated_amd_cpu_computes_this_machines_bits_of_a_model(tmp_path):
   assert emulated['sha256'] == native['sha256']
 
 
+def test_random_weights_and_draws_hash_the_same_on_an_emulated_cpu_without_fma():
+  """Under QEMU as an Intel SandyBridge (AVX, no FMA: jax.random.normal's inverse error
+  function compiled there gave other random:0 weights), random:0 weights and sampled draws
+  hash as here (gemma_jax.seeded, gemma_jax.sampling: integers and the spec's exp)."""
+  if not shutil.which('qemu-x86_64'):
+    pytest.skip('qemu-x86_64 is not installed (apt-get install qemu-user)')
+  script = ('import json; from experiments import emulated_check as e; from gemma_jax import '
+            "weights; print(json.dumps([weights.load('tiny_gemma3', 'random:0').params_sha256, "
+            'e.sampling_digest()]))')
+  runs = []
+  for prefix in (['qemu-x86_64', '-cpu', 'SandyBridge'], []):
+    result = subprocess.run([*prefix, sys.executable, '-c', script], cwd=REPO,
+                            capture_output=True, text=True, timeout=1200,
+                            env={**os.environ, 'PYTHONPATH': str(REPO)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+  emulated, native = runs
+  assert emulated == native
+  assert native[0] == 'b2c7eb9b2c7b261ae871b9ed7d1e142a2bbd7a37f06fa94d9ef888c18b430b64'
+
+
 def test_a_missing_emulator_is_one_line_and_writes_nothing(tmp_path):
   output = tmp_path / 'emulated.json'
   result = subprocess.run(

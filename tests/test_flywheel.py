@@ -283,6 +283,16 @@ def test_flywheel_runs_on_gemma4_and_its_manifest_replays(tmp_path):
                            f'--manifest={manifest}'], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
   assert replay.returncode == 0 and 'reproduce' in replay.stdout, replay.stderr[-2000:]
+  # Its sampled answers were drawn by the spec's sampler, which the manifest names; read as a
+  # manifest that names none (drawn by sampling.LEGACY), the replay draws otherwise and says so.
+  from gemma_jax import sampling
+  from graft import replay as replays
+  recorded = json.loads(manifest.read_text())
+  assert recorded['sampler'] == sampling.SAMPLER
+  sampled = next(i for i, a in enumerate(recorded['answers']) if a['temperature'] == 0) or 1
+  assert all(a['temperature'] > 0 for a in recorded['answers'][:sampled])
+  del recorded['sampler']
+  assert replays.replay(recorded, limit=sampled), 'sampled answers replayed by another sampler'
 
 
 def test_a_solution_that_fails_verification_is_rejected_and_counted(tmp_path):
@@ -367,14 +377,15 @@ def _scripted_sampler(monkeypatch, script):
   """The engine's sampler replaced by one that writes `script`, token by token, in every decode
   (each decode and each batch slot has its own generator, and so its own place in the script):
   the model on random weights never writes an answer line, so a stop rule could never fire."""
-  from graft.engine import _engine
+  from graft.engine import _engine, batch
   places = {}
 
-  def sample(logits, temperature, rng):
-    places[rng] = places.get(rng, -1) + 1
-    return script[min(places[rng], len(script) - 1)]
+  def sample(logits, temperature, draws):
+    places[draws] = places.get(draws, -1) + 1
+    return script[min(places[draws], len(script) - 1)]
 
-  monkeypatch.setattr(_engine, 'sample', sample)
+  monkeypatch.setattr(_engine, 'sample', sample)  # one stream
+  monkeypatch.setattr(batch, 'sample', sample)  # batch slots
 
 
 def test_a_recall_stops_at_the_end_of_its_answer_line(engine, monkeypatch):

@@ -64,8 +64,8 @@ def test_rmsnorm_golden_values_zero_centred_and_direct():
   x = jnp.array([[1.0, 2.0, 3.0, 4.0]], jnp.float32)
   rms = math.sqrt((1 + 4 + 9 + 16) / 4 + 1e-6)
   for offset, scale in [(1.0, 0.5), (0.0, 1.5)]:
-    norm = RMSNorm(4, offset=offset, eps=1e-6, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    norm.scale[...] = jnp.full((4,), scale, jnp.float32)
+    norm = RMSNorm(4, offset=offset, eps=1e-6, dtype=jnp.float32)
+    norm.scale = nnx.Param(jnp.full((4,), scale, jnp.float32))
     np.testing.assert_allclose(norm(x, XLA), np.array([[1, 2, 3, 4]]) / rms * 1.5, rtol=1e-6)
 
 

@@ -64,54 +64,37 @@ def test_two_device_tensor_parallel_forward_matches_one_device():
   assert relative <= 1e-5
 
 
-def mesh_exactness(tmp_path, *flags) -> list[dict]:
-  """The runs of experiments.mesh_exactness on tiny_gemma3 over one device and model:2."""
-  output = tmp_path / 'mesh.json'
-  out = subprocess.run(
-      [sys.executable, '-m', 'experiments.mesh_exactness', '--model=tiny_gemma3',
-       '--weights=random:0', '--meshes=,model:2', '--cache_len=2304', f'--output={output}',
-       *flags],
-      cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True,
-      timeout=900)
-  assert out.returncode == 0, out.stderr[-3000:]
-  return json.loads(output.read_text())['runs']
-
-
-def test_pinned_engine_grafts_exactly_on_every_mesh(tmp_path):
-  # experiments.mesh_exactness on tiny_gemma3 over one device and model:2 in both layouts
-  # (two host CPU devices stand in for accelerators): within every mesh an own-position graft
-  # is SHA-256 equal to fresh. Across device counts only the 'gather' layout can keep bits;
-  # what it does is recorded (equal_to_one_device) and checked below.
-  runs = mesh_exactness(tmp_path, '--layouts=gather,split', '--samples=3')
-  assert [(r['mesh'], r['layout']) for r in runs] == [('', None), ('model:2', 'gather'),
-                                                       ('model:2', 'split')]
-  for r in runs:
-    assert r['samples'] == 3 and r['graft_equal'] == 3, r
-  # Measured on tiny_gemma3 at two devices: the gather layout keeps the one-device bits.
-  assert runs[1]['equal_to_one_device'] == 3
-  # The pinned engine's fingerprint binds its mesh: a one-device artifact is refused on two.
-  for r in runs[1:]:
-    assert r['carried_from'] == '' and r['carried_refused'] == 3, r
-    assert 'another engine configuration' in r['rows'][0]['carried_refused']
-
-
-def test_the_device_check_runs_both_engines_on_a_mesh_and_carries_spec_artifacts():
+def test_every_engine_grafts_exactly_on_every_mesh_and_the_device_check_says_so():
   # experiments.device_check's mesh step (run on a host of several devices), here on
-  # tiny_gemma3 at two host devices: the pinned engine in both layouts and the spec engine,
-  # whose fingerprint binds the arithmetic, not the mesh: its one-device artifacts are accepted
-  # on model:2 and their grafts are SHA-256 equal to that mesh's fresh logits.
+  # tiny_gemma3 over one device and model:2 (two host CPU devices stand in for accelerators):
+  # experiments.mesh_exactness of the pinned engine in both layouts and of the spec engine.
+  # Within every mesh an own-position graft is SHA-256 equal to fresh. Across device counts
+  # only the 'gather' layout can keep bits: measured on tiny_gemma3 at two devices, it keeps the
+  # one-device bits. The pinned engine's fingerprint binds its mesh: a one-device artifact is
+  # refused on two; the spec engine's binds the arithmetic, not the mesh: its one-device
+  # artifacts are accepted on model:2 and their grafts are SHA-256 equal to that mesh's fresh
+  # logits. (One run of the step for what were two tests, each running the pinned engine's.)
   from experiments import device_check
   assert [device_check.mesh_plan(n) for n in (1, 2, 3, 4, 7, 8, 16)] == [
       None, 'model:2', 'model:2', 'model:4', 'model:4', 'model:8', 'model:8']
-  steps = device_check.mesh_steps('model:2', 2, ('--model=tiny_gemma3', '--weights=random:0',
+  steps = device_check.mesh_steps('model:2', 3, ('--model=tiny_gemma3', '--weights=random:0',
                                                  '--cache_len=2304'))
   assert device_check.mesh_exact(steps), steps
+  pinned = steps['mesh_exactness_pinned']['runs']
+  assert [(r['mesh'], r['layout']) for r in pinned] == [('', None), ('model:2', 'gather'),
+                                                        ('model:2', 'split')]
+  for r in pinned:
+    assert r['samples'] == 3 and r['graft_equal'] == 3, r
+  assert pinned[1]['equal_to_one_device'] == 3
+  for r in pinned[1:]:
+    assert r['carried_from'] == '' and r['carried_refused'] == 3, r
+    assert 'another engine configuration' in r['first_refusal']
+  assert pinned[0]['carried_refused'] == 0
   one, two = steps['mesh_exactness_spec']['runs']
   assert (one['mesh'], two['mesh'], two['layout']) == ('', 'model:2', 'gather')
-  assert two['equal_to_one_device'] == 2 and two['carried_equal'] == 2, two
-  assert [r['carried_refused'] for r in steps['mesh_exactness_pinned']['runs']] == [0, 2, 2]
+  assert two['equal_to_one_device'] == 3 and two['carried_equal'] == 3, two
   # A spec artifact that did not graft exactly on the mesh fails the check.
-  two['carried_equal'] = 1
+  two['carried_equal'] = 2
   assert not device_check.mesh_exact(steps)
 
 

@@ -26,6 +26,7 @@ from gemma_jax import attention as attention_lib
 from gemma_jax import compilation_cache, executables
 from gemma_jax import kv_state as kvs
 from gemma_jax import model
+from gemma_jax import sampling
 from gemma_jax import sharding
 from gemma_jax.config import EOS_ID
 from gemma_jax.model import Params
@@ -513,7 +514,8 @@ class Engine:
   def decode_batch(self, ctxs: Sequence[Context], max_new_tokens: Sequence[int], *,
                    temperatures: Sequence[float] | None = None,
                    seeds: Sequence[int] | None = None,
-                   stop: Callable[[list[int]], bool] | None = None) -> list['Decoded']:
+                   stop: Callable[[list[int]], bool] | None = None,
+                   sampler: str = sampling.SAMPLER) -> list['Decoded']:
     """`decode` of N contexts together on one stacked state, a batch slot each: slot i gets
     exactly what decode(ctxs[i], max_new_tokens[i], temperature=temperatures[i],
     seed=seeds[i], stop=stop) gets alone (tokens, logits digest, context), by extend_batch's
@@ -529,9 +531,10 @@ class Engine:
       self._check_batch(ctxs, [[]], None)
       return [self.decode(ctxs[0], max_new_tokens[0],
                           temperature=temperatures[0] if temperatures else 0.0,
-                          seed=seeds[0] if seeds else 0, stop=stop)]
+                          seed=seeds[0] if seeds else 0, stop=stop, sampler=sampler)]
     batch = self.batch(ctxs)
-    drawn = batch.decode(max_new_tokens, temperatures=temperatures, seeds=seeds, stop=stop)
+    drawn = batch.decode(max_new_tokens, temperatures=temperatures, seeds=seeds, stop=stop,
+                         sampler=sampler)
     return [Decoded(context=c, tokens=t, logits_sha256=h or '')  # (digests: every h is made)
             for c, (t, h) in zip(batch.contexts(), drawn)]
 
@@ -545,11 +548,14 @@ class Engine:
     return decoded.context, decoded.tokens
 
   def decode(self, ctx: Context, max_new_tokens: int, *, temperature: float = 0.0,
-             seed: int = 0, stop: Callable[[list[int]], bool] | None = None) -> 'Decoded':
+             seed: int = 0, stop: Callable[[list[int]], bool] | None = None,
+             sampler: str = sampling.SAMPLER) -> 'Decoded':
     """`generate` that stops once `stop(tokens so far)` holds, and also returns the SHA-256 of
-    the float32 logits every token was drawn from (the evidence a replay compares)."""
+    the float32 logits every token was drawn from (the evidence a replay compares). `sampler`:
+    how a temperature's draws are made (gemma_jax.sampling; LEGACY to replay an older
+    manifest)."""
     last = _last_logits(ctx)
-    rng = np.random.default_rng(seed)
+    draws = sampling.Draws(seed, sampler)
     new_tokens: list[int] = []
     digest = hashlib.sha256()
     while len(new_tokens) < max_new_tokens:
@@ -557,7 +563,7 @@ class Engine:
         ctx, _ = self.extend(ctx, new_tokens[-1:], logits='last', consume=len(new_tokens) > 1)
         last = _last_logits(ctx)
       digest.update(np.ascontiguousarray(last, np.float32).tobytes())
-      new_tokens.append(sample(last, temperature, rng))
+      new_tokens.append(sample(last, temperature, draws))
       if stop is not None and stop(new_tokens):
         break
     return Decoded(context=ctx, tokens=new_tokens, logits_sha256=digest.hexdigest())

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import jax
 import numpy as np
 
+from gemma_jax import sampling
 from graft.engine.context import Context, sample
 
 if TYPE_CHECKING:  # _engine.py imports this module: a name only
@@ -59,7 +60,8 @@ class Batch:
   def decode(self, max_new_tokens: Sequence[int], *,
              temperatures: Sequence[float] | None = None, seeds: Sequence[int] | None = None,
              stop: Callable[[list[int]], bool] | None = None,
-             digests: bool = True) -> list[tuple[list[int], str | None]]:
+             digests: bool = True,
+             sampler: str = sampling.SAMPLER) -> list[tuple[list[int], str | None]]:
     """`Engine.decode` of every slot at once, going on where the batch's last decode stopped:
     slot i's next tokens, up to max_new_tokens[i] or until `stop` (of this call's tokens)
     holds, and the SHA-256 of the float32 logits each was drawn from (None without
@@ -72,7 +74,7 @@ class Batch:
     seeds = list(seeds) if seeds is not None else [0] * n
     if not len(max_new_tokens) == len(temperatures) == len(seeds) == n:
       raise ValueError(f'{n} slots need {n} token limits, temperatures and seeds')
-    rngs = [np.random.default_rng(s) for s in seeds]
+    draws = [sampling.Draws(s, sampler) for s in seeds]
     hashes = [hashlib.sha256() if digests else None for _ in range(n)]
     new: list[list[int]] = [[] for _ in range(n)]
     done = [m < 1 for m in max_new_tokens]
@@ -87,7 +89,7 @@ class Batch:
           digest = hashes[i]
           if digest is not None:
             digest.update(np.ascontiguousarray(logits, np.float32).tobytes())
-          new[i].append(sample(logits, temperatures[i], rngs[i]))
+          new[i].append(sample(logits, temperatures[i], draws[i]))
           done[i] = len(new[i]) >= max_new_tokens[i] or (stop is not None and stop(new[i]))
       if all(done):
         break

@@ -101,8 +101,9 @@ def check(version: int, model: str, dot_library: str, engine_class: type,
 
 def _loaded(model: str):
   """`model` with the canary's weights: every leaf an integer in [-1024, 1024) over 2^14, drawn
-  by NumPy (exact in float32, the same on every machine; random:SEED weights are drawn by XLA,
-  whose bits follow the CPU's instruction set)."""
+  by NumPy's PCG64 (exact in float32, the same on every machine; kept apart from random:SEED,
+  gemma_jax.seeded, so that the canary's digests, and with them every spec fingerprint, stay
+  what they were before random:SEED was drawn by integers)."""
   config = get_config(model)
   rng = np.random.default_rng(0)  # drawn leaf by leaf in the tree's order, from its shapes
   params = jax.tree.map(lambda leaf: jnp.asarray(

@@ -10,6 +10,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from gemma_jax import kv_state as kvs
+from gemma_jax import sampling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,19 +70,17 @@ def call_inputs(chunks: Sequence[Sequence[int]], first_positions: Sequence[int],
   return ids, positions
 
 
-def sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
-  """One token drawn from logits.
+def sample(logits: np.ndarray, temperature: float, draws: sampling.Draws) -> int:
+  """One token drawn from logits: the next draw of a decode's `draws` (gemma_jax.sampling:
+  the argmax at temperature 0 or less, else the spec's softmax in integer weights and an
+  integer uniform, the same choice on every machine).
 
   Args:
     logits: float32 [V].
-    temperature: 0 or less: the argmax; else the softmax of logits / temperature, in float64.
-    rng: the generator the draw comes from.
+    temperature: the decode's temperature.
+    draws: the decode's (or batch slot's) draws: its seed, the count so far, its sampler.
 
   Returns:
     The token id.
   """
-  if temperature <= 0:
-    return int(np.argmax(logits))
-  scaled = np.asarray(logits, np.float64) / temperature
-  probs = np.exp(scaled - scaled.max())
-  return int(rng.choice(len(probs), p=probs / probs.sum()))
+  return draws.next(logits, temperature)

@@ -78,6 +78,11 @@ def decided(value: _T | None) -> _T:
   return value
 
 
+# A cache of at most this many slots is read whole by every call of a tiled attention (one
+# executable per call shape, not one per tile count: the tiny models of the tests); a larger one
+# reads the tiles that hold the context. Neither changes a bit (`Plan.tiles_read`).
+WHOLE_CACHE_SLOTS = 1024
+
 # The most rows of a spec engine's logits call (more wanted rows take several calls).
 HEAD_ROWS = 16
 
@@ -397,8 +402,10 @@ class Pinned(_Shaped):
   def tiles_read(self, end: int, tile: int | None, cache_slots: int) -> int | None:
     # The tiles holding slots 0 .. end - 1, rounded up to a power of two (fewer compiled
     # shapes); reading more tiles than a row sees does not change its bits
-    # (gemma_jax.tiled_attention). By length the kernel reads what the context fills.
-    if self.by_length or tile is None:
+    # (gemma_jax.tiled_attention). By length the kernel reads what the context fills; a cache
+    # of at most WHOLE_CACHE_SLOTS slots is read whole, which costs less than an executable per
+    # tile count.
+    if self.by_length or tile is None or cache_slots <= WHOLE_CACHE_SLOTS:
       return None
     return min(next_power_of_two(-(-end // tile)), cache_slots // tile)
 

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from absl import logging
 import numpy as np
 
-from gemma_jax import compare, cost
+from gemma_jax import compare, cost, sampling
 from gemma_jax.config import EOS_ID, TransformerConfig
 from graft.engine import Context, Engine
 from graft.knowledge import tasks as tasks_lib
@@ -519,8 +519,9 @@ def summarize(config: TransformerConfig, results: dict, *, seed: int = 0) -> dic
 
 
 def manifest(config: dict, engine: Engine, results: dict) -> dict:
-  """The replayable record of a run: the config, the engine and model fingerprints, and every
-  answer's prompt token ids, decoding settings, tokens and logits SHA-256 (graft.replay)."""
+  """The replayable record of a run: the config, the engine and model fingerprints, how sampled
+  tokens were drawn (gemma_jax.sampling.SAMPLER), and every answer's prompt token ids, decoding
+  settings, tokens and logits SHA-256 (graft.replay)."""
   answers = []
   for row in results['rows']:
     task = row['task']
@@ -538,4 +539,4 @@ def manifest(config: dict, engine: Engine, results: dict) -> dict:
                       'logits_sha256': a.logits_sha256, 'cue': a.cue})
   return {'kind': 'flywheel', 'config': config, 'model_fingerprint': engine.model_fingerprint,
           'engine_fingerprint': engine.fingerprint, 'budget': config['budget'],
-          'answers': answers}
+          'sampler': sampling.SAMPLER, 'answers': answers}

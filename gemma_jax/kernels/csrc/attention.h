@@ -362,9 +362,13 @@ inline typename W::T TurnedTerm(const TurnedTile& t, int64_t k, int64_t c) {
                     : W::sub(W::mul(x2, co), W::mul(x1, si));
 }
 
-// Panel's Tile with B the turned keys: MR rows by NV vectors of slots, one chunk at a time.
+// Panel's Tile with B the turned keys: MR rows by NV vectors of slots, one chunk at a time. A
+// pair's two terms come from the same four loads (its key halves, cos and sin): term i < H/2 is
+// chained where it is made and term i + H/2 waits in `second` (half x NV vectors, in L1) until
+// the chains reach it (every term below H/2 comes first, whatever the chunks).
 template <class V, int MR, int NV>
-inline void TurnedScoresTile(const Problem& p, const TurnedTile& t, int64_t row0, int64_t col0) {
+inline void TurnedScoresTile(const Problem& p, const TurnedTile& t, int64_t row0, int64_t col0,
+                             float* second) {
   using T = typename V::T;
   const float* a = p.a + row0 * p.lda;
   float* o = p.o + row0 * p.ldo + col0;
@@ -374,7 +378,19 @@ inline void TurnedScoresTile(const Problem& p, const TurnedTile& t, int64_t row0
       for (int j = 0; j < NV; ++j) acc[i][j] = V::zero();
     for (int64_t k = k0; k < k0 + p.chunk; ++k) {
       T bv[NV];
-      for (int j = 0; j < NV; ++j) bv[j] = TurnedTerm<V>(t, k, col0 + j * V::kLanes);
+      if (k < t.half) {
+        for (int j = 0; j < NV; ++j) {
+          const int64_t c = col0 + j * V::kLanes;
+          const auto x1 = V::load(t.keys_t + k * t.tile + c);
+          const auto x2 = V::load(t.keys_t + (k + t.half) * t.tile + c);
+          const auto co = V::load(t.cos + k * t.size + c), si = V::load(t.sin + k * t.size + c);
+          bv[j] = V::add(V::mul(x1, co), V::mul(x2, si));  // TurnedTerm's, term k
+          V::store(second + (k * NV + j) * V::kLanes,
+                   V::sub(V::mul(x2, co), V::mul(x1, si)));  // term k + H/2
+        }
+      } else {
+        for (int j = 0; j < NV; ++j) bv[j] = V::load(second + ((k - t.half) * NV + j) * V::kLanes);
+      }
       for (int i = 0; i < MR; ++i) {
         const T av = V::splat(a[i * p.lda + k]);
         for (int j = 0; j < NV; ++j) acc[i][j] = V::fma(av, bv[j], acc[i][j]);
@@ -389,21 +405,24 @@ inline void TurnedScoresTile(const Problem& p, const TurnedTile& t, int64_t row0
 }
 
 template <class V, int NV>
-inline void TurnedScoresRows(const Problem& p, const TurnedTile& t, int64_t rows, int64_t col0) {
+inline void TurnedScoresRows(const Problem& p, const TurnedTile& t, int64_t rows, int64_t col0,
+                             float* second) {
   int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) TurnedScoresTile<V, 4, NV>(p, t, i, col0);
-  for (; i + 2 <= rows; i += 2) TurnedScoresTile<V, 2, NV>(p, t, i, col0);
-  for (; i < rows; ++i) TurnedScoresTile<V, 1, NV>(p, t, i, col0);
+  for (; i + 4 <= rows; i += 4) TurnedScoresTile<V, 4, NV>(p, t, i, col0, second);
+  for (; i + 2 <= rows; i += 2) TurnedScoresTile<V, 2, NV>(p, t, i, col0, second);
+  for (; i < rows; ++i) TurnedScoresTile<V, 1, NV>(p, t, i, col0, second);
 }
 
 // Panel(p, 0, rows, 0, tile) on the turned keys: vectors of slots, then the tail slot by slot
-// (ScalarColumn's chains, the term turned by Scalar's operations: the same roundings).
+// (ScalarColumn's chains, the term turned by Scalar's operations: the same roundings). second:
+// scratch of H/2 x kVectors x kLanes floats.
 template <class V>
-inline void TurnedScores(const Problem& p, const TurnedTile& t, int64_t rows) {
+inline void TurnedScores(const Problem& p, const TurnedTile& t, int64_t rows, float* second) {
   constexpr int NV = V::kVectors;
   int64_t c = 0;
-  for (; c + NV * V::kLanes <= t.tile; c += NV * V::kLanes) TurnedScoresRows<V, NV>(p, t, rows, c);
-  for (; c + V::kLanes <= t.tile; c += V::kLanes) TurnedScoresRows<V, 1>(p, t, rows, c);
+  for (; c + NV * V::kLanes <= t.tile; c += NV * V::kLanes)
+    TurnedScoresRows<V, NV>(p, t, rows, c, second);
+  for (; c + V::kLanes <= t.tile; c += V::kLanes) TurnedScoresRows<V, 1>(p, t, rows, c, second);
   for (; c < t.tile; ++c)
     for (int64_t i = 0; i < rows; ++i) {
       float out = 0.0f;
@@ -459,7 +478,7 @@ inline void AttendRows(const Attend& a, int64_t group, int64_t r0, int64_t rows,
                            h / 2, tile};
         Problem p{w.q + i * h, h, nullptr, tile, w.scores + i * s_len + tj * tile, s_len,
                   g, h, tile, a.chunk};
-        TurnedScores<V>(p, t, g);
+        TurnedScores<V>(p, t, g, w.turned);  // (the turned tile's scratch, unused here)
         continue;
       }
       TurnTile<V>(a, keys, kp, consecutive, qp, w);
