@@ -127,6 +127,19 @@ KINDS: dict[str, Kind] = {
     #  "v_equal", "k_max_abs", "k_max_ulp"}], ...}]} (experiments/context_shift.py)
     'context_shift': Kind(1, ('config', 'summary', 'measurements'),
                           'a window shifted N times against its tokens placed directly'),
+    # {"config": {"modes", "documents", "lengths", "positions", "strategies", "fractions",
+    #  "contexts", "questions_per_context", "offsets", ...},
+    #  "modes": {mode: {"reference": {"accuracy", "ci95", "questions", ...},
+    #    "rows": [{"strategy", "fraction", "accuracy", "ci95", "kl_mean", "kl_max",
+    #              "top1_agreement", "logits_equal", "questions", "layers": [{"layer",
+    #              "attention_type", "k_rel_l2", "v_rel_l2", ...}], "layers_by_type": {"local",
+    #              "global"}, "continuations", "compose_seconds_mean", ...}],
+    #    "relocation": [{"document", "offset", "equal", "k_max_abs", "v_max_abs"}],
+    #    "ttft": {"fresh_seconds", "rows": [{"strategy", "fraction", "seconds", "speedup"}]}}},
+    #  "summary": {"full_recompute_equal", "relocation_exact", "failures"}}
+    # (experiments/compose.py)
+    'compose': Kind(1, ('config', 'modes', 'summary'),
+                    'documents composed anywhere against full recompute, per strategy'),
 }
 
 

@@ -5,7 +5,7 @@
 #
 #   bash experiments/aarch64_python.sh /tmp/arm64
 #   QEMU_LD_PREFIX=/tmp/arm64 CXX=aarch64-linux-gnu-g++ python -m experiments.emulated_check \
-#       --qemu=qemu-aarch64 --cpu=max --python=/tmp/arm64/usr/bin/python3.11 --dot_libraries=native
+#       --qemu=qemu-aarch64 --cpu=max --python=/tmp/arm64/usr/bin/python3.11 --dot_library=native
 #
 # Debian's arm64 python3.11 and the libraries it links are unpacked (dpkg -x, nothing installed
 # for arm64) into ROOT; the dependencies this environment has are installed there as aarch64

@@ -69,20 +69,27 @@ SYSTEMS = tuple(OURS) + peers.NAMES + tuple(RELATIVE)
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_list('systems', list(OURS) + list(peers.NAMES),
-                    f'Systems to measure: any of {", ".join(SYSTEMS)}.')
-  flags.DEFINE_multi_integer('prompt_tokens', [2000], 'Prompt lengths for prefill throughput '
+  common.define_list('systems', list(OURS) + list(peers.NAMES),
+                     f'Systems to measure: any of {", ".join(SYSTEMS)}.', integers=False,
+                     words=SYSTEMS)
+  flags.DEFINE_multi_integer('prompt_tokens', [2000], 'Prompt length in tokens, for prefill '
+                             'throughput '
                              '(repeat the flag for several: --prompt_tokens=512 '
                              '--prompt_tokens=2048); prefill_tok_s is the first\'s, '
                              'prefill_tok_s_by_length every one\'s.', lower_bound=1)
-  flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps for decode throughput.', lower_bound=1)
-  flags.DEFINE_integer('library_tokens', 2048, 'Library length for time to first token.',
+  flags.DEFINE_integer('decode_tokens', 32, 'Greedy decode steps for decode throughput.',
                        lower_bound=1)
-  flags.DEFINE_integer('query_tokens', 64, 'Query length for time to first token.', lower_bound=1)
-  flags.DEFINE_list('batch_slots', [], 'Also measure the spec engine\'s decode with N contexts '
-                    'per call (Engine.generate_batch) for each N listed, e.g. 1,2,4,8.')
-  flags.DEFINE_list('batch_cache_len', [], 'The cache lengths (slots per context) the batch '
-                    'slots are measured at, an engine each (default: --cache_len), e.g. 2560,256.')
+  flags.DEFINE_integer('library_tokens', 2048, 'Library length in tokens, for time to first '
+                       'token.', lower_bound=1)
+  flags.DEFINE_integer('query_tokens', 64, 'Query length in tokens, for time to first token.',
+                       lower_bound=1)
+  flags.DEFINE_multi_integer('batch_slots', [], 'Batch slots: also measure the spec engine\'s '
+                             'decode with N contexts per call (Engine.generate_batch), for each '
+                             'N (repeat the flag: --batch_slots=1 --batch_slots=8).',
+                             lower_bound=1)
+  common.define_list('batch_cache_len', [], 'KV slots: the cache lengths (slots per context) '
+                     'the batch slots are measured at, an engine each (unset: --cache_len), e.g. '
+                     '2560,256.', lower_bound=1)
   flags.DEFINE_bool('start', True, 'Also time a fresh process to its first logits, on an empty '
                     'compilation cache and on a warm one, by phase (import, load, engine, first '
                     'logits: start_phases_s), ours and llama.cpp\'s on the same GGUF.')
@@ -90,7 +97,7 @@ def define_flags() -> None:
                     'throughput: a quick run of the start phases.')
   flags.DEFINE_integer('repeats', 3, 'Timed repetitions (after one warm-up); medians reported.',
                        lower_bound=1)
-  flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
+  common.define_output_flag()
   flags.DEFINE_bool('processes', False, 'Measure each of our systems in a fresh process of its '
                     "own (this bench, run once per system): each row's peak_rss_bytes is then "
                     "that system's alone.")
@@ -100,6 +107,12 @@ def define_flags() -> None:
                       'NAME@REVISION and their ratios, side by side in this run.')
   common.define_model_flags()
   common.define_engine_flags(cache_len=common.GRAFT_CACHE_LEN)
+
+
+OWN_DEFAULTS = {
+    'cache_len': "the graft samples' longest context, as experiments.graft_exactness",
+    'repeats': 'medians of 3, as the committed benches',
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,7 +399,7 @@ def main(argv):
   logging.info('measuring the ceilings')
   limits = ceilings.measure(repeats=FLAGS.repeats)
   ours = [n for n in FLAGS.systems if n in OURS or n in RELATIVE]
-  slots = [int(n) for n in FLAGS.batch_slots]
+  slots = list(FLAGS.batch_slots)
   systems, finish, alone, batch_rows = {}, {}, {}, []
   with tempfile.TemporaryDirectory() as scratch:
     if FLAGS.processes and ours:
@@ -493,7 +506,7 @@ def main(argv):
             'interleaved': True, 'processes': FLAGS.processes,
             'prefill_flops_per_token': flops_per_token,
             'decode_bytes_per_token': bytes_per_token, 'environment': fingerprint.environment()}
-  output = FLAGS.output or common.default_output('bench', FLAGS.model, FLAGS.dtype)
+  output = common.output_path('bench', FLAGS.model, FLAGS.dtype)
   common.write_result(output, 'bench', {'config': config, 'ceilings': limits, 'systems': rows,
                                         'ratios': ratios, 'ratio_spread': spread,
                                         'batches': batch_rows})

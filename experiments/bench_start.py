@@ -126,7 +126,7 @@ def measure_peer_start(name: str, repeats: int) -> dict:
 
 def start_only(systems: list[str], ours: dict, repeats: int, output: str | None) -> None:
   """The start phases of every system in `systems` that has them (`ours`: our systems -> (mode,
-  dot library)), and jax's import alone: written to `output` (default: named after the model)."""
+  dot library)), and jax's import alone: written to --output (unset: the run folder)."""
   rows = []
   for name in systems:
     logging.info('timing the start of %s', name)
@@ -138,7 +138,7 @@ def start_only(systems: list[str], ours: dict, repeats: int, output: str | None)
     rows.append({'name': name, 'skipped': None, **row})
   config = {**common.model_config_json(), 'systems': list(systems), 'start_only': True,
             'repeats': repeats, 'environment': fingerprint.environment()}
-  output = output or common.default_output('bench', FLAGS.model, FLAGS.dtype, 'start')
+  output = common.output_path('bench', FLAGS.model, FLAGS.dtype, 'start')
   common.write_result(output, 'bench', {'config': config, 'ceilings': {}, 'systems': rows})
   for row in rows:
     if row['skipped']:

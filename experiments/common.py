@@ -1,22 +1,31 @@
-"""Flags and helpers shared by the experiment entry points.
+"""Flags and helpers shared by the experiment entry points: the one runner, the shared flags,
+where a run writes, and the result writer.
 
 Convention: every entry point defines its flags in a `define_flags()` called only under
 `if __name__ == '__main__'`, so every module imports as a library (the main job and the tests
-import several). Model flags (--model, --weights, --dtype) and engine flags (--engine,
---attention, --rows_per_call, --cache_len, --mesh, --mesh_layout; --block_size and --layout
-are their older names) come from here. Defining the model flags also snapshots the code state
-the process runs (`provenance`), so an entry point records the commit it started from; a
-library import runs no git.
+import several), and runs `common.run(main)`:
 
-Results are written by `write_result`: the JSON gets its schema tag (analysis/results.py), the
-code state it was made from (`provenance`) and is written atomically (gemma_jax.files). An
-entry point whose --output is not given writes results/<kind>_<config parts>.json
-(`default_output`).
+- One meaning per flag name (`MEANINGS`: a name that two tools define means one thing, and
+  its help text starts with that meaning). Model flags (--model, --weights, --dtype), --rope,
+  engine flags (--engine, --attention, --rows_per_call, --cache_len, --mesh, --mesh_layout,
+  --dot_library, ...), store flags and the runner's own (--verbose, --overwrite,
+  --compilation_cache) come from here. A tool that sweeps a value takes the same flag repeated
+  (`--mesh=model:2 --mesh=model:4`). A default that differs from the group's is declared, with
+  its reason, in the tool's `OWN_DEFAULTS`.
+- Old spellings that committed results and manifests record are read through `OLD_SPELLINGS`,
+  each with the version that retires it, and only there.
+- A run writes its one result to --output, or without it to a git-ignored run folder,
+  runs/<tool>/<time>_<name>.json (`output_path`); a committed file is replaced only when named
+  and only with --overwrite where the new content differs (gemma_jax.files.check_replace).
+- Results are written by `write_result`: the JSON gets its schema tag (analysis/results.py), the
+  code state it was made from (`provenance`), a command that names every flag deciding its bits
+  (`recorded_command`), and is written atomically (gemma_jax.files).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import os
 import statistics
@@ -29,11 +38,14 @@ from typing import Callable
 from absl import app, flags, logging
 
 from analysis import results as results_schema
+from experiments.cli import (MEANINGS, NOT_BITS, OLD_SPELLINGS, CheckedList,  # noqa: F401
+                             OldSpelling, define_list, modernize)
 from gemma_jax import compilation_cache, files, resources, rope, sharding, weights
 from gemma_jax.config import TransformerConfig, get_config
 from gemma_jax.attention import IMPLEMENTATIONS
 from graft.engine import PLANS, Engine, EngineConfig, fingerprint, resolve_engine_config
 from graft.engine.plans import DOT_LIBRARIES
+from gemma_jax.spec.interpreter import ROPE_MODES as SPEC_ROPE_MODES
 
 FLAGS = flags.FLAGS
 
@@ -46,21 +58,42 @@ GRAFT_CACHE_LEN = 2560
 
 # Paths whose changes do not change what the code computes: a run that rewrote results is
 # still a run of the committed code.
-_OUTPUT_PATHS = ('results/', 'manifests/', 'figures/')
+_OUTPUT_PATHS = ('results/', 'manifests/', 'figures/', 'runs/')
+
+
+def define_runner_flags() -> None:
+  """The flags every entry point takes from the runner."""
+  flags.DEFINE_bool('verbose', False, 'Show the traceback of an expected failure.')
+  flags.DEFINE_bool('overwrite', False, 'Replace a committed file (tracked by git: results/, '
+                    'manifests/, figures/) named by --output or --output_dir where this run\'s '
+                    'content differs; without it such a run is refused.')
+  flags.DEFINE_bool('compilation_cache', True, 'Load and keep compiled executables under '
+                    '$GEMMA_JAX_CACHE/xla (gemma_jax/compilation_cache.py).')
+
+
+def tool_name() -> str:
+  """The entry point this process runs, as `python -m` names it."""
+  main = sys.modules.get('__main__')
+  spec = getattr(main, '__spec__', None)
+  name = spec.name if spec and spec.name else os.path.basename(sys.argv[0])
+  return name[:-len('.__main__')] if name.endswith('.__main__') else name
 
 
 def run(main) -> None:
-  """absl's app.run for an entry point, with the project's error convention: an expected
-  failure (bad input, a refused artifact or store, a machine that does not compute the spec or
-  cannot build its kernels: ValueError and its kinds, a missing file) prints one line
-  `error: ...` and exits with status 2, as does a flag's impossible value (each integer flag
-  declares its bounds); --verbose shows the traceback instead. A traceback without --verbose is a
-  bug."""
+  """absl's app.run for an entry point, with the project's conventions: old flag spellings are
+  read (`OLD_SPELLINGS`); an expected failure (bad input, a refused artifact or store, a
+  committed file the run would replace, a machine that does not compute the spec or cannot
+  build its kernels: ValueError and its kinds, a missing file, a usage error) prints one line
+  `error: ...` and exits with status 2, as does a flag's impossible value (each numeric flag
+  declares its bounds); --verbose shows the traceback instead. A traceback without --verbose is
+  a bug."""
   if 'verbose' not in FLAGS:
-    flags.DEFINE_bool('verbose', False, 'Show the traceback of an expected failure.')
-  if 'compilation_cache' not in FLAGS:
-    flags.DEFINE_bool('compilation_cache', True, 'Load and keep compiled executables under '
-                      '$GEMMA_JAX_CACHE/xla (gemma_jax/compilation_cache.py).')
+    define_runner_flags()
+
+  def one_line(e: BaseException) -> None:
+    message = ' '.join(str(e).split()) or type(e).__name__
+    print(f'error: {message}', file=sys.stderr)
+    sys.exit(2)
 
   def guarded(argv):
     if FLAGS.compilation_cache:
@@ -69,19 +102,20 @@ def run(main) -> None:
       compilation_cache.disable()
     try:
       return main(argv)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, app.UsageError, flags.Error) as e:
       if FLAGS.verbose:
         raise
-      message = ' '.join(str(e).split()) or type(e).__name__
-      print(f'error: {message}', file=sys.stderr)
-      sys.exit(2)
+      one_line(e)
 
   def parse(argv):  # a flag's bad value (a bound, an enum, a required flag) is a usage error
+    argv, notes = modernize(tool_name(), argv)
+    _GIVEN_ARGV[:] = argv[1:]
+    for note in notes:
+      print(f'note: {note}', file=sys.stderr)
     try:
       return FLAGS(argv)
     except flags.Error as e:
-      print(f'error: {" ".join(str(e).split())}', file=sys.stderr)
-      sys.exit(2)
+      one_line(e)
 
   app.run(guarded, flags_parser=parse)
 
@@ -92,7 +126,8 @@ def define_model_flags(model: str = 'gemma3_270m', weights_spec: str = 'embedded
   flags.DEFINE_string('weights', weights_spec,
                       "'embedded', 'random:SEED', or a checkpoint path (GGUF file, Orbax "
                       'directory, safetensors).')
-  flags.DEFINE_enum('dtype', 'float32', sorted(weights.DTYPES), 'Parameter/activation dtype.')
+  flags.DEFINE_enum('dtype', 'float32', sorted(weights.DTYPES), 'Activation dtype, and the '
+                    'parameters\'.')
 
 
 def define_rope_flag() -> None:
@@ -104,27 +139,32 @@ def define_rope_flag() -> None:
                     'exactly).')
 
 
-def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096) -> None:
-  flags.DEFINE_enum('engine', engine_default or EngineConfig.mode, list(PLANS),
-                    'The engine mode (graft.engine.plans): pinned: fixed reduction orders, '
-                    'byte-exact; blocked: the first pinned design (fixed-shape blocks); '
-                    'default: the plain fast path.')
+def define_engine_flags(cache_len: int = 4096) -> None:
+  """The engine flags. Every tool's engine defaults to spec; `cache_len` is the tool's default
+  (0: sized by the tool for what it runs), declared in its OWN_DEFAULTS where not 4096."""
+  flags.DEFINE_enum('engine', EngineConfig.mode, list(PLANS),
+                    'The engine mode (graft.engine.plans): spec: the written arithmetic, '
+                    'byte-exact on every machine whose self-check passes; pinned: fixed '
+                    'reduction orders, byte-exact on one CPU model; blocked: the first pinned '
+                    'design (fixed-shape blocks); `default`: XLA\'s plain fast path.')
   flags.DEFINE_enum('attention', None, list(IMPLEMENTATIONS),
-                    "Attention implementation (default: the engine mode's, tiled for pinned).")
+                    "Attention implementation (unset: the engine mode's, tiled for spec and "
+                    'pinned, xla for blocked and default).')
   flags.DEFINE_integer('rows_per_call', None,
-                       'pinned: the most token rows per transformer call (default 256); '
-                       'blocked: the rows of every call (default 16).', lower_bound=1)
-  flags.DEFINE_alias('block_size', 'rows_per_call')  # the old name: retire in 0.2.0
+                       'The most token rows per transformer call (spec, pinned; unset: 256), or '
+                       'the rows of every call (blocked; unset: 16). Decides a spec engine\'s '
+                       'bits (it sizes a local layer\'s ring).', lower_bound=1)
   flags.DEFINE_integer('cache_len', cache_len, 'KV slots: the most tokens a context holds'
-                       + (' (0: as many as the run needs).' if cache_len == 0 else '.'),
+                       + (' (0: as many as the run needs).' if cache_len == 0 else
+                          '; raised to --rows_per_call where smaller.'),
                        lower_bound=0 if cache_len == 0 else 1)
   flags.DEFINE_integer('attention_tile', None, 'KV tile of the tiled or Pallas attention '
-                       '(default: the implementation\'s, 256 for tiled).', lower_bound=1)
-  flags.DEFINE_string('mesh', '', "Devices to run on: '' (one), or a mesh such as model:4 or "
-                      'model:2,data:2 (on a CPU host the device count is set from it).')
+                       '(unset: the implementation\'s, 256 for tiled).', lower_bound=1)
+  flags.DEFINE_string('mesh', '', "Devices to run on: '' (one), or a mesh of axis:size pairs "
+                      'such as model:4 or model:2,data:2 (on a CPU host the device count is '
+                      'set from it).')
   flags.DEFINE_enum('mesh_layout', 'gather', list(sharding.LAYOUTS),
                     'Mesh layout: gather (no contraction split) or split (Megatron).')
-  flags.DEFINE_alias('layout', 'mesh_layout')  # the old name: retire in 0.2.0
   flags.DEFINE_string('coordinator', None, 'host:port of the jax.distributed coordination '
                       'service (process 0 runs it): this process joins a run of several, and '
                       '--mesh spans every process\'s devices.')
@@ -132,11 +172,21 @@ def define_engine_flags(engine_default: str | None = None, cache_len: int = 4096
                        lower_bound=1)
   flags.DEFINE_integer('process_id', 0, 'This process\'s index in a jax.distributed run.',
                        lower_bound=0)
-  flags.DEFINE_enum('dot_library', None, list(DOT_LIBRARIES),
-                    "What computes the fixed-order engines' dots: eigen, ynn (XLA's default) or, "
-                    "for the spec engine, native (its own CPU kernels) or pallas (the spec dot "
-                    "kernel, for accelerators; interpret mode on CPU). Default: the engine's "
-                    '(spec: native where a C++ compiler is found, else eigen; the others: eigen).')
+  flags.DEFINE_enum('dot_library', None, list(DOT_LIBRARIES), DOT_LIBRARY_HELP)
+
+
+DOT_LIBRARY_HELP = ("What computes the spec engine's dots: native (its own CPU kernels), eigen, "
+                    'or pallas (the spec dot kernel, for accelerators; interpret mode on CPU); '
+                    'for pinned and blocked also ynn (XLA\'s default). Decides no bit of a spec '
+                    'engine. Unset: the engine\'s (spec: native where a C++ compiler is found, '
+                    'else eigen; the others: eigen).')
+
+
+def define_output_flag(what: str = 'Results JSON') -> None:
+  """--output: the one result file a run writes; unset, a new file in the run folder."""
+  flags.DEFINE_string('output', None, f'The one result file this run writes ({what}; unset: a '
+                      'new file under runs/<tool>/, git-ignored). A committed file is replaced '
+                      'only with --overwrite.')
 
 
 def define_store_flags() -> None:
@@ -144,9 +194,12 @@ def define_store_flags() -> None:
   flags.DEFINE_string('namespace_salt', '', 'A tenant\'s secret: stores written with another '
                       'salt are another namespace (unset: none).')
   flags.DEFINE_string('signing_key', None, 'Sign what this process writes to a store with this '
-                      'Ed25519 key (python -m experiments.store keygen --output=KEY).')
+                      'Ed25519 key (python -m experiments.store keygen --signing_key=KEY writes '
+                      'one).')
   flags.DEFINE_list('trusted_keys', None, 'Graft only store blocks signed by one of these public '
                     'keys (KEY.pub files); without it every verified block is trusted.')
+  flags.register_validator('trusted_keys', lambda keys: keys is None or all(keys),
+                           message='--trusted_keys: an empty key file name')
 
 
 def store_args(writer: bool = True) -> dict:
@@ -194,31 +247,70 @@ def load_model() -> weights.LoadedModel:
   this process's share of the mesh's host devices, and with --coordinator joins the
   jax.distributed run: both before jax starts its backend."""
   processes = FLAGS.num_processes if 'coordinator' in FLAGS and FLAGS.coordinator else 1
-  if 'mesh' in FLAGS and FLAGS.mesh:
+  if 'mesh' in FLAGS and isinstance(FLAGS.mesh, str) and FLAGS.mesh:  # (a sweep sets its own)
     sharding.set_host_devices(sharding.parse_mesh(FLAGS.mesh), processes)
   if processes > 1 or ('coordinator' in FLAGS and FLAGS.coordinator):
     sharding.initialize_distributed(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+  check_rope_engine()
   config = model_config()
   logging.info('loading %s with weights=%s dtype=%s rope=%s', FLAGS.model, FLAGS.weights,
                FLAGS.dtype, config.rope_mode)
   return weights.load(config, FLAGS.weights, FLAGS.dtype)
 
 
-def engine_config(model: TransformerConfig | None = None, **overrides) -> EngineConfig:
-  """The EngineConfig the engine flags ask for (with `overrides`), resolved for `model` (None:
-  the --model in its --rope mode) by graft.engine.resolve_engine_config, so that a result
-  records every value the engine ran with (the dot library included)."""
+def check_rope_engine() -> None:
+  """A usage error naming both flags where --engine cannot compute --rope (the spec's written
+  arithmetic covers RoPE modes float and relative; the controls run on pinned)."""
+  mode = FLAGS.rope if 'rope' in FLAGS else 'float'
+  if 'engine' in FLAGS and FLAGS.engine == 'spec' and mode not in SPEC_ROPE_MODES:
+    raise app.UsageError(f'--rope={mode}: the spec engine (--engine=spec) computes RoPE modes '
+                         f'{", ".join(SPEC_ROPE_MODES)} only; run it with --engine=pinned')
+
+
+def engine_config(needed_cache: int | None = None, *, model: TransformerConfig | None = None,
+                  **overrides: object) -> EngineConfig:
+  """The EngineConfig the engine flags describe (with `overrides`), sized for the run and
+  resolved for `model` (None: the --model in its --rope mode) by
+  graft.engine.resolve_engine_config, the one place a default is decided, so a result records
+  what it ran and its command names it:
+
+  - cache_len: `overrides`' or --cache_len, or where that is 0 (sized by the tool)
+    `needed_cache`; raised to the rows per call where smaller;
+  - rows per call and the dot library: resolved (the mode's defaults); where --cache_len was
+    given smaller than the default rows and --rows_per_call was not, the rows are that cache
+    (fit='rows'): an engine is sized for what it was asked, never refused for it."""
   values = dict(mode=FLAGS.engine, attention=FLAGS.attention, rows_per_call=FLAGS.rows_per_call,
                 attention_tile=FLAGS.attention_tile,
                 cache_len=FLAGS.cache_len, mesh=FLAGS.mesh, mesh_layout=FLAGS.mesh_layout,
                 dot_library=FLAGS.dot_library)
   values.update(overrides)
-  return resolve_engine_config(model or model_config(), EngineConfig(**values))
+  if not values['cache_len']:
+    if needed_cache is None:
+      raise ValueError('--cache_len=0 (sized for the run) needs a tool that sizes its cache')
+    values['cache_len'] = needed_cache
+  if values['rows_per_call'] is not None:
+    values['cache_len'] = max(values['cache_len'], values['rows_per_call'])
+  asked = FLAGS['cache_len'].present and FLAGS.cache_len > 0  # the user's own small cache
+  config = resolve_engine_config(model or model_config(), EngineConfig(**values),
+                                 fit='rows' if asked else 'cache')
+  _RESOLVED.update(engine=config.mode, rows_per_call=config.rows_per_call,
+                   cache_len=config.cache_len, mesh=config.mesh, mesh_layout=config.mesh_layout)
+  for name in ('attention', 'attention_tile'):
+    if getattr(config, name) is not None:
+      _RESOLVED[name] = getattr(config, name)
+  if config.mode != 'spec':  # a spec engine's bits do not depend on its dot library
+    _RESOLVED['dot_library'] = config.dot_library
+  return config
 
 
-def make_engine(loaded: weights.LoadedModel, **overrides) -> Engine:
-  """The engine the flags ask for (with `overrides`) over `loaded`."""
-  return Engine(loaded, engine_config(loaded.config, **overrides))
+# Engine flag values as the last engine built resolved them (what `recorded_command` names).
+_RESOLVED: dict[str, object] = {}
+
+
+def make_engine(loaded: weights.LoadedModel, needed_cache: int | None = None,
+                **overrides: object) -> Engine:
+  """An Engine of `engine_config(needed_cache, **overrides)` for `loaded`'s model."""
+  return Engine(loaded, engine_config(needed_cache, model=loaded.config, **overrides))
 
 
 def model_config_json() -> dict:
@@ -232,7 +324,7 @@ def provenance() -> dict:
   the first result written): `git_commit` is the commit only when the tracked and
   untracked source files equal it; otherwise it is None, `git_base_commit` names the commit
   the changes sit on and `git_modified_files` lists them (a dirty tree is never recorded as a
-  commit). Changes under results/, manifests/ and figures/ do not count."""
+  commit). Changes under results/, manifests/, figures/ and runs/ do not count."""
   def git(*args):
     try:
       return subprocess.run(['git', *args], capture_output=True, text=True, timeout=30,
@@ -244,30 +336,102 @@ def provenance() -> dict:
   modified = sorted(line[3:] for line in status.splitlines()
                     if line and not line[3:].startswith(_OUTPUT_PATHS))
   return {'git_commit': None if modified else head, 'git_base_commit': head,
-          'git_modified_files': modified, 'made_on': fingerprint.host(),
-          'command': ' '.join(['python -m', _entry_point()] + sys.argv[1:])}
+          'git_modified_files': modified, 'made_on': fingerprint.host()}
 
 
-def _entry_point() -> str:
-  main = sys.modules.get('__main__')
-  spec = getattr(main, '__spec__', None)
-  return spec.name if spec and spec.name else os.path.basename(sys.argv[0])
+def recorded_command() -> str:
+  """The command that remakes this run's bits after any default moves: the command as given
+  (old spellings read as today's), then every other flag of the tool that may decide them (all
+  but `NOT_BITS`) with its value; an engine flag as the engine resolved it, and flags left
+  unset left out."""
+  def spelled(flag, value) -> list[str]:
+    if isinstance(value, bool):
+      return [f'--{flag.name}' if value else f'--no{flag.name}']
+    if isinstance(flag, flags.MultiFlag):
+      return [f'--{flag.name}={v}' for v in value]
+    if isinstance(value, (list, tuple)):
+      return [f'--{flag.name}={",".join(str(v) for v in value)}']
+    return [f'--{flag.name}={value}']
+
+  given = _GIVEN_ARGV or sys.argv[1:]
+  parts, named = ['python -m', tool_name()], set()
+  for arg in given:
+    name = arg[2:].split('=', 1)[0] if arg.startswith('--') else None
+    if name and name.startswith('no') and name[2:] in FLAGS and name not in FLAGS:
+      name = name[2:]
+    if name in FLAGS and name in _RESOLVED and name not in named:
+      parts += spelled(FLAGS[name], _RESOLVED[name])
+    elif name not in named or name is None or isinstance(FLAGS[name], flags.MultiFlag):
+      if name not in NOT_BITS:
+        parts.append(arg)
+    if name:
+      named.add(name)
+  for module, defined in FLAGS.flags_by_module_dict().items():
+    if module.startswith('absl'):
+      continue
+    for flag in defined:
+      if flag.name in named or flag.name in NOT_BITS or flag.name.startswith('help'):
+        continue
+      named.add(flag.name)
+      value = _RESOLVED.get(flag.name, flag.value)
+      if value is not None:
+        parts += spelled(flag, value)
+  return ' '.join(parts)
 
 
-def default_output(kind: str, *parts) -> str:
-  """results/<kind>_<part>_<part>....json, leaving out empty parts."""
-  name = '_'.join([kind] + [str(p) for p in parts if p not in (None, '')])
-  return os.path.join('results', name + '.json')
+_GIVEN_ARGV: list[str] = []  # the arguments as given, old spellings read as today's (`run`)
+
+
+RUNS = 'runs'  # run folders: git-ignored (.gitignore)
+
+
+def run_path(name: str, suffix: str = '.json') -> str:
+  """runs/<tool>/<UTC time>_<name><suffix>: where a run writes what no flag names."""
+  stamp = datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%d-%H%M%S')
+  tool = tool_name().rpartition('.')[2] or 'run'
+  return os.path.join(RUNS, tool, f'{stamp}_{name}{suffix}')
+
+
+def output_path(kind: str, *parts, suffix: str = '.json') -> str:
+  """--output where given, else a new file in the run folder named after the result:
+  runs/<tool>/<time>_<kind>_<part>_....json, leaving out empty parts. A committed file is
+  reached only when --output names it (`write_result` then guards it)."""
+  if 'output' in FLAGS and FLAGS.output:
+    return FLAGS.output
+  return run_path('_'.join([kind] + [str(p) for p in parts if p not in (None, '')]), suffix)
+
+
+def write_checked(path: str, data: bytes) -> None:
+  """Writes `data` to `path` atomically, refusing (files.CommittedFileError, a one-line error)
+  to replace a committed file with other bytes unless --overwrite."""
+  overwrite = 'overwrite' in FLAGS and FLAGS.overwrite
+  files.check_replace(path, data, overwrite=overwrite)
+  files.write_bytes(path, data)
+
+
+def write_json(path: str, value) -> None:
+  """JSON (files.to_json's layout) at `path`, through `write_checked`."""
+  write_checked(path, (files.to_json(value) + '\n').encode())
 
 
 def write_result(path: str, kind: str, result: dict) -> dict:
-  """Writes a result of `kind` atomically, with its schema tag and its provenance in
-  result['config']; returns what was written."""
+  """Writes a result of `kind` atomically, with its schema tag, its provenance and the command
+  that remakes it in result['config'] and what the process cost; returns what was written. A
+  committed file whose content would change is left as it is unless --overwrite: the result
+  then goes to the run folder and the run ends with a one-line error naming both."""
   tagged = {'schema': results_schema.tag(kind), **result}
-  tagged['config'] = {**result.get('config', {}), **provenance()}
+  argv = ' '.join(['python -m', tool_name()] + sys.argv[1:])
+  tagged['config'] = {**result.get('config', {}), **provenance(),
+                      'command': recorded_command(), 'argv': argv}
   tagged['resources'] = resources.snapshot()  # what this process cost, up to this write
-  files.write_json(path, tagged)
+  try:
+    write_json(path, tagged)
+  except files.CommittedFileError as e:
+    kept = run_path(os.path.splitext(os.path.basename(path))[0])
+    files.write_json(kept, tagged)
+    raise files.CommittedFileError(f'{e} (this run\'s result is in {kept})') from None
   logging.info('wrote %s', path)
+  print(f'wrote {path}', flush=True)
   return tagged
 
 

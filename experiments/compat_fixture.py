@@ -1,7 +1,7 @@
 r"""Writes a compatibility fixture: a small artifact and a small store of the spec engine on tiny
 Gemma 3, with what a fresh computation gave when they were made.
 
-    python -m experiments.compat_fixture --output=tests/data/compat/<release>
+    python -m experiments.compat_fixture --output_dir=tests/data/compat/<release>
 
 A release commits the fixture its predecessor made (tests/test_compat.py grafts it with the
 current code: SHA-256 equal to fresh, until the spec's version changes, after which it must be
@@ -46,10 +46,16 @@ def fixture_engine():
   return Engine(weights.load(MODEL, WEIGHTS, 'float32'), EngineConfig(**ENGINE))
 
 
+def define_flags() -> None:
+  """Flags of this entry point (defined only when it runs, so importing it is free)."""
+  flags.DEFINE_string('output_dir', None, 'The directory this run writes (must not exist; '
+                      'unset: a new one under runs/compat_fixture/).')
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  out = FLAGS.output
+  out = FLAGS.output_dir or common.run_path('compat_fixture', suffix='')
   if os.path.exists(out):
     raise ValueError(f'{out} already exists; a fixture is written once')
 
@@ -67,13 +73,15 @@ def main(argv):
   record = {'model': MODEL, 'weights': WEIGHTS, 'engine_config': ENGINE, 'tokens': context,
             'query': query, 'fresh_logits_sha256': sha256_bytes(fresh),
             'model_fingerprint': engine.model_fingerprint['sha256'],
-            'engine_fingerprint': engine.fingerprint, **common.provenance()}
+            'engine_fingerprint': engine.fingerprint, **common.provenance(),
+            'command': common.recorded_command()}
   with open(os.path.join(staging, 'fixture.json'), 'w') as f:
     json.dump(record, f, indent=1, sort_keys=True)
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   os.rename(staging, out)
   print(f'compat fixture written to {out} (fresh logits {record["fresh_logits_sha256"][:16]}..)')
 
 
 if __name__ == '__main__':
-  flags.DEFINE_string('output', None, 'Directory to write (must not exist).', required=True)
+  define_flags()
   common.run(main)

@@ -19,9 +19,8 @@ each (the first that differs).
   --rope=relative  the shift only moves positions; exits 1 unless K, V and the next logits are
                    SHA-256 equal to the reference after every shift count measured.
 
-Output: schema context_shift (analysis/results.py), by default
-results/context_shift_<model>_<dtype>_<rope>.json. Then
-`python -m analysis.figures --results=results --output=figures` (figure context_shift).
+Output: schema context_shift (analysis/results.py), in --output or the run folder
+(runs/context_shift/); figure context_shift (`python -m analysis.figures --only=context_shift`).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import dataclasses
 import sys
 import time
 
-from absl import flags, logging
+from absl import app, flags, logging
 
 from experiments import common, samples
 from gemma_jax import compare
@@ -43,28 +42,20 @@ def define_flags() -> None:
   flags.DEFINE_integer('window', 256, 'Tokens the context holds before it shifts.', lower_bound=2)
   flags.DEFINE_integer('drop', 8, 'Oldest tokens dropped at each shift (the shift Δ).',
                        lower_bound=1)
-  flags.DEFINE_list('shifts', ['1', '10', '100', '1000'], 'Shift counts after which to measure.')
+  common.define_list('shifts', [1, 10, 100, 1000], 'Shift counts after which to measure.',
+                     lower_bound=1)
   flags.DEFINE_integer('text_tokens', None, 'Tokens of text fed before greedy generation takes '
-                       'over (default: --window).', lower_bound=1)
-  flags.DEFINE_integer('continuation', 32, 'Greedy tokens decoded from the shifted and the '
-                       'reference context at each measurement.', lower_bound=0)
+                       'over (unset: --window).', lower_bound=1)
+  flags.DEFINE_integer('continuation_tokens', 32, 'Greedy tokens compared: decoded from the '
+                       'shifted and the reference context at each measurement.', lower_bound=0)
   flags.DEFINE_integer('seed', 0, 'Seed of the token ids for random weights.', lower_bound=0)
-  flags.DEFINE_string('output', None, 'Results JSON (default: results/context_shift_<model>_'
-                      '<dtype>_<rope>.json).')
+  common.define_output_flag()
   common.define_model_flags()
   common.define_rope_flag()
-  # cache_len 0: the window, the next token and the continuation.
-  common.define_engine_flags(engine_default='spec', cache_len=0)
+  common.define_engine_flags(cache_len=0)
 
 
-def shift_counts(items) -> list[int]:
-  try:
-    counts = sorted({int(item) for item in items})
-  except ValueError:
-    raise ValueError(f'--shifts: expected integers, got {list(items)}') from None
-  if not counts or counts[0] < 1:
-    raise ValueError(f'--shifts: shift counts must be >= 1, got {list(items)}')
-  return counts
+OWN_DEFAULTS = {'cache_len': 'sized for the window, the next token and the continuation'}
 
 
 def summarize(measurements: list[dict], rope: str) -> dict:
@@ -84,26 +75,30 @@ def summarize(measurements: list[dict], rope: str) -> dict:
 def main(argv):
   del argv
   t_start = time.perf_counter()
-  counts = shift_counts(FLAGS.shifts)
+  counts = sorted(set(FLAGS.shifts))
+  if not counts:
+    raise app.UsageError('--shifts: give at least one shift count')
   if FLAGS.drop >= FLAGS.window:
     raise ValueError(f'--drop={FLAGS.drop} must be below --window={FLAGS.window}')
   loaded = common.load_model()
   text_tokens = FLAGS.text_tokens or FLAGS.window
   text = samples.tokens_for(loaded, text_tokens, FLAGS.seed)
-  cache_len = FLAGS.cache_len or FLAGS.window + 1 + FLAGS.continuation
-  engines = context_shift.make_engines(loaded, common.engine_config(cache_len=cache_len))
-  output = FLAGS.output or common.default_output('context_shift', FLAGS.model, FLAGS.dtype,
+  engine_config = common.engine_config(
+      needed_cache=FLAGS.window + 1 + FLAGS.continuation_tokens)
+  cache_len = engine_config.cache_len
+  engines = context_shift.make_engines(loaded, engine_config)
+  output = common.output_path('context_shift', FLAGS.model, FLAGS.dtype,
                                                  FLAGS.rope)
   logging.info('streaming %d tokens of text through a window of %d, dropping %d per shift, '
                'measuring after %s shifts', len(text), FLAGS.window, FLAGS.drop, counts)
   with common.heartbeat(lambda: 'streaming', every=60):
     result = context_shift.run(engines, text, window=FLAGS.window, drop=FLAGS.drop,
-                               measure_at=counts, continuation=FLAGS.continuation,
+                               measure_at=counts, continuation=FLAGS.continuation_tokens,
                                log=lambda message: print(message, flush=True))
   model = engines.model
   config = {
       **common.model_config_json(), 'window': FLAGS.window, 'drop': FLAGS.drop,
-      'shifts': counts, 'text_tokens': len(text), 'continuation': FLAGS.continuation,
+      'shifts': counts, 'text_tokens': len(text), 'continuation': FLAGS.continuation_tokens,
       'seed': FLAGS.seed, 'text': 'pydoc_data.topics (experiments/samples.py corpus_text)'
       if not loaded.weights.startswith('random') else f'random ids (seed {FLAGS.seed})',
       'text_sha256': compare.token_ids_sha256(text),
@@ -124,7 +119,6 @@ def main(argv):
           f'times): K and V equal={m["kv_equal"]} max |ΔK|={m["k_max_abs"]:.3g} next logits '
           f'equal={m["logits_equal"]} KL={m["kl"]:.3g} first differing greedy token='
           f'{m["first_differing_token"]}')
-  print(f'wrote {output}')
   if not summary['references_equal_stream']:
     print('error: the reference placement is not what the exact stream computes', file=sys.stderr)
     sys.exit(1)

@@ -20,7 +20,8 @@
    model mesh of 2, 4 or 8 of them (`mesh_plan`): the pinned engine in both layouts, and the
    spec engine with the one-device artifacts restored on the mesh (the portable arithmetic:
    exact on any device count that passes its self-check);
-6. hashes and timings of all of it to results/device_<kind>.json (kind from the device).
+6. hashes and timings of all of it to --output (to commit: results/device_<kind>.json; unset:
+   the run folder runs/device_check/), the manifests beside it.
 
 Every step records what it printed and how long it took; a step that fails is recorded and the
 rest still run, and the exit status is non-zero when a kernel test or a graft was not exact.
@@ -33,7 +34,7 @@ import os
 import re
 import sys
 
-from absl import flags
+from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,12 +50,16 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   flags.DEFINE_string('edge_probe_only', None, 'Run only the flush-to-zero edge probe and write '
                       'its JSON to this file (what the check runs in a process of its own).')
-  flags.DEFINE_integer('samples', 10, 'Graft-exactness samples per attention implementation.',
-                       lower_bound=1)
-  flags.DEFINE_string('output', None, 'Result JSON (default results/device_<kind>.json).')
-  flags.DEFINE_string('manifest_dir', 'manifests', 'Where the run\'s manifests go.')
+  flags.DEFINE_integer('samples', 10, 'Samples of graft exactness per attention '
+                       'implementation.', lower_bound=1)
+  common.define_output_flag('to commit it: --output=results/device_<kind>.json')
+  flags.DEFINE_string('manifest_output_dir', None, 'Where the run\'s manifests go (unset: beside '
+                      'the result, in <output>_manifests/).')
   flags.DEFINE_integer('mesh_samples', 4, 'Samples per mesh on a host of several devices.',
                        lower_bound=1)
+
+
+OWN_DEFAULTS = {'samples': 'ten per attention implementation, in the five minutes the check has'}
 
 
 def edge_probe() -> dict:
@@ -131,10 +136,11 @@ def mesh_steps(mesh: str, samples: int, model_flags: tuple[str, ...] = ()) -> di
   """experiments.mesh_exactness on one device and `mesh`, per engine: the step's record with
   its runs' counts (rows of hashes left out)."""
   steps = {}
-  for engine, layouts in (('pinned', 'gather,split'), ('spec', 'gather')):
+  for engine, layouts in (('pinned', ('gather', 'split')), ('spec', ('gather',))):
     output = os.path.join('/tmp', f'device_check_mesh_{engine}_{os.getpid()}.json')
     step = common.run_step([sys.executable, '-m', 'experiments.mesh_exactness', *model_flags,
-                            f'--engine={engine}', f'--meshes=,{mesh}', f'--layouts={layouts}',
+                            f'--engine={engine}', '--mesh=', f'--mesh={mesh}',
+                            *[f'--mesh_layout={layout}' for layout in layouts],
                             f'--samples={samples}', f'--output={output}'])
     if os.path.exists(output):
       with open(output) as f:
@@ -166,6 +172,10 @@ def main(argv):
     with open(FLAGS.edge_probe_only, 'w') as f:
       json.dump(edge_probe(), f)
     return
+  if jax.default_backend() == 'cpu':
+    raise app.UsageError('device_check checks an accelerator (GPU or TPU), and jax sees only the '
+                         'CPU here: run it on the accelerator host (the CPU has its checks in '
+                         'tests/)')
   device = jax.devices()[0]
   kind = re.sub(r'[^a-z0-9]+', '_', device.device_kind.lower()).strip('_')
   report = {'backend': jax.default_backend(), 'device_kind': device.device_kind,
@@ -174,16 +184,18 @@ def main(argv):
   steps['kernel_tests'] = common.run_step([sys.executable, '-m', 'pytest', '-q', '-p',
                                            'no:cacheprovider', '-k', 'pallas or kernel',
                                            'tests/test_pallas_kernel.py'])
+  output = common.output_path('device', kind)
+  manifests = FLAGS.manifest_output_dir or os.path.splitext(output)[0] + '_manifests'
   for attention in ('xla', 'pallas'):
     name = f'graft_exactness_gemma3_270m_float32_{attention}_{kind}'
-    output = os.path.join('/tmp', f'{name}.json')
+    step_output = os.path.join('/tmp', f'{name}.json')
     steps[f'graft_exactness_{attention}'] = common.run_step(
         [sys.executable, '-m', 'experiments.graft_exactness', f'--samples={FLAGS.samples}',
          '--engine=pinned', f'--attention={attention}', '--continuation_tokens=8',
-         f'--output={output}',
-         f'--manifest={os.path.join(FLAGS.manifest_dir, name + ".json")}'])
-    if os.path.exists(output):
-      with open(output) as f:
+         f'--output={step_output}',
+         f'--manifest_output={os.path.join(manifests, name + ".json")}'])
+    if os.path.exists(step_output):
+      with open(step_output) as f:
         result = json.load(f)
       steps[f'graft_exactness_{attention}']['summary'] = result['summary']
       steps[f'graft_exactness_{attention}']['hashes'] = [
@@ -216,7 +228,6 @@ def main(argv):
   edge = steps['edge']['status'] == 0 and steps['edge']['probe'] is not None and not steps[
       'edge']['probe']['selfcheck_edge_failures_code']
   report['ok'] = steps['kernel_tests']['status'] == 0 and exact and replayed and edge
-  output = FLAGS.output or os.path.join('results', f'device_{kind}.json')
   common.write_result(output, 'device_check', {
       'config': {'samples': FLAGS.samples, 'mesh': mesh, 'mesh_samples': FLAGS.mesh_samples},
       'report': report})

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-command check for a GPU or TPU host, under 5 minutes on one GPU:
 #
-#   bash experiments/device_check.sh            (writes results/device_<kind>.json)
+#   bash experiments/device_check.sh --output=results/device_<kind>.json
 #
 # Kernel tests compiled for the device, graft exactness on the embedded 270M (10 samples, XLA
 # and Pallas attention), a replay of the CI manifest, the lowering summary; hashes and timings

@@ -47,11 +47,18 @@ PROCESSES = 2
 def define_flags() -> None:
   flags.DEFINE_integer('samples', 4, 'Samples drawn from real text.', lower_bound=1)
   flags.DEFINE_integer('seed', 0, 'Seed of the samples.', lower_bound=0)
-  flags.DEFINE_string('output', None, 'Results JSON (default: named after the model).')
+  common.define_output_flag()
   flags.DEFINE_string('rows_output', None, 'Internal: where a worker process writes its rows.')
   common.define_model_flags()
   common.define_engine_flags(cache_len=1024)
   flags.FLAGS.set_default('mesh', 'model:4')
+
+
+OWN_DEFAULTS = {
+    'samples': 'four libraries around the sliding window (1, 511, 512, 513 tokens)',
+    'cache_len': 'the longest sample (513 tokens) and its query, on a 1,024-slot cache',
+    'mesh': 'the mesh the two processes span: two host devices each',
+}
 
 
 def worker() -> None:
@@ -167,7 +174,7 @@ def launch() -> int:
       common.engine_config()), 'processes': PROCESSES, 'devices': devices,
             'samples': FLAGS.samples, 'seed': FLAGS.seed, 'collectives': 'gloo',
             'coordinator': '127.0.0.1'}
-  output = FLAGS.output or common.default_output('distributed_check', FLAGS.model, FLAGS.dtype)
+  output = common.output_path('distributed_check', FLAGS.model, FLAGS.dtype)
   common.write_result(output, 'distributed_check',
                       {'config': config, 'summary': summary, 'samples': rows})
   print(f"{PROCESSES} processes x {devices // PROCESSES} devices, mesh {FLAGS.mesh}: grafts equal "

@@ -3,10 +3,10 @@ and in every process configuration of this one.
 
   python -m experiments.emulated_check                  # an AMD EPYC-Rome (Zen 2: AVX2, FMA)
   python -m experiments.emulated_check --cpu=Haswell --replay_limit=4
-  python -m experiments.emulated_check --cpu=SandyBridge --dot_libraries=native --flywheel_limit=4
+  python -m experiments.emulated_check --cpu=SandyBridge --dot_library=native --flywheel_limit=4
   python -m experiments.emulated_check --cpu= --configurations=devices:8,threads:1,isa:SSE4_2
   QEMU_LD_PREFIX=ROOT CXX=aarch64-linux-gnu-g++ python -m experiments.emulated_check \
-      --qemu=qemu-aarch64 --cpu=max --python=ROOT/usr/bin/python3.11 --dot_libraries=native
+      --qemu=qemu-aarch64 --cpu=max --python=ROOT/usr/bin/python3.11 --dot_library=native
 
 Runs this repository's checks under QEMU's user-mode emulator (`qemu-x86_64 -cpu CPU`, the
 Debian package qemu-user; 7.2 or later emulates AVX2 and FMA):
@@ -18,7 +18,7 @@ Debian package qemu-user; 7.2 or later emulates AVX2 and FMA):
    (gemma_jax.seeded) and the draws of a sampled decode from fixed logits (gemma_jax.sampling),
    which must hash the same there as here;
 2. experiments.spec_check on tiny Gemma 2, 3, 4 and 3-wide (chained projections) past their
-   sliding windows, with each of --dot_libraries: XLA's own dots (eigen), the spec engine's
+   sliding windows, with each --dot_library: XLA's own dots (eigen), the spec engine's
    native kernels (native), the spec dot kernel in Pallas's interpret mode (pallas); each also
    here, and its digest compared with the emulated one's;
 3. with --replay_limit, experiments.replay of the first records of the committed spec CI
@@ -30,8 +30,8 @@ Debian package qemu-user; 7.2 or later emulates AVX2 and FMA):
    natively in processes of other configurations: `devices:N` host devices, `threads:1` (one
    core of the affinity mask), `isa:X` (XLA_FLAGS=--xla_cpu_max_isa=X); --cpu= (empty) skips
    the emulated steps;
-5. everything to results/emulated_<cpu>.json (or --output), with what each step printed and
-   its time.
+5. everything to --output (unset: the run folder runs/emulated_check/), with what each step
+   printed and its time.
 
 Each spec_check or replay ends `equal` (the spec's bits, the manifest's hashes) or `refused`
 (the engine's self-check named the probes this machine does not compute as the spec says);
@@ -69,6 +69,7 @@ import numpy as np
 
 from experiments import common
 from gemma_jax import numerics, sampling, weights
+from gemma_jax.config import names as config_names
 from gemma_jax.kernels import native_build, native_dot
 from gemma_jax.spec import binary32, functions, selfcheck
 from graft.engine import fingerprint
@@ -90,19 +91,24 @@ TINY_MODELS = ('tiny_gemma2', 'tiny_gemma3', 'tiny_gemma4', 'tiny_gemma3_wide')
 def define_flags() -> None:
   flags.DEFINE_string('cpu', 'EPYC-Rome', 'The CPU model QEMU emulates (qemu-x86_64 -cpu help); '
                       'empty: no emulated steps.')
-  flags.DEFINE_list('dot_libraries', ['eigen', 'native'], f'Dot libraries of the spec_checks and '
-                    f'replays: any of {", ".join(DOT_LIBRARIES)}.')
+  flags.DEFINE_multi_enum('dot_library', ['eigen', 'native'], list(DOT_LIBRARIES),
+                          "What computes the spec engine's dots in the spec_checks and replays: "
+                          'each one given is run (repeat the flag).')
   flags.DEFINE_list('configurations', [], 'Process configurations of this machine to run the '
                     'spec_checks in natively: devices:N, threads:1, isa:AVX2, isa:SSE4_2, ...')
-  flags.DEFINE_list('config_models', list(TINY_MODELS), 'Models of those spec_checks (the '
-                    'embedded gemma3_270m computes 64 tokens).')
+  flags.register_validator('configurations', lambda items: all(_configuration_valid(c)
+                                                                for c in items),
+                           message='--configurations: expected devices:N, threads:1 or isa:NAME')
+  common.define_list('config_models', list(TINY_MODELS), 'Models of those spec_checks (the '
+                     'embedded gemma3_270m computes 64 tokens).', integers=False,
+                     words=config_names())
   flags.DEFINE_string('qemu', 'qemu-x86_64', 'The QEMU user-mode emulator.')
-  flags.DEFINE_string('python', None, 'The Python the emulator runs (default: this one). For '
+  flags.DEFINE_string('python', None, 'The Python the emulator runs (unset: this one). For '
                       'another architecture (--qemu=qemu-aarch64 --cpu=max), a Python of that '
                       'architecture with this project\'s dependencies, its libraries under '
                       '$QEMU_LD_PREFIX (docs/determinism.md, "aarch64").')
-  flags.DEFINE_integer('tokens', 60, 'Tokens of each tiny model\'s spec_check (windows are 8).',
-                       lower_bound=1)
+  flags.DEFINE_integer('tokens', 60, 'Tokens computed by each tiny model\'s spec_check (windows '
+                       'are 8).', lower_bound=2)
   flags.DEFINE_integer('replay_limit', 0, 'Records of the CI manifest to replay with each dot '
                        'library (0: none; one record of the 270M took 7 min on the native kernels '
                        'under EPYC-Rome, and did not finish in 70 min on the Pallas kernel).',
@@ -115,7 +121,19 @@ def define_flags() -> None:
                        'timed out.', lower_bound=1)
   flags.DEFINE_string('probe_only', None, 'Run only the probe, with XLA dumping to this folder, '
                       'and write it there as probe.json (what the check runs here and emulated).')
-  flags.DEFINE_string('output', None, 'Result JSON (default results/emulated_<cpu>.json).')
+  common.define_output_flag()
+
+
+OWN_DEFAULTS = {
+    'dot_library': "a sweep: XLA's Eigen dots and the native kernels",
+    'tokens': "past the tiny models' 8-token windows, in minutes under QEMU",
+}
+
+
+def _configuration_valid(item: str) -> bool:
+  kind, _, value = item.partition(':')
+  return ((kind == 'devices' and value.isdigit() and int(value) >= 1)
+          or (kind == 'threads' and value == '1') or (kind == 'isa' and bool(value)))
 
 
 def probe(dump: str) -> dict:
@@ -250,9 +268,6 @@ def main(argv):
     with open(os.path.join(FLAGS.probe_only, 'probe.json'), 'w') as f:
       json.dump(probe(FLAGS.probe_only), f)
     return 0
-  unknown = sorted(set(FLAGS.dot_libraries) - set(DOT_LIBRARIES))
-  if unknown:
-    raise ValueError(f'--dot_libraries: unknown {unknown}; expected some of {DOT_LIBRARIES}')
   configurations = {c: configuration(c) for c in FLAGS.configurations}
   if FLAGS.cpu and not shutil.which(FLAGS.qemu):
     raise FileNotFoundError(f'--qemu={FLAGS.qemu}: not found (apt-get install qemu-user)')
@@ -268,7 +283,7 @@ def main(argv):
     steps['probe_here'] = probe_step([sys.executable], FLAGS.step_timeout, {'CXX': ''})
     steps['probe_emulated'] = probe_step(emulate, FLAGS.step_timeout)
     for model in TINY_MODELS:
-      for library in FLAGS.dot_libraries:
+      for library in dict.fromkeys(FLAGS.dot_library):
         step = steps[f'spec_check_{model}_{library}'] = spec_check_step(emulate, model, library,
                                                                         emulated_env, outputs)
         # The same here ($CXX, which may name the emulated machine's cross compiler, cleared):
@@ -277,7 +292,7 @@ def main(argv):
             [sys.executable], model, library, {**env, 'CXX': ''}, outputs)
         print(f'spec_check {model} {library}: {step["outcome"]}, {step["seconds"]:.0f} s; '
               f'here {here["outcome"]}, digest equal {digest_equal(step, here)}', flush=True)
-    for library in FLAGS.dot_libraries if FLAGS.replay_limit else ():
+    for library in dict.fromkeys(FLAGS.dot_library) if FLAGS.replay_limit else ():
       step = common.run_step(
           emulate + ['-m', 'experiments.replay', f'--manifest={CI_MANIFEST}',
                      f'--limit={FLAGS.replay_limit}', f'--dot_library={library}'],
@@ -295,7 +310,7 @@ def main(argv):
       print(f'replay of sampled answers: {step["outcome"]}, {step["seconds"]:.0f} s', flush=True)
   for name, (prefix, config_env) in configurations.items():
     for model in FLAGS.config_models:
-      for library in FLAGS.dot_libraries:
+      for library in dict.fromkeys(FLAGS.dot_library):
         step = spec_check_step(prefix + [sys.executable], model, library,
                                {**env, **config_env}, outputs)
         steps[f'config_{name}_{model}_{library}'] = step
@@ -337,7 +352,7 @@ def main(argv):
                   and all(s['outcome'] == 'equal' for n, s in steps.items()
                           if n.endswith(BY_CONSTRUCTION)))
   name = re.sub(r'[^a-z0-9]+', '_', FLAGS.cpu.lower()) if FLAGS.cpu else 'configurations'
-  output = FLAGS.output or os.path.join('results', f'emulated_{name}.json')
+  output = common.output_path('emulated', name)
   common.write_result(output, 'emulated_check', {
       'config': {'cpu': FLAGS.cpu or None, 'qemu': FLAGS.qemu, 'python': FLAGS.python,
                  # An emulated x86's self-checks skip the flush-to-zero edge (QEMU's own rule
@@ -345,7 +360,8 @@ def main(argv):
                  'emulated_env': skip_env() if FLAGS.cpu else {},
                  'tokens': FLAGS.tokens,
                  'host': fingerprint.environment(),
-                 'dot_libraries': FLAGS.dot_libraries, 'configurations': FLAGS.configurations,
+                 'dot_libraries': list(dict.fromkeys(FLAGS.dot_library)),
+                 'configurations': FLAGS.configurations,
                  'config_models': FLAGS.config_models,
                  'replay_limit': FLAGS.replay_limit, 'manifest': CI_MANIFEST,
                  'flywheel_limit': FLAGS.flywheel_limit,

@@ -2,6 +2,7 @@
 
   python -m experiments.faults --trials=150 --output=results/faults_tiny_gemma3_float32.json
   python -m experiments.faults --kinds=bitflip_data,truncate --trials=20
+  python -m experiments.faults --block_kind=document --trials=20   # documents, composed
 
 Each trial deposits content (contexts with shared prefixes, some ending mid-block), injects one
 fault of its kind at a random place, then answers: a reader that has cached nothing grafts the
@@ -32,28 +33,44 @@ import numpy as np
 from experiments import common
 from gemma_jax import weights
 from graft.engine import Engine, EngineConfig
-from experiments.fault_campaign import KINDS, campaign, make_world, other_engines
+from experiments.fault_campaign import BLOCK_KINDS, KINDS, campaign, make_world, other_engines
+from gemma_jax.config import get_config
 from graft.store.kvstore import local_directory
 
 FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_string('store', None, 'Where trial stores go (a file:// URL of a directory; '
-                      'default: a temporary directory). In-process kinds use memory:// stores.')
+  flags.DEFINE_string('store', None, 'Store URL where trial stores go (a file:// URL of a '
+                      'directory; unset: a temporary directory). In-process kinds use memory:// '
+                      'stores.')
   flags.DEFINE_integer('trials', 100, 'Trials per in-process kind.', lower_bound=1)
   flags.DEFINE_integer('process_trials', 8, 'Trials per kind that starts processes.', lower_bound=1)
   flags.DEFINE_bool('signed', False, 'The golden store is written by an honest writer\'s key '
                     'and every reader trusts only it (forgeries are then misses).')
   flags.DEFINE_integer('seed', 0, 'Seed of the contexts and of every fault\'s place.',
                        lower_bound=0)
-  flags.DEFINE_list('kinds', list(KINDS), f'Fault kinds: any of {", ".join(KINDS)}.')
-  flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
+  common.define_list('kinds', list(KINDS), f'Fault kinds: any of {", ".join(KINDS)}.',
+                     integers=False, words=KINDS)
+  flags.DEFINE_enum('block_kind', 'context', list(BLOCK_KINDS),
+                    'What the trials deposit, damage and answer: contexts (chains from '
+                    'position 0, grafted) or documents (stored after a prefix, composed in any '
+                    'order under RoPE relative: graft/store/documents.py).')
+  common.define_output_flag()
   common.define_model_flags('tiny_gemma3', 'random:0')  # tiny: thousands of trials in minutes
-  flags.DEFINE_integer('rows_per_call', 8, 'Token rows per call of the pinned engine.',
+  flags.DEFINE_integer('rows_per_call', 8, 'The most token rows per call of the campaign\'s spec '
+                       'engine.',
                        lower_bound=1)
-  flags.DEFINE_alias('block_size', 'rows_per_call')  # the old name: retire in 0.2.0
-  flags.DEFINE_integer('cache_len', 512, 'KV slots.', lower_bound=1)
+  flags.DEFINE_integer('cache_len', 512, 'KV slots of the campaign\'s spec engine.',
+                       lower_bound=1)
+
+
+OWN_DEFAULTS = {
+    'model': 'tiny: thousands of trials in minutes',
+    'weights': 'the tiny model has random weights only',
+    'rows_per_call': "small calls and blocks, so a trial's contexts cross many of them",
+    'cache_len': "the campaign's contexts are short",
+}
 
 
 def main(argv):
@@ -61,15 +78,19 @@ def main(argv):
   unknown = sorted(set(FLAGS.kinds) - set(KINDS))
   if unknown:
     raise app.UsageError(f'--kinds: unknown {unknown}; expected some of {KINDS}')
-  loaded = weights.load(FLAGS.model, FLAGS.weights, FLAGS.dtype)
+  # Documents are placed anywhere only under the relative RoPE mode (position-free rows).
+  rope = 'relative' if FLAGS.block_kind == 'document' else 'float'
+  loaded = weights.load(get_config(FLAGS.model).replace(rope_mode=rope), FLAGS.weights,
+                        FLAGS.dtype)
   # 8-slot attention tiles: a local ring of 16 slots, so the contexts run past it and the
   # reader's global-layer-only (ranged) reads are exercised.
   engine = Engine(loaded, EngineConfig(rows_per_call=FLAGS.rows_per_call,
                                         cache_len=FLAGS.cache_len, attention_tile=8))
   model_args = [f'--model={FLAGS.model}', f'--weights={FLAGS.weights}', f'--dtype={FLAGS.dtype}',
                 f'--rows_per_call={FLAGS.rows_per_call}', f'--cache_len={FLAGS.cache_len}',
-                '--attention_tile=8']
-  world = make_world(engine, np.random.default_rng(FLAGS.seed), model_args, signed=FLAGS.signed)
+                '--attention_tile=8', f'--rope={rope}']
+  world = make_world(engine, np.random.default_rng(FLAGS.seed), model_args, signed=FLAGS.signed,
+                     block_kind=FLAGS.block_kind)
   others = other_engines(loaded, engine)
   scratch_root = None
   if FLAGS.store:
@@ -92,10 +113,12 @@ def main(argv):
             'rows_per_call': FLAGS.rows_per_call, 'cache_len': FLAGS.cache_len,
             'trials_per_kind': FLAGS.trials, 'process_trials_per_kind': FLAGS.process_trials,
             'seed': FLAGS.seed, 'kinds': list(FLAGS.kinds), 'signed': FLAGS.signed,
+            'block_kind': FLAGS.block_kind, 'rope': rope,
             'contexts': [len(c) for c in world.contexts],
             'engine_fingerprint': engine.fingerprint}
-  output = FLAGS.output or common.default_output('faults', FLAGS.model, FLAGS.dtype,
-                                                 'signed' if FLAGS.signed else '')
+  output = common.output_path('faults', FLAGS.model, FLAGS.dtype,
+                              'document' if FLAGS.block_kind == 'document' else '',
+                              'signed' if FLAGS.signed else '')
   common.write_result(output, 'faults', {'config': config, 'kinds': kinds, 'summary': summary})
   for kind, t in kinds.items():
     print(f"{kind:20s} {t['trials']:5d} trials  exact {t['exact']:5d}  untouched "

@@ -60,7 +60,7 @@ import tempfile
 from absl import app, flags, logging
 
 from experiments import common
-from gemma_jax import cost, files
+from gemma_jax import cost
 from graft.engine import plans
 from graft.knowledge import tasks as tasks_lib
 from graft.knowledge.flywheel import Settings, manifest, run, summarize, task_row
@@ -72,15 +72,16 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_string('store', None, 'Store URL (default: a temporary file:// store).')
+  flags.DEFINE_string('store', None, 'Store URL (unset: a temporary file:// store).')
   flags.DEFINE_string('tasks', None, 'JSONL of {"id", "problem", "answer"} tasks.')
   flags.DEFINE_string('task_set', None, f'A generated set instead: {", ".join(tasks_lib.FAMILIES)}.')
   flags.DEFINE_integer('tasks_n', 100, 'Tasks of a generated set.', lower_bound=1)
-  flags.DEFINE_string('heldout', None, 'JSONL of held-out problems (default: generated, disjoint).')
+  flags.DEFINE_string('heldout', None, 'JSONL of held-out problems (unset: generated, disjoint).')
   flags.DEFINE_integer('heldout_n', 100, 'Held-out problems of a generated set.', lower_bound=1)
   flags.DEFINE_string('solutions', None, 'JSONL of {"id", "solution"}; `generated`; or `none` '
                       '(only the model\'s own verified attempts enter the library).')
-  flags.DEFINE_float('temperature', 0.7, 'Sampling temperature of the base attempts.')
+  flags.DEFINE_float('temperature', 0.7, 'Sampling temperature of the base attempts (0: greedy).',
+                     lower_bound=0.0)
   flags.DEFINE_integer('seed', 0, 'Seed of the generated sets and of the sampler.', lower_bound=0)
   flags.DEFINE_integer('budget', 64, 'Decode tokens a recurring problem may spend in all, over '
                        'its base attempts.', lower_bound=1)
@@ -89,7 +90,7 @@ def define_flags() -> None:
   flags.DEFINE_integer('attempt_slots', None, 'Base attempts of a problem decoded together, one '
                        'per engine batch slot (each gets the bits it gets alone; the record is '
                        'the one-at-a-time protocol\'s, and the manifest replays unbatched). '
-                       'Default: 8 on an engine with batch slots (spec, pinned), else 1.',
+                       'Unset: 8 on an engine with batch slots (spec, pinned), else 1.',
                        lower_bound=1)
   flags.DEFINE_integer('k', 3, 'Entries retrieved for a held-out problem.', lower_bound=1)
   flags.DEFINE_integer('shots', 3, 'Solved examples in the base few-shot header.', lower_bound=0)
@@ -97,11 +98,18 @@ def define_flags() -> None:
                        lower_bound=0)
   flags.DEFINE_integer('rounds', 2, 'Held-out rounds; after each but the last the library grows '
                        'by that round\'s verified answers.', lower_bound=1)
-  flags.DEFINE_string('output', None, 'Results JSON (default: named after the task set).')
-  flags.DEFINE_string('manifest', None, 'Also write a replayable manifest here.')
+  common.define_output_flag()
+  flags.DEFINE_string('manifest_output', None, 'Also write a replayable manifest of this run here '
+                      '(experiments.replay --manifest reads it).')
   common.define_model_flags()
   common.define_store_flags()
   common.define_engine_flags(cache_len=1024)
+
+
+OWN_DEFAULTS = {
+    'cache_len': 'a few-shot header, k entries and an attempt fit in 1,024 slots',
+    'temperature': 'base attempts are sampled',
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,12 +196,11 @@ def main(argv):
             'cost': {'dense_flops_per_token': cost.dense_flops_per_token(loaded.config)}}
   summary = summarize(loaded.config, results, seed=FLAGS.seed)
   rows = [task_row(r) for r in results['rows']]
-  output = FLAGS.output or common.default_output('flywheel', FLAGS.model, FLAGS.dtype,
-                                                 FLAGS.task_set or 'file')
+  output = common.output_path('flywheel', FLAGS.model, FLAGS.dtype, FLAGS.task_set or 'file')
   written = common.write_result(output, 'flywheel',
                                 {'config': config, 'tasks': rows, 'summary': summary})
-  if FLAGS.manifest:
-    files.write_json(FLAGS.manifest, manifest(written['config'], engine, results))
+  if FLAGS.manifest_output:
+    common.write_json(FLAGS.manifest_output, manifest(written['config'], engine, results))
   for key, value in summary.items():
     print(f'{key}: {value}')
   if summary['graft_exact'] is False:

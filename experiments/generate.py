@@ -20,8 +20,8 @@ def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_string('prompt', 'The capital of France is', 'Text to continue (BOS is prepended).')
   flags.DEFINE_integer('max_new_tokens', 24, 'Tokens to generate.', lower_bound=1)
-  flags.DEFINE_float('temperature', 0.0,
-                     '0: greedy; otherwise softmax sampling at this temperature.')
+  flags.DEFINE_float('temperature', 0.0, 'Sampling temperature (0: greedy; otherwise softmax '
+                     'sampling at this temperature).', lower_bound=0.0)
   flags.DEFINE_integer('seed', 0, 'Seed of the sampler (used when --temperature > 0).',
                        lower_bound=0)
   flags.DEFINE_string('phases', None, 'Also write the wall-clock time (time.time()) at which each '
@@ -29,6 +29,9 @@ def define_flags() -> None:
                       '(experiments.bench times a fresh process with it).')
   common.define_model_flags()
   common.define_engine_flags()
+
+
+OWN_DEFAULTS = {'temperature': 'greedy: the same continuation on every run'}
 
 
 def main(argv):

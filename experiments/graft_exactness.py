@@ -1,6 +1,6 @@
 """Graft exactness: are grafted logits byte-for-byte those of a fresh computation?
 
-  python -m experiments.graft_exactness --samples=50 --manifest=manifests/NAME.json
+  python -m experiments.graft_exactness --samples=50 --manifest_output=manifests/NAME.json
   python -m experiments.graft_exactness --input=pairs.jsonl --engine=default --output=...
   python -m experiments.graft_exactness --source=store --store=file:///tmp/kv/
   python -m experiments.graft_exactness --rope=relative --offsets=1,7,64,1000,30000
@@ -25,13 +25,13 @@ inexact (the library's own KV never attended to those tokens). Rows add `sample`
 and `preceding_tokens`; the summary counts own-text rows, and `preceded` the others.
 With --mesh=model:4 (or model:2,data:2; --mesh_layout=gather|split) the engine runs on a device mesh
 (gemma_jax/sharding.py); on a CPU host the device count is set from the mesh.
-With --batch_slots=N the pinned engine serves N samples per call, one per batch slot
+With --batch_slots=N the engine (spec or pinned) serves N samples per call, one per batch slot
 (`Engine.extend_batch`): fresh and graft sides each run batched, so the rows also show batch
 invariance (a sample's fresh_sha256 is the one it gets alone, in an unbatched run).
-The output JSON (schema graft_exactness, analysis/results.py; default
-results/graft_exactness_<model>_<dtype>[_<engine>][_<attention>].json) holds the full config, one
-row per sample and a summary; --manifest also writes the replayable evidence (token ids and
-output hashes) for experiments.replay.
+The output JSON (schema graft_exactness, analysis/results.py; --output, or the run folder
+runs/graft_exactness/) holds the full config, one row per sample and a summary;
+--manifest_output also writes the replayable evidence (token ids and output hashes) for
+experiments.replay. The run exits with status 1 if any graft is not SHA-256 equal to fresh.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import tempfile
 from absl import app, flags, logging
 
 from experiments import common, samples
-from gemma_jax import compare, files
+from gemma_jax import compare
 from graft import exactness
 from graft.store import Store
 
@@ -55,25 +55,26 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_integer('samples', 50, 'Samples to draw from real text (ignored with --input).',
+  flags.DEFINE_integer('samples', 50, 'Samples drawn from real text (ignored with --input).',
                        lower_bound=1)
   flags.DEFINE_integer('seed', 0, 'Seed of the sample generator.', lower_bound=0)
-  flags.DEFINE_string('input', None, 'JSONL of {"library": text, "query": text} pairs.')
-  flags.DEFINE_string('output', None, 'Results JSON (default: named after the config).')
-  flags.DEFINE_string('manifest', None, 'Also write a replayable manifest here.')
-  flags.DEFINE_integer('batch_slots', 1, 'Samples served together, one per batch slot of every '
-                       'call (pinned engine).', lower_bound=1)
+  flags.DEFINE_string('input', None, 'JSONL input: {"library": text, "query": text} pairs.')
+  common.define_output_flag()
+  flags.DEFINE_string('manifest_output', None, 'Also write a replayable manifest of this run here '
+                      '(experiments.replay --manifest reads it).')
+  flags.DEFINE_integer('batch_slots', 1, 'Batch slots: samples served together, one per batch '
+                       'slot of every call (spec and pinned engines).', lower_bound=1)
   flags.DEFINE_integer('continuation_tokens', 32, 'Greedy tokens compared after the query.',
                        lower_bound=0)
-  flags.DEFINE_string('artifact_dir', None, 'Where artifacts go (default: a temporary directory).')
+  flags.DEFINE_string('artifact_dir', None, 'Where artifacts go (unset: a temporary directory).')
   flags.DEFINE_enum('source', 'artifact', ['artifact', 'store'],
                     'Where grafts come from: an artifact per sample, or the knowledge store.')
-  flags.DEFINE_string('store', None, 'Store URL for --source=store (default: a temporary '
+  flags.DEFINE_string('store', None, 'Store URL for --source=store (unset: a temporary '
                       'file:// store); another process deposits into it, so not memory://.')
-  flags.DEFINE_list('offsets', [], 'Graft each artifact at these positions δ instead of its own '
-                    '(computed at [0, L), grafted at [δ, δ + L)) against a fresh computation '
-                    'there: one row per sample and offset (artifacts only; exact under '
-                    '--rope=relative).')
+  common.define_list('offsets', [], 'Offsets δ: graft each artifact at these positions instead '
+                     'of its own (computed at [0, L), grafted at [δ, δ + L)) against a fresh '
+                     'computation there: one row per sample and offset (artifacts only; exact '
+                     'under --rope=relative).', lower_bound=0)
   flags.DEFINE_integer('preceded_up_to', 512, 'With --offsets, also graft the library after δ '
                        'other tokens (another sample\'s text) for every δ up to this: a change of '
                        'content, not of position (0: none).', lower_bound=0)
@@ -81,6 +82,13 @@ def define_flags() -> None:
   common.define_rope_flag()
   common.define_store_flags()
   common.define_engine_flags(cache_len=common.GRAFT_CACHE_LEN)
+
+
+OWN_DEFAULTS = {
+    'cache_len': "the longest sample (a 2,070-token library and a 128-token query), rounded up",
+    'samples': 'the committed 50-sample run',
+    'batch_slots': 'one sample a call, unless asked (a count here, not bench\'s sweep)',
+}
 
 
 def run_config(engine) -> dict:
@@ -168,14 +176,9 @@ def deposit(url: str, libraries: list, scratch: str) -> None:
 
 def main(argv):
   del argv
-  try:
-    offsets = [int(o) for o in FLAGS.offsets]
-  except ValueError:
-    raise app.UsageError(f'--offsets: integers expected, got {FLAGS.offsets}') from None
-  if offsets and (FLAGS.source != 'artifact' or FLAGS.batch_slots > 1 or FLAGS.manifest):
+  offsets = list(FLAGS.offsets)
+  if offsets and (FLAGS.source != 'artifact' or FLAGS.batch_slots > 1 or FLAGS.manifest_output):
     raise app.UsageError('--offsets grafts artifacts one sample at a time, without a manifest')
-  if any(o < 0 for o in offsets):
-    raise app.UsageError(f'--offsets: an artifact computed at 0 moves to δ >= 0, not {offsets}')
   loaded = common.load_model()
   engine = common.make_engine(loaded)
   if FLAGS.input:
@@ -214,7 +217,7 @@ def main(argv):
   if offsets:
     preceded = [r for r in rows if r['preceding_tokens']]
     summary.update(offsets=offsets, preceded=exactness.summarize(preceded) if preceded else None)
-  output = FLAGS.output or common.default_output(
+  output = common.output_path(
       'graft_exactness', FLAGS.model, FLAGS.dtype, FLAGS.rope if FLAGS.rope != 'float' else '',
       'offsets' if offsets else '',
       FLAGS.engine if FLAGS.engine != 'pinned' else '',
@@ -224,14 +227,18 @@ def main(argv):
       FLAGS.mesh.replace(':', '').replace(',', '_') + f'_{FLAGS.mesh_layout}' if FLAGS.mesh else '')
   written = common.write_result(output, 'graft_exactness',
                                 {'config': config, 'samples': rows, 'summary': summary})
-  if FLAGS.manifest:
-    files.write_json(FLAGS.manifest, manifest(written['config'], engine, pairs, rows))
+  if FLAGS.manifest_output:
+    common.write_json(FLAGS.manifest_output, manifest(written['config'], engine, pairs, rows))
   if offsets and summary['preceded']:
     print(f"after other tokens: {summary['preceded']['equal']}/{summary['preceded']['samples']} "
           'SHA-256 equal (a change of content)')
   print(f"{summary['equal']}/{summary['samples']} SHA-256 equal, max KL {summary['max_kl']:.3g}, "
         f"argmax agreement {summary['argmax_agreement']:.4f}, "
         f"{summary['continuations_equal']}/{summary['samples']} continuations equal")
+  if summary['equal'] != summary['samples']:
+    print(f"{summary['samples'] - summary['equal']} of {summary['samples']} grafts are not "
+          'SHA-256 equal to fresh', file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == '__main__':

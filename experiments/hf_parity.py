@@ -27,8 +27,7 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_string('output', None, 'Results JSON (default results/hf_parity_gemma3_270m_'
-                      'float32[_<rope>].json).')
+  common.define_output_flag()
   common.define_rope_flag()
 
 
@@ -54,7 +53,7 @@ def main(argv):
   config = {'model': 'gemma3_270m', 'weights': 'embedded', 'dtype': 'float32',
             'rope': FLAGS.rope, 'greedy_steps': GREEDY_STEPS, 'torch': torch.__version__,
             'transformers': transformers.__version__, 'jax': jax.__version__}
-  output = FLAGS.output or common.default_output(
+  output = common.output_path(
       'hf_parity', 'gemma3_270m', 'float32', FLAGS.rope if FLAGS.rope != 'float' else '')
   common.write_result(output, 'hf_parity',
                       {'config': config, 'prompts': rows, 'summary': summary})

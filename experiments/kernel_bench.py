@@ -1,6 +1,6 @@
 """Times the Pallas attention kernel against the reference XLA `attend`; hashes its outputs.
 
-    python -m experiments.kernel_bench --contexts=4096,32768 --output=results/kernel_bench.json
+    python -m experiments.kernel_bench --cache_sizes=4096,32768 --output=results/kernel_bench.json
     python -m experiments.kernel_bench --sha256_only          # just the kernel output hashes
 
 For each context S: a full cache of S slots (token j at slot j, position j), and two calls:
@@ -29,7 +29,6 @@ import numpy as np
 from experiments import common
 from gemma_jax.attention import attend
 from gemma_jax.compare import sha256_bytes
-from gemma_jax.files import write_json
 from gemma_jax.kernels.pallas_attention import make_pallas_attention
 
 FLAGS = flags.FLAGS
@@ -37,23 +36,33 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_list('contexts', None,
-                    'Cache sizes S. Default: 1024 on CPU, 4096,32768 elsewhere.')
-  flags.DEFINE_integer('head_dim', 256, 'H.', lower_bound=1)
+  common.define_list('cache_sizes', None, 'Cache sizes S (unset: 1024 on CPU, 4096,32768 '
+                     'elsewhere).', lower_bound=1)
+  flags.DEFINE_integer('head_dim', 256, 'Head dimension H.', lower_bound=1)
   flags.DEFINE_integer('num_heads', 8, 'N, query heads.', lower_bound=1)
   flags.DEFINE_integer('num_kv_heads', 4, 'K, KV heads (N % K == 0).', lower_bound=1)
   flags.DEFINE_integer('batch', 1, 'B.', lower_bound=1)
-  flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'q, k, v dtype.')
+  flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'Activation dtype of q, k and '
+                    'v.')
   flags.DEFINE_integer('prefill_rows', 128, 'T of the prefill block.', lower_bound=1)
-  flags.DEFINE_integer('window', None, 'Sliding window (None: global attention).', lower_bound=1)
-  flags.DEFINE_float('softcap', None, 'Attention logit softcap (None: off).')
-  flags.DEFINE_integer('tile_size', None, 'KV tile (None: the backend default).', lower_bound=1)
-  flags.DEFINE_integer('block_q', None, 'Query rows per block (None: the default).', lower_bound=1)
-  flags.DEFINE_integer('repeats', 5, 'Timed runs per measurement (median reported).', lower_bound=1)
+  flags.DEFINE_integer('sliding_window', None, 'Sliding window of the attention (unset: global '
+                       'attention).', lower_bound=1)
+  flags.DEFINE_float('softcap', None, 'Attention logit softcap (unset: off).', lower_bound=0.0)
+  flags.DEFINE_integer('tile_size', None, 'KV tile (unset: the backend\'s).', lower_bound=1)
+  flags.DEFINE_integer('block_q', None, 'Query rows per block (unset: the kernel\'s).',
+                       lower_bound=1)
+  flags.DEFINE_integer('repeats', 5, 'Timed repetitions per measurement (median reported).',
+                       lower_bound=1)
   flags.DEFINE_integer('seed', 0, 'Seed of the random q, k, v.', lower_bound=0)
   flags.DEFINE_bool('sha256_only', False,
                     'Only compute and print the kernel output hashes (no timing).')
-  flags.DEFINE_string('output', None, 'Write the JSON report here.')
+  common.define_output_flag('the JSON report')
+
+
+OWN_DEFAULTS = {
+    'dtype': 'the kernel is timed on bfloat16 inputs, as accelerators run it',
+    'repeats': 'a kernel call is short: medians of 5',
+}
 
 
 _MAX_ROWS = 1024  # queries are the last rows of one fixed draw, so decode's row is prefill's last
@@ -131,7 +140,7 @@ def run_benchmark(contexts, *, attention_fn, prefill_rows: int, window, softcap,
 def main(argv):
   del argv
   backend = jax.default_backend()
-  contexts = [int(c) for c in (FLAGS.contexts or (['1024'] if backend == 'cpu'
+  contexts = [int(c) for c in (FLAGS.cache_sizes or (['1024'] if backend == 'cpu'
                                                    else ['4096', '32768']))]
   dtype = jnp.dtype(FLAGS.dtype)
   attention_fn = make_pallas_attention(tile_size=FLAGS.tile_size, block_q=FLAGS.block_q)
@@ -139,7 +148,7 @@ def main(argv):
                head_dim=FLAGS.head_dim, dtype=dtype, seed=FLAGS.seed)
   report = dict(
       experiment='kernel_bench',
-      config=dict(contexts=contexts, prefill_rows=FLAGS.prefill_rows, window=FLAGS.window,
+      config=dict(contexts=contexts, prefill_rows=FLAGS.prefill_rows, window=FLAGS.sliding_window,
                   softcap=FLAGS.softcap, repeats=FLAGS.repeats, dtype=dtype.name,
                   **{k: v for k, v in shape.items() if k != 'dtype'}),
       kernel=dict(platform=attention_fn.platform, interpret=attention_fn.interpret,
@@ -148,7 +157,7 @@ def main(argv):
       device_kind=jax.devices()[0].device_kind,
       jax_version=jax.__version__,
   )
-  kw = dict(attention_fn=attention_fn, window=FLAGS.window, softcap=FLAGS.softcap, **shape)
+  kw = dict(attention_fn=attention_fn, window=FLAGS.sliding_window, softcap=FLAGS.softcap, **shape)
   if FLAGS.sha256_only:
     report['kernel_sha256'] = kernel_hashes(contexts, (1, FLAGS.prefill_rows), **kw)
     for name, digest in report['kernel_sha256'].items():
@@ -156,9 +165,10 @@ def main(argv):
   else:
     report['results'] = run_benchmark(contexts, prefill_rows=FLAGS.prefill_rows,
                                       repeats=FLAGS.repeats, **kw)
-  if FLAGS.output:
-    write_json(FLAGS.output, report)
-    print(f'wrote {FLAGS.output}')
+  output = common.output_path('kernel_bench')
+  common.write_json(output, {**report, 'config': {**report['config'], **common.provenance(),
+                                                  'command': common.recorded_command()}})
+  print(f'wrote {output}')
 
 
 if __name__ == '__main__':

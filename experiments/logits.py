@@ -9,7 +9,10 @@ vocabulary) and `argmax_{i}` (int32 argmax at every position).
 
 from __future__ import annotations
 
+import io
+
 from absl import flags
+import numpy as np
 
 from experiments import common
 from experiments.texts import text_logits
@@ -20,8 +23,8 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_string('input', None, 'JSONL file, one {"text": ...} per line.', required=True)
-  flags.DEFINE_string('output', None, 'Output .npz file.', required=True)
+  flags.DEFINE_string('input', None, 'JSONL input: one {"text": ...} per line.', required=True)
+  common.define_output_flag('an uncompressed .npz of ids_i, last_i, argmax_i')
   common.define_model_flags()
   common.define_engine_flags()
 
@@ -34,8 +37,11 @@ def main(argv):
   del argv
   texts = read_texts(FLAGS.input)
   engine = common.make_engine(common.load_model())
-  files.write_npz(FLAGS.output, text_logits(engine, texts))
-  print(f'wrote logits of {len(texts)} texts to {FLAGS.output}')
+  output = common.output_path('logits', FLAGS.model, FLAGS.dtype, suffix='.npz')
+  buffer = io.BytesIO()
+  np.savez(buffer, **text_logits(engine, texts))
+  common.write_checked(output, buffer.getvalue())
+  print(f'wrote logits of {len(texts)} texts to {output}')
 
 
 if __name__ == '__main__':

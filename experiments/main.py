@@ -1,8 +1,8 @@
-"""The main job on the embedded model: a tour that ends with every figure redrawn from results/.
+"""The main job on the embedded model: a tour that ends with every figure drawn from results/.
 
   python -m experiments.main
 
-1. generation: "The capital of France is" continued greedily (pinned engine);
+1. generation: "The capital of France is" continued greedily (the spec engine, as every step);
 2. logits: a few texts through experiments.logits' format (ids, last-position logits, argmax);
 3. graft exactness: a handful of fresh-vs-graft samples on the embedded model, byte for byte;
 4. replay: the committed CI manifest made on a machine like this one, recomputed hash for hash;
@@ -10,7 +10,10 @@
    from it by longest prefix (one diverging mid-block), hits, bytes and SHA-256 equality;
 6. flywheel: a few unit-conversion tasks attempted, verified solutions deposited, asked again
    with their entries grafted: base against library accuracy and the token factor;
-7. figures: analysis.figures redraws figures/ from the committed results/.
+7. figures: analysis.figures draws every figure from the committed results/ into the run folder
+   (runs/main/<time>_figures/; --output_dir names another).
+
+It writes nothing else: results/, manifests/ and figures/ stay as committed.
 
 Any exactness check that does not hold (a graft not byte-equal, a replayed hash that differs)
 fails the job: it exits with status 1 after listing them.
@@ -43,14 +46,24 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_integer('exactness_samples', 6, 'Graft exactness samples in step 3.', lower_bound=1)
-  flags.DEFINE_string('replay_manifest', 'manifests/ci_gemma3_270m_float32.json',
-                      'Manifest replayed in step 4 (a glob: the one made on a machine like '
-                      'this one).')
-  flags.DEFINE_string('results_dir', 'results', 'Results the figures are drawn from.')
-  flags.DEFINE_string('figures_dir', 'figures', 'Where figures are written.')
+  flags.DEFINE_integer('samples', 6, 'Samples of graft exactness in step 3.', lower_bound=1)
+  flags.DEFINE_string('manifest', 'manifests/ci_gemma3_270m_float32.json',
+                      'A manifest to read and replay in step 4 (a glob: the one made on a '
+                      'machine like this one).')
+  flags.DEFINE_string('results_dir', 'results', 'Directory of the results JSON files the '
+                      'figures are drawn from.')
+  flags.DEFINE_string('output_dir', None, 'The directory this run writes its figures to (unset: '
+                      'a new one under runs/main/; --output_dir=figures --overwrite redraws the '
+                      'committed ones).')
   common.define_model_flags()
   common.define_engine_flags(cache_len=common.GRAFT_CACHE_LEN)
+
+
+OWN_DEFAULTS = {
+    'samples': 'a handful, to show the check in a minute',
+    'manifest': 'the CI manifest, replayed on whatever machine runs the job',
+    'cache_len': "the graft samples' longest context, as experiments.graft_exactness",
+}
 
 
 DEMO_TEXTS = [
@@ -157,7 +170,7 @@ def tour() -> None:
 
   step('3. graft exactness')
   writer = common.make_engine(loaded)
-  pairs = samples.draw(loaded.tokenizer, FLAGS.exactness_samples, seed=0,
+  pairs = samples.draw(loaded.tokenizer, FLAGS.samples, seed=0,
                        window=loaded.config.sliding_window)
   rows = []
   with tempfile.TemporaryDirectory() as scratch:
@@ -182,7 +195,7 @@ def tour() -> None:
   gc.collect()
 
   step('4. replay')
-  path = replay.select(FLAGS.replay_manifest)
+  path = replay.select(FLAGS.manifest)
   with open(path) as f:
     failures = replay.replay(json.load(f))
   print(f'replay of {path}:', 'all hashes reproduce' if not failures else '\n'.join(failures))
@@ -195,9 +208,9 @@ def tour() -> None:
   failed.extend(flywheel_demo(engine))
 
   step('7. figures')
-  written = figures.draw_figures(FLAGS.results_dir, FLAGS.figures_dir)
-  print(f'{sum(p is not None for p in written.values())} figures written to '
-        f'{FLAGS.figures_dir}/')
+  output_dir = FLAGS.output_dir or common.run_path('figures', suffix='')
+  written = figures.draw_figures(FLAGS.results_dir, output_dir, overwrite=FLAGS.overwrite)
+  print(f'{sum(p is not None for p in written.values())} figures written to {output_dir}/')
   if failed:
     print('\nFAILED:\n' + '\n'.join(failed))
     sys.exit(1)

@@ -1,12 +1,13 @@
 """Exactness across device meshes: within a mesh, and across device counts and layouts.
 
-  python -m experiments.mesh_exactness --model=gemma3_1b --weights=random:0 \\
-      --meshes=,model:2,model:4,model:8 --layouts=gather,split --samples=4
-  python -m experiments.mesh_exactness --engine=spec --meshes=,model:2 --samples=4
-  python -m experiments.mesh_exactness --engine=spec --meshes=,model:2,model:4,model:8,model:2+data:2
+  python -m experiments.mesh_exactness --model=gemma3_1b --weights=random:0 --engine=pinned \\
+      --mesh= --mesh=model:2 --mesh=model:4 --mesh=model:8 --samples=4
+  python -m experiments.mesh_exactness --mesh= --mesh=model:2 --samples=4
+  python -m experiments.mesh_exactness --mesh= --mesh=model:4 --mesh=model:2,data:2
 
 On a CPU host the process asks XLA for as many host devices as the largest mesh needs. For each
-(mesh, layout) the engine (--engine: pinned, or spec in the gather layout) computes the same
+(mesh, layout) the engine (--engine: spec in the gather layout, or pinned; the other modes are
+not byte-exact, so there is nothing to compare, and are refused) computes the same
 samples fresh and through an own-position graft (the library's KV captured on that mesh, saved
 as an artifact and restored); a sample's logits SHA-256 on every mesh is then compared with the
 first mesh's (one device). The first mesh's artifacts are also restored on every other mesh and
@@ -24,28 +25,40 @@ import math
 import os
 import tempfile
 
-from absl import flags, logging
+from absl import app, flags, logging
 
 from experiments import common, samples
 from gemma_jax import compare, sharding
 from graft.store import artifact
 from graft import exactness
-from graft.engine import Engine, EngineConfig, resolve_engine_config
+from graft.engine import Engine, EngineConfig, plans, resolve_engine_config
 
 FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  flags.DEFINE_list('meshes', ['', 'model:2', 'model:4'], "Meshes ('' is one device; axes of "
-                    "one mesh joined by '+': model:2+data:2).")
-  flags.DEFINE_list('layouts', list(sharding.LAYOUTS), 'Layouts to run on every mesh.')
+  flags.DEFINE_multi_string('mesh', ['', 'model:2', 'model:4'], "Devices: the meshes to run, "
+                             "the first the reference (repeat the flag; '' is one device; a "
+                             'mesh is axis:size pairs such as model:4 or model:2,data:2).')
+  flags.DEFINE_multi_enum('mesh_layout', list(sharding.LAYOUTS), list(sharding.LAYOUTS),
+                          'Mesh layout: the layouts to run on every mesh (repeat the flag; the '
+                          'spec engine runs gather only, as it never splits a contraction).')
   flags.DEFINE_integer('samples', 4, 'Samples drawn from real text.', lower_bound=1)
   flags.DEFINE_integer('seed', 0, 'Seed of the samples.', lower_bound=0)
-  flags.DEFINE_string('output', None, 'Results JSON (default: named after the model).')
+  common.define_output_flag()
   common.define_model_flags()
-  flags.DEFINE_integer('cache_len', 2304, 'KV slots.', lower_bound=1)
-  flags.DEFINE_enum('engine', 'pinned', ['pinned', 'spec'], 'The byte-exact engine to run '
-                    '(spec: the gather layout only).')
+  flags.DEFINE_integer('cache_len', 2304, 'KV slots: the most tokens a context holds.',
+                       lower_bound=1)
+  flags.DEFINE_enum('engine', 'spec', list(plans.PLANS), 'The engine mode: spec or pinned (the '
+                    'byte-exact ones; blocked and `default` are refused: they have no exact '
+                    'grafts to compare across meshes).')
+
+
+OWN_DEFAULTS = {
+    'mesh': 'a sweep: one device, then the model meshes of 2 and 4',
+    'mesh_layout': 'a sweep: both layouts',
+    'cache_len': "the samples' longest context at 4 samples, in 256-slot tiles",
+}
 
 
 def run(loaded, pairs, mesh: str, layout: str, scratch: str, carried: list[str] | None
@@ -85,7 +98,7 @@ def measure(loaded, pairs, layouts: list[str], scratch: str) -> list[dict]:
   """`run` on every mesh and layout, the first one's artifacts carried to the others."""
   reference = None
   runs = []
-  for mesh in FLAGS.meshes:
+  for mesh in FLAGS.mesh:
     for layout in (layouts if mesh else ['gather']):  # one device: no layout
       logging.info('mesh %r layout %s', mesh, layout)
       rows = run(loaded, pairs, mesh, layout, scratch,
@@ -120,8 +133,11 @@ def measure(loaded, pairs, layouts: list[str], scratch: str) -> list[dict]:
 def main(argv):
   del argv
   # The spec engine never splits a contraction (graft.engine.plans.Spec): gather only.
-  layouts = ['gather'] if FLAGS.engine == 'spec' else FLAGS.layouts
-  sizes = [math.prod(sharding.parse_mesh(m).values()) for m in FLAGS.meshes if m]
+  if FLAGS.engine not in ('spec', 'pinned'):
+    raise app.UsageError(f'--engine={FLAGS.engine} is not byte-exact: mesh_exactness compares '
+                         'exact grafts, so it runs spec or pinned')
+  layouts = ['gather'] if FLAGS.engine == 'spec' else list(dict.fromkeys(FLAGS.mesh_layout))
+  sizes = [math.prod(sharding.parse_mesh(m).values()) for m in FLAGS.mesh if m]
   if sizes:
     sharding.set_host_devices({'data': 1, 'model': max(sizes)})
   loaded = common.load_model()
@@ -133,10 +149,10 @@ def main(argv):
   config = {**common.model_config_json(), 'engine': FLAGS.engine,
             'dot_library': resolve_engine_config(
                 loaded.config, EngineConfig(mode=FLAGS.engine)).dot_library,
-            'meshes': FLAGS.meshes,
+            'meshes': FLAGS.mesh,
             'layouts': layouts,
             'samples': len(pairs), 'seed': FLAGS.seed, 'cache_len': FLAGS.cache_len}
-  output = FLAGS.output or common.default_output('mesh_exactness', FLAGS.model, FLAGS.dtype)
+  output = common.output_path('mesh_exactness', FLAGS.model, FLAGS.dtype)
   common.write_result(output, 'mesh_exactness', {'config': config, 'runs': runs})
 
 

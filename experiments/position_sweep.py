@@ -1,7 +1,8 @@
 """Position sweep: is an own-position graft the only exact one? Shifted grafts against fresh.
 
-A library of L tokens of real text (experiments/samples.py) is computed by the pinned engine at
-positions [b, b + L), then grafted at [b + δ, b + δ + L) and followed by a query of Q tokens.
+A library of L tokens of real text (experiments/samples.py) is computed by the engine (--engine;
+spec by default, whose written arithmetic covers RoPE modes float and relative: the controls
+none and quarter_turn run on --engine=pinned) at positions [b, b + L), then grafted at [b + δ, b + δ + L) and followed by a query of Q tokens.
 For every offset δ and method (graft/shift.py):
 
   rerotate   stored (rotated) keys rotated once more by δ (K-shift); reference: the same engine
@@ -28,10 +29,10 @@ offset whose positions would leave [0, max_context) is skipped with a logged war
 under config.skipped). Offsets may be written `max` or `max-N`: the largest δ whose last query
 token still sits inside the context (max_context - L - Q), minus N.
 
-Output: schema position_sweep (analysis/results.py), by default
-results/position_sweep_<label>_<dtype>_<rope>.json; each file's config.command repeats its
-command line (the README lists the committed runs). Then
-`python -m analysis.figures --results=results --output=figures`.
+Output: schema position_sweep (analysis/results.py), in --output or the run folder
+(runs/position_sweep/); each file's config.command names every flag that decides its bits
+(docs/claims.md, claim 5, lists the committed runs). Then
+`python -m analysis.figures --only=position_exactness`.
 
 rerotate's K bytes can differ from fresh even where the logits are equal (δ = 0, and the
 controls): a rotation by 0 computes x cos 0 - y sin 0, which turns a key element -0.0 into +0.0
@@ -70,29 +71,42 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_list('offsets', DEFAULT_OFFSETS,
-                    'Offsets δ (integers, or max / max-N / max+N: the largest δ that keeps '
-                    'library + query inside the context, minus or plus N). Negative offsets graft '
-                    'a library computed at --negative_base.')
-  flags.DEFINE_list('methods', list(shift.METHODS), f'Any of {", ".join(shift.METHODS)}.')
+  common.define_list('offsets', DEFAULT_OFFSETS,
+                     'Offsets δ (integers, or max / max-N / max+N: the largest δ that keeps '
+                     'library + query inside the context, minus or plus N). Negative offsets '
+                     'graft a library computed at --negative_base.', match=_max_offset)
+  common.define_list('methods', list(shift.METHODS), f'Any of {", ".join(shift.METHODS)}.',
+                     integers=False, words=shift.METHODS)
   common.define_rope_flag()
-  flags.DEFINE_integer('library_tokens', 600, 'Library length L (600 crosses the 512-token '
-                       'window of Gemma 3).', lower_bound=1)
-  flags.DEFINE_integer('query_tokens', 32, 'Query length Q.', lower_bound=1)
+  flags.DEFINE_integer('library_tokens', 600, 'Library length in tokens, L (600 crosses the '
+                       '512-token window of Gemma 3).', lower_bound=1)
+  flags.DEFINE_integer('query_tokens', 32, 'Query length in tokens, Q.', lower_bound=1)
   flags.DEFINE_integer('seed', 0, 'Seed choosing where in the text the library starts.',
                        lower_bound=0)
   flags.DEFINE_integer('negative_base', 64, 'Base position of the library for negative offsets.',
                        lower_bound=0)
   flags.DEFINE_list('overrides', [], 'TransformerConfig fields to replace, name=value (e.g. '
                     'num_layers=10,num_kv_shared_layers=5): a custom model built from --model.')
-  flags.DEFINE_string('model_label', None, 'Name of the model in rows and the default output '
-                      'file (default: --model, with the overrides appended).')
-  flags.DEFINE_string('output', None, 'Results JSON (default results/position_sweep_<label>_'
-                      '<dtype>_<rope>.json).')
+  flags.register_validator('overrides', lambda items: all('=' in i for i in items),
+                           message='--overrides: expected name=value items')
+  flags.DEFINE_string('model_label', None, 'Name of the model in rows and in the output\'s '
+                      'name (unset: --model, with the overrides appended).')
+  common.define_output_flag()
   common.define_model_flags()
-  # Pinned: the sweep runs RoPE controls and pre-RoPE models, which the spec (version 1) does not
-  # define. cache_len 0: just enough for library + query.
-  common.define_engine_flags(engine_default='pinned', cache_len=0)
+  common.define_engine_flags(cache_len=0)
+
+
+OWN_DEFAULTS = {
+    'cache_len': 'sized for the library and the query',
+    'library_tokens': "600 crosses the 512-token window of Gemma 3",
+    'query_tokens': 'a query of 32 tokens after the grafted library',
+    'offsets': 'a sweep: small δ, powers of two, negatives and the largest',
+}
+
+
+def _max_offset(item: str) -> bool:
+  """max, max-N or max+N."""
+  return item == 'max' or (item[:4] in ('max-', 'max+') and item[4:].isdigit())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,17 +333,14 @@ def build_engines(loaded: weights.LoadedModel, engine_config: EngineConfig,
 def main(argv):
   del argv
   t_start = time.perf_counter()
-  methods = [m.strip() for m in FLAGS.methods]
-  unknown = sorted(set(methods) - set(shift.METHODS))
-  if unknown or not methods:
-    raise app.UsageError(f'--methods: unknown {unknown}; expected some of {shift.METHODS}')
+  methods = list(FLAGS.methods)
+  if not methods:
+    raise app.UsageError(f'--methods: give some of {shift.METHODS}')
   overrides = parse_overrides(FLAGS.overrides)
   label = model_label(FLAGS.model, overrides, FLAGS.model_label)
   config = get_config(FLAGS.model).replace(rope_mode=FLAGS.rope, **overrides)
-  output = FLAGS.output or common.default_output('position_sweep', label, FLAGS.dtype, FLAGS.rope)
+  output = common.output_path('position_sweep', label, FLAGS.dtype, FLAGS.rope)
   library_len, query_len = FLAGS.library_tokens, FLAGS.query_tokens
-  if library_len < 1 or query_len < 1:
-    raise app.UsageError('--library_tokens and --query_tokens must be >= 1')
   offsets, skipped = resolve_offsets(FLAGS.offsets, max_context=config.max_context,
                                      library=library_len, query=query_len,
                                      negative_base=FLAGS.negative_base)
@@ -339,10 +350,12 @@ def main(argv):
   logging.info('loading %s (%s) weights=%s dtype=%s rope=%s', label, FLAGS.model, FLAGS.weights,
                FLAGS.dtype, FLAGS.rope)
   loaded = weights.load(config, FLAGS.weights, FLAGS.dtype)
+  common.check_rope_engine()
   block_size = resolve_engine_config(config, EngineConfig(
       mode=FLAGS.engine, rows_per_call=FLAGS.rows_per_call)).rows_per_call
-  cache_len = FLAGS.cache_len or auto_cache_len(library_len, query_len, block_size)
-  engine_config = common.engine_config(config, cache_len=cache_len)
+  engine_config = common.engine_config(
+      needed_cache=auto_cache_len(library_len, query_len, block_size), model=config)
+  cache_len = engine_config.cache_len
   engines = build_engines(loaded, engine_config, methods)
   library, query = text_tokens(loaded.tokenizer, library_len, query_len, FLAGS.seed)
   logging.info('library %d tokens, query %d tokens; %d offsets x %d methods; skipped %s',
@@ -383,7 +396,6 @@ def main(argv):
               f' (KL {min(r["kl"] for r in inexact):.3g}..{max(r["kl"] for r in inexact):.3g}, '
               f'max_ulp {min(r["max_ulp"] for r in inexact):.3g}..'
               f'{max(r["max_ulp"] for r in inexact):.3g})' if inexact else ''))
-  print(f'wrote {output}')
 
 
 if __name__ == '__main__':

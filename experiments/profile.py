@@ -30,14 +30,18 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_integer('prompt_tokens', 2000, 'Prompt length of the profiled prefill.',
+  flags.DEFINE_integer('prompt_tokens', 2000, 'Prompt length in tokens of the profiled prefill.',
                        lower_bound=1)
-  flags.DEFINE_integer('decode_tokens', 32, 'Greedy steps of the profiled decode.', lower_bound=1)
-  flags.DEFINE_integer('repeats', 3, 'Repetitions of each ceiling measurement.', lower_bound=1)
-  flags.DEFINE_string('output', None, 'Results JSON (default: named after the model, dtype and '
-                      'engine).')
+  flags.DEFINE_integer('decode_tokens', 32, 'Greedy decode steps of the profiled decode.',
+                       lower_bound=1)
+  flags.DEFINE_integer('repeats', 3, 'Timed repetitions of each ceiling measurement.',
+                       lower_bound=1)
+  common.define_output_flag()
   common.define_model_flags()
   common.define_engine_flags(cache_len=common.GRAFT_CACHE_LEN)
+
+
+OWN_DEFAULTS = {'cache_len': 'a 2,000-token prompt and its decode, as experiments.bench'}
 
 
 def traced(fn, directory: str) -> float:
@@ -109,7 +113,7 @@ def profile_in(scratch: str) -> None:
   config = {**common.model_config_json(), 'engine_config': dataclasses.asdict(engine.engine_config),
             'prompt_tokens': len(prompt), 'decode_tokens': FLAGS.decode_tokens,
             'repeats': FLAGS.repeats}
-  output = FLAGS.output or common.default_output(
+  output = common.output_path(
       'profile', FLAGS.model, FLAGS.dtype, engine.engine_config.mode)
   common.write_result(output, 'profile', {'config': config, 'ceilings': limits,
                                           'prefill': prefill, 'decode': decode})

@@ -24,6 +24,7 @@ manifest first, else one made on a machine like this one (`select`).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import flags
@@ -37,15 +38,15 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_string('manifest', None, 'Manifest JSON to replay.', required=True)
+  flags.DEFINE_string('manifest', None, 'A manifest to read and replay (JSON; a glob picks the '
+                      'one made on a machine like this one).', required=True)
   flags.DEFINE_integer('limit', 0, 'Replay only the first N samples (0: all).', lower_bound=0)
   flags.DEFINE_enum('dot_library', None, list(DOT_LIBRARIES),
-                    "A spec manifest's engine with another dot library (default: this "
-                    "machine's kernels for a spec manifest, the manifest's for the others; "
-                    "'pallas': the spec dot kernel, how a GPU follows the spec).")
-  flags.DEFINE_string('output', None, 'Also write the outcome as a result (schema replay: the '
-                      'manifest, the records replayed, the differing ones, and what the replay '
-                      'cost: resources).')
+                    "What computes the spec engine's dots on replay (unset: this machine's "
+                    "kernels for a spec manifest, the manifest's own for the others; 'pallas': "
+                    'the spec dot kernel, how a GPU follows the spec).')
+  common.define_output_flag('schema replay: the manifest, the records replayed, the differing '
+                            'ones, and what the replay cost')
 
 
 def main(argv):
@@ -55,13 +56,13 @@ def main(argv):
     manifest = json.load(f)
   failures = replay(manifest, FLAGS.limit, FLAGS.dot_library)
   count = len(records(manifest)[:FLAGS.limit or None])
-  if FLAGS.output:
-    common.write_result(FLAGS.output, 'replay', {
-        'config': {'manifest': path, 'limit': FLAGS.limit, 'dot_library': FLAGS.dot_library,
-                   'manifest_made_on': (manifest['engine_fingerprint'].get('made_on')
-                                        or manifest['engine_fingerprint'].get('environment'))},
-        'summary': {'records': count, 'reproduced': count - len(failures)},
-        'failures': failures})
+  name = os.path.splitext(os.path.basename(path))[0]
+  common.write_result(common.output_path('replay', name), 'replay', {  # always: the outcome
+      'config': {'manifest': path, 'limit': FLAGS.limit, 'dot_library': FLAGS.dot_library,
+                 'manifest_made_on': (manifest['engine_fingerprint'].get('made_on')
+                                      or manifest['engine_fingerprint'].get('environment'))},
+      'summary': {'records': count, 'reproduced': count - len(failures)},
+      'failures': failures})
   if failures:
     print(f'{len(failures)} of {count} records differ from {path}:')
     print('\n'.join(failures))

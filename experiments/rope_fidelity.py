@@ -3,7 +3,8 @@
   python -m experiments.rope_fidelity                      # the embedded 270M
   python -m experiments.rope_fidelity --model=tiny_gemma4 --weights=random:0 --samples=2
 
-The same weights run under both modes (gemma_jax.rope.MODES) in the default engine. In exact
+The same weights run under both modes (gemma_jax.rope.MODES) in one engine mode (--engine; the
+committed result at 9a6ccc7 ran --engine=default). In exact
 arithmetic the two compute one function; in float32 they round the angles differently (one
 rotation by the offset's angle against two by the positions'), and this measures how far that
 moves the model. Texts: the HF parity prompts (experiments/peers/parity.py), --samples library +
@@ -13,8 +14,8 @@ position, the largest and mean KL(float || relative) per position, argmax agreem
 the greedy continuations of --continuation_tokens tokens are equal (and where they part).
 Perplexity: of each passage's next tokens under each mode.
 
-Output: schema rope_fidelity (analysis/results.py), by default
-results/rope_fidelity_<model>_<dtype>.json.
+Output: schema rope_fidelity (analysis/results.py), in --output or the run folder
+(runs/rope_fidelity/).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ MODES = ('float', 'relative')
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_integer('samples', 8, 'Library + query texts of the exactness experiments.',
+  flags.DEFINE_integer('samples', 8, 'Samples: library + query texts of the exactness '
+                       'experiments.',
                        lower_bound=1)
   flags.DEFINE_integer('seed', 0, 'Seed of the sample draw.', lower_bound=0)
   flags.DEFINE_integer('continuation_tokens', 64, 'Greedy tokens compared after each text.',
@@ -45,10 +47,15 @@ def define_flags() -> None:
   flags.DEFINE_integer('ppl_texts', 8, 'Corpus passages whose perplexity is measured.',
                        lower_bound=0)
   flags.DEFINE_integer('ppl_tokens', 512, 'Tokens per perplexity passage.', lower_bound=2)
-  flags.DEFINE_string('output', None, 'Results JSON (default results/rope_fidelity_<model>_'
-                      '<dtype>.json).')
+  common.define_output_flag()
   common.define_model_flags()
-  common.define_engine_flags(engine_default='default', cache_len=4096)
+  common.define_engine_flags()
+
+
+OWN_DEFAULTS = {
+    'samples': 'eight exactness texts beside the nine parity prompts',
+    'continuation_tokens': 'continuations long enough to part where the modes differ',
+}
 
 
 def compare_text(engines: dict[str, Engine], ids: list[int], continuation_tokens: int) -> dict:
@@ -70,7 +77,8 @@ def compare_text(engines: dict[str, Engine], ids: list[int], continuation_tokens
 
 
 def perplexity(engine: Engine, passages: list[list[int]]) -> float:
-  """exp of the mean negative log-likelihood of every passage's next tokens."""
+  """exp of the mean negative log-likelihood of every passage's next tokens (passages of at
+  least two tokens)."""
   nll, count = 0.0, 0
   for ids in passages:
     _, logits = engine.extend(engine.empty(), ids, logits=len(ids))
@@ -100,7 +108,8 @@ def main(argv):
   corpus = tokenizer.encode(samples.corpus_text())
   passages = [corpus[i * FLAGS.ppl_tokens:(i + 1) * FLAGS.ppl_tokens]
               for i in range(min(FLAGS.ppl_texts, len(corpus) // FLAGS.ppl_tokens))]
-  ppl = {mode: perplexity(engine, passages) for mode, engine in engines.items()}
+  ppl = ({mode: perplexity(engine, passages) for mode, engine in engines.items()}
+         if passages else None)  # --ppl_texts=0: no perplexity measured
   summary = {'texts': len(rows), 'max_abs': max(r['max_abs'] for r in rows),
              'max_abs_over_max_logit': max(r['max_abs_over_max_logit'] for r in rows),
              'max_kl': max(r['max_kl'] for r in rows),
@@ -113,14 +122,15 @@ def main(argv):
             'ppl_texts': FLAGS.ppl_texts, 'ppl_tokens': FLAGS.ppl_tokens,
             'engine_config': dataclasses.asdict(engines['float'].engine_config),
             'model_fingerprint': engines['float'].model_fingerprint['sha256']}
-  output = FLAGS.output or common.default_output('rope_fidelity', FLAGS.model, FLAGS.dtype)
+  output = common.output_path('rope_fidelity', FLAGS.model, FLAGS.dtype)
   common.write_result(output, 'rope_fidelity', {'config': config, 'texts': rows,
                                                 'summary': summary})
   print(f"relative vs float on {len(rows)} texts: max |Δlogit| {summary['max_abs']:.3g} "
         f"({summary['max_abs_over_max_logit']:.2g} of max |logit|), max KL "
         f"{summary['max_kl']:.3g}, argmax agreement >= {summary['min_argmax_agreement']:.4f}, "
-        f"{summary['continuations_equal']}/{len(rows)} continuations equal; perplexity float "
-        f"{ppl['float']:.4f}, relative {ppl['relative']:.4f}")
+        f"{summary['continuations_equal']}/{len(rows)} continuations equal"
+        + (f"; perplexity float {ppl['float']:.4f}, relative {ppl['relative']:.4f}" if ppl
+           else ''))
 
 
 if __name__ == '__main__':

@@ -36,8 +36,13 @@ def define_flags() -> None:
   flags.DEFINE_integer('rows', 256, 'Query rows (tokens x query heads per KV head).', lower_bound=1)
   flags.DEFINE_integer('slots', 512, 'Key slots.', lower_bound=1)
   flags.DEFINE_integer('head_dim', 256, 'Head dimension H.', lower_bound=2)
-  flags.DEFINE_integer('repeats', 7, 'Timed calls per formulation.', lower_bound=1)
-  flags.DEFINE_string('output', None, 'Results JSON (default results/rope_formulation.json).')
+  flags.DEFINE_integer('repeats', 7, 'Timed repetitions: calls per formulation.', lower_bound=1)
+  common.define_output_flag()
+
+
+OWN_DEFAULTS = {
+    'repeats': 'two formulations of one short call: medians of 7',
+}
 
 
 def formulations(rows: int, slots: int, head_dim: int):
@@ -83,7 +88,7 @@ def main(argv):
              'max_abs_difference': difference}
   config = {'rows': FLAGS.rows, 'slots': FLAGS.slots, 'head_dim': FLAGS.head_dim,
             'repeats': FLAGS.repeats, 'numerics': 'xla', 'jax': jax.__version__}
-  common.write_result(FLAGS.output or common.default_output('rope_formulation'),
+  common.write_result(common.output_path('rope_formulation'),
                       'rope_formulation', {'config': config, 'summary': summary})
   print(f"turned {medians['turned'] * 1e3:.1f} ms, tables {medians['tables'] * 1e3:.1f} ms "
         f"(tables {summary['tables_vs_turned_speed']:.2f}x turned's speed); max |difference| "

@@ -58,7 +58,9 @@ def long_corpus_texts():
 
 def distinct_libraries(tokenizer, length: int, count: int | None = None):
   """Consecutive, non-overlapping libraries of `length` tokens (BOS + length - 1 of real text,
-  long_corpus_texts), as many as asked (or as the text holds)."""
+  long_corpus_texts; length >= 2), as many as asked (or as the text holds)."""
+  if length < 2:
+    raise ValueError(f'a library of {length} tokens holds no text after BOS')
   body, made = [], 0
   for text in long_corpus_texts():
     body.extend(tokenizer.encode(text, add_bos=False))

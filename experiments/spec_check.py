@@ -25,15 +25,19 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  flags.DEFINE_integer('tokens', 64, 'Tokens to compute.', lower_bound=1)
-  flags.DEFINE_list('splits', None, 'Where the split run cuts the tokens (default: a third, two '
-                    "thirds and the model's sliding window, where they lie inside).")
+  flags.DEFINE_integer('tokens', 64, 'Tokens computed, one-shot and in pieces.', lower_bound=2)
+  common.define_list('splits', None, 'Where the split run cuts the tokens, each below --tokens '
+                     "(unset: a third, two thirds and the model's sliding window, where they lie "
+                     'inside).', lower_bound=1)
   flags.DEFINE_integer('seed', 0, 'Seed of the token ids for random weights.', lower_bound=0)
-  flags.DEFINE_string('output', None, 'Results JSON (default: results/spec_check_<model>_<dtype>'
-                      '.json).')
+  common.define_output_flag()
   common.define_model_flags()
   common.define_rope_flag()
-  common.define_engine_flags(engine_default='spec', cache_len=0)
+  common.define_engine_flags(cache_len=0)
+
+
+OWN_DEFAULTS = {'cache_len': 'sized for --tokens (at least 4,096 slots)',
+                'tokens': 'past a tiny model\'s window in seconds'}
 
 
 def default_splits(count: int, window: int) -> list[int]:
@@ -42,19 +46,25 @@ def default_splits(count: int, window: int) -> list[int]:
 
 def main(argv):
   del argv
-  if FLAGS.tokens < 2:
-    raise app.UsageError('--tokens must be at least 2')
+  if FLAGS.engine != 'spec':
+    raise app.UsageError(f'--engine={FLAGS.engine}: spec_check checks the spec engine against '
+                         'its interpreter; only --engine=spec has one')
+  if FLAGS.splits and max(FLAGS.splits) >= FLAGS.tokens:
+    raise app.UsageError(f'--splits={",".join(map(str, FLAGS.splits))}: every cut must lie '
+                         f'inside --tokens={FLAGS.tokens}')
+  if FLAGS.cache_len and FLAGS.cache_len < FLAGS.tokens:
+    raise app.UsageError(f'--cache_len={FLAGS.cache_len} holds fewer than --tokens='
+                         f'{FLAGS.tokens}')
   loaded = common.load_model()
-  engine = common.make_engine(loaded, mode='spec', cache_len=FLAGS.cache_len or
-                              max(4096, FLAGS.tokens))
+  engine = common.make_engine(loaded, needed_cache=max(4096, FLAGS.tokens))
   tokens = samples.tokens_for(loaded, FLAGS.tokens, FLAGS.seed)
-  splits = ([int(s) for s in FLAGS.splits] if FLAGS.splits
+  splits = (sorted(set(FLAGS.splits)) if FLAGS.splits
             else default_splits(len(tokens), loaded.config.sliding_window))
   result = spec_check.run(engine, tokens, splits, progress=logging.info)
   config = {**common.model_config_json(), 'tokens': FLAGS.tokens, 'splits': splits,
             'seed': FLAGS.seed, 'engine_config': dataclasses.asdict(engine.engine_config),
             'engine_fingerprint': engine.fingerprint}
-  output = FLAGS.output or common.default_output(
+  output = common.output_path(
       'spec_check', FLAGS.model, FLAGS.dtype, *([FLAGS.rope] if FLAGS.rope != 'float' else []))
   common.write_result(output, 'spec_check', {'config': config, **result})
   summary = result['summary']

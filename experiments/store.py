@@ -11,7 +11,8 @@ URL is any kvstore URL TensorStore opens: file:///abs/path/, memory:// (this pro
 gs://bucket/path/, s3://bucket/path/, or a TensorStore kvstore spec as JSON (an S3-protocol
 server's endpoint: '{"driver": "s3", "bucket": "b", "path": "p/", "endpoint": "http://..."}').
 `put` reads one JSON object a line, {"text": ...} (tokenized with BOS) or {"tokens": [ids...]},
-and deposits each. `get` prints the length, in tokens, of the longest stored prefix of the text
+and deposits each; a line that also holds {"prefix": [ids...]} is a document, stored after that
+prefix (Store.put_document: placed anywhere later; the engine runs --rope=relative). `get` prints the length, in tokens, of the longest stored prefix of the text
 (tokenized with BOS). The model and engine flags must be the ones the store was made with (its
 namespace): another model, dtype or engine configuration is refused with the reason.
 """
@@ -36,20 +37,21 @@ COMMANDS = ('put', 'get', 'ls', 'verify', 'gc', 'stats', 'keygen')
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
   flags.DEFINE_string('store', None, 'Store URL (file:///abs/path/, memory://, gs://...).')
-  flags.DEFINE_string('input', None, 'put: JSONL of {"text": ...} or {"tokens": [...]}.')
+  flags.DEFINE_string('input', None, 'JSONL input for put: {"text": ...} or {"tokens": [...]} '
+                      'a line.')
   flags.DEFINE_bool('recompute_put', False, 'put: compute every block and compare it with what '
                     'is stored (conflicts replaced and reported).')
   flags.DEFINE_string('text', None, 'get: the text whose longest stored prefix to find.')
-  flags.DEFINE_integer('host_cache_bytes', 1 << 30, 'Bound of the host LRU of verified blocks.',
+  flags.DEFINE_integer('host_cache_bytes', 1 << 30, 'Bound of the store\'s host LRU of verified '
+                       'blocks.',
                        lower_bound=0)
   flags.DEFINE_float('recompute', 0.0, 'verify: also recompute this fraction of the blocks (1.0: '
                      'every one) with this engine and compare bytes: forgeries and what was '
-                     'built on them.')
+                     'built on them.', lower_bound=0.0, upper_bound=1.0)
   flags.DEFINE_float('lease_seconds', None, 'gc: age after which a put\'s lease on its '
                      'unpublished objects has expired (its writer died) and they are removed; '
-                     f'default {LEASE_SECONDS:g} s. 0: remove every unpublished object (only '
-                     'when no put is running).')
-  flags.DEFINE_string('output', None, 'keygen: where the private key goes (and OUTPUT.pub).')
+                     f'unset: {LEASE_SECONDS:g} s. 0: remove every unpublished object (only '
+                     'when no put is running).', lower_bound=0.0)
   # Test hooks (tests/test_store.py, experiments/fault_campaign): a writer made to stop inside a put.
   flags.DEFINE_string('pause_at', None, f'put, for tests: STEP:N ({"|".join(STEPS)}): at the '
                       'N-th time the put reaches STEP, print the batch\'s object names on stderr '
@@ -58,18 +60,24 @@ def define_flags() -> None:
                       'file exists.')
   common.define_store_flags()
   common.define_model_flags()
+  common.define_rope_flag()
   common.define_engine_flags()
 
 
-def read_contexts(path: str, tokenizer) -> list[list[int]]:
-  """Token ids of each line: {"text": ...} with BOS, or {"tokens": [...]} as given."""
+def read_contexts(path: str, tokenizer) -> list[tuple[list[int] | None, list[int]]]:
+  """(prefix or None, token ids) of each line: {"text": ...} with BOS, or {"tokens": [...]} as
+  given; with {"prefix": [...]}, a document stored after that prefix."""
+  ids = lambda value: (isinstance(value, list) and value
+                       and all(type(t) is int for t in value))
   contexts = []
   for number, record in files.jsonl_records(path):
+    prefix = record.get('prefix')
+    if prefix is not None and not ids(prefix):
+      raise ValueError(f'{path}:{number}: "prefix" must be a non-empty list of token ids')
     if isinstance(record.get('text'), str) and record['text']:
-      contexts.append(tokenizer.encode(record['text']))
-    elif (isinstance(record.get('tokens'), list) and record['tokens']
-          and all(type(t) is int for t in record['tokens'])):
-      contexts.append(record['tokens'])
+      contexts.append((prefix, tokenizer.encode(record['text'], add_bos=prefix is None)))
+    elif ids(record.get('tokens')):
+      contexts.append((prefix, record['tokens']))
     else:
       raise ValueError(f'{path}:{number}: expected {{"text": "..."}} or {{"tokens": [ids]}}')
   return contexts
@@ -88,10 +96,10 @@ def main(argv):
     raise app.UsageError(f'expected one command: {" | ".join(COMMANDS)}')
   command = argv[1]
   if command == 'keygen':
-    if not FLAGS.output:
-      raise app.UsageError('keygen needs --output=KEY (KEY and KEY.pub are written)')
-    key = signing.generate(FLAGS.output)
-    print(f'wrote {FLAGS.output} and {FLAGS.output}.pub (key {key.public.id})')
+    if not FLAGS.signing_key:
+      raise app.UsageError('keygen needs --signing_key=KEY (KEY and KEY.pub are written)')
+    key = signing.generate(FLAGS.signing_key)
+    print(f'wrote {FLAGS.signing_key} and {FLAGS.signing_key}.pub (key {key.public.id})')
     return
   if not FLAGS.store:
     raise app.UsageError('--store=URL is required')
@@ -106,8 +114,9 @@ def main(argv):
                   **common.store_args())
     totals = {'tokens': 0, 'reused_tokens': 0, 'blocks_written': 0, 'bytes_written': 0,
               'conflicts': 0}
-    for i, tokens in enumerate(contexts):
-      report = store.put(tokens, recompute=FLAGS.recompute_put)
+    for i, (prefix, tokens) in enumerate(contexts):
+      report = (store.put(tokens, recompute=FLAGS.recompute_put) if prefix is None else
+                store.put_document(prefix, tokens, recompute=FLAGS.recompute_put))
       for key in totals:
         totals[key] += report[key]
       logging.info('put %d/%d: %d tokens, %d reused, %d blocks written (%d bytes), %.2fs',

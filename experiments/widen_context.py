@@ -34,7 +34,7 @@ import statistics
 import tempfile
 import time
 
-from absl import flags, logging
+from absl import app, flags, logging
 import jax
 import numpy as np
 
@@ -50,15 +50,16 @@ PAPER_TOKENS = 2_854_766  # the paper's usable context (arXiv 2607.14431)
 
 def define_flags() -> None:
   """Flags of this entry point (defined only when it runs, so importing it is free)."""
-  flags.DEFINE_string('store', None, 'Store URL (default: a file:// store in a temporary '
+  flags.DEFINE_string('store', None, 'Store URL (unset: a file:// store in a temporary '
                       'directory).')
   flags.DEFINE_integer('ratio', 100, 'Deposit until addressable tokens >= ratio x cache_len.',
                        lower_bound=1)
   flags.DEFINE_integer('target_tokens', 0, 'Deposit at least this many tokens (0: by --ratio).',
                        lower_bound=0)
-  flags.DEFINE_integer('library_tokens', 2048, 'Tokens per deposited library.', lower_bound=1)
+  flags.DEFINE_integer('library_tokens', 2048, 'Library length in tokens: each deposited '
+                       'library (BOS and text; more than --query_tokens).', lower_bound=2)
   flags.DEFINE_integer('queries', 48, 'Queries served from the store.', lower_bound=1)
-  flags.DEFINE_integer('query_tokens', 16, 'Tokens per query.', lower_bound=1)
+  flags.DEFINE_integer('query_tokens', 16, 'Query length in tokens.', lower_bound=1)
   flags.DEFINE_integer('sampled', 8, 'Served queries checked against a fresh computation.',
                        lower_bound=0)
   flags.DEFINE_integer('misses', 3, 'Queries on libraries that were never deposited.',
@@ -66,11 +67,17 @@ def define_flags() -> None:
   flags.DEFINE_integer('seed', 0, 'Seed of the query stream.', lower_bound=0)
   flags.DEFINE_integer('host_cache_bytes', 1 << 30, 'Bound of the store\'s host LRU.',
                        lower_bound=0)
-  flags.DEFINE_bool('keep_store', False, 'Keep the store afterwards (default: delete it).')
-  flags.DEFINE_string('output', None, 'Results JSON (default: named after the model and dtype).')
+  flags.DEFINE_bool('keep_store', False, 'Keep the store afterwards (false: delete it).')
+  common.define_output_flag()
   common.define_model_flags()
   common.define_store_flags()
   common.define_engine_flags()
+
+
+OWN_DEFAULTS = {
+    'library_tokens': "libraries of 2,048 tokens: the bench's time-to-first-token library",
+    'query_tokens': 'a short query after each served library',
+}
 
 
 def device_bytes() -> int:
@@ -162,6 +169,10 @@ def median(values) -> float | None:
 
 def main(argv):
   del argv
+  if FLAGS.library_tokens <= FLAGS.query_tokens:
+    raise app.UsageError(f'--library_tokens={FLAGS.library_tokens}: a query is the last '
+                         f'--query_tokens={FLAGS.query_tokens} tokens of a library, so a library '
+                         'needs more')
   loaded = common.load_model()
   engine = common.make_engine(loaded)
   cache_len = engine.engine_config.cache_len
@@ -230,7 +241,7 @@ def main(argv):
             'host_cache_bytes': FLAGS.host_cache_bytes, 'disk': disk,
             'page_cache_evicted': bool(directory),
             'engine_fingerprint': engine.fingerprint}
-  output = FLAGS.output or common.default_output('widen_context', FLAGS.model, FLAGS.dtype)
+  output = common.output_path('widen_context', FLAGS.model, FLAGS.dtype)
   common.write_result(output, 'widen_context', {'config': config, 'summary': summary,
                                                 'deposit': totals, 'queries': rows})
   if not FLAGS.keep_store:

@@ -11,6 +11,10 @@ the target as it was.
 
 `atomic_directory` does the same for a directory built in place (Orbax checkpoints, artifacts):
 built under a staging name, every file fsynced, then renamed to a target that must not exist.
+
+Committed files are evidence: `check_replace` refuses to replace a file git tracks with other
+bytes unless told to (the command-line tools' --overwrite), so a run never rewrites a committed
+result, manifest or figure by accident.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import uuid
 from typing import Any, BinaryIO, Callable, Iterator
 
@@ -63,6 +68,34 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None], *, suffix: str = 
       os.unlink(staging)
     raise
   fsync_directory(directory)
+
+
+class CommittedFileError(ValueError):
+  """A write would replace a committed (git-tracked) file with other content."""
+
+
+def committed(path: str) -> bool:
+  """Whether git tracks the file at `path` (False outside a checkout or without git)."""
+  directory = os.path.dirname(os.path.abspath(path))
+  if not os.path.isfile(path) or not os.path.isdir(directory):
+    return False
+  try:
+    return subprocess.run(['git', 'ls-files', '--error-unmatch', '--', os.path.basename(path)],
+                          cwd=directory, capture_output=True, timeout=30).returncode == 0
+  except (OSError, subprocess.SubprocessError):
+    return False
+
+
+def check_replace(path: str, data: bytes, *, overwrite: bool) -> None:
+  """Raises CommittedFileError where writing `data` would replace a committed file whose bytes
+  differ, unless `overwrite`. Equal bytes, a new file or an untracked one pass."""
+  if overwrite or not committed(path):
+    return
+  with open(path, 'rb') as f:
+    if f.read() == data:
+      return
+  raise CommittedFileError(f'{path} is a committed file and this run\'s content differs; name '
+                           'another --output, or add --overwrite to replace it')
 
 
 def write_bytes(path: str, data: bytes) -> None:

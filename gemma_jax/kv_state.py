@@ -284,6 +284,19 @@ class KVRows:
     """T, the tokens the rows cover."""
     return int(self.positions[0].shape[0]) if self.positions else 0
 
+  def layer(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cache layer j's rows.
+
+    Args:
+      j: the cache layer's index (in config.cache_layers order, as k and v hold them).
+    Returns:
+      (k, v), each [T, K, H]; ValueError where they were not read.
+    """
+    k, v = self.k[j], self.v[j]
+    if k is None or v is None:
+      raise ValueError(f'cache layer {j}: its rows were not read')
+    return k, v
+
   def prefix(self, n: int) -> 'KVRows':
     """The first n rows. Under the pinned engine a row's bits never depend on the rows after
     it, so a prefix of a block's rows is the KV of that prefix (tests/test_store.py)."""

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma_jax import model, numerics
+from gemma_jax import drawn, model, numerics
 from gemma_jax.checkpoints import gguf_io, orbax_io, param_cache, safetensors_io, tree
 from gemma_jax.config import TransformerConfig, get_config
 from gemma_jax.kernels import native_dot
@@ -44,27 +44,42 @@ class LoadedModel:
   their hashes (the engine calls it before it hands out anything computed from them)."""
 
   def __init__(self, config: TransformerConfig, params: model.Params | None, tokenizer: Tokenizer,
-               weights: str, dtype: str, stored: param_cache.Entry | None = None):
-    if params is None and stored is None:
-      raise ValueError('a loaded model needs its parameters, canonical or stored')
+               weights: str, dtype: str, stored: param_cache.Entry | None = None,
+               seed: int | None = None):
+    if params is None and stored is None and seed is None:
+      raise ValueError('a loaded model needs its parameters, canonical, stored or seeded')
     self.config, self.tokenizer, self.weights, self.dtype = config, tokenizer, weights, dtype
     self._params, self.stored = params, stored
+    # random:SEED drawn where it is used (gemma_jax.drawn: an engine draws its own form, one
+    # copy), the canonical tree only when something asks for `params`.
+    self.seed = seed
 
   @property
   def params(self) -> model.Params:
     """The canonical parameters (jax arrays in `dtype`)."""
     if self._params is None:
-      assert self.stored is not None  # __init__ refuses neither
-      self.check()
-      self._params = _as_jax(self.stored.canonical(), self.dtype)
+      if self.stored is not None:
+        self.check()
+        self._params = _as_jax(self.stored.canonical(), self.dtype)
+      else:
+        assert self.seed is not None  # __init__ refuses a model with none of the three
+        self._params = model.init_params(self.config, self.seed, DTYPES[self.dtype])
     return self._params
+
+  @property
+  def draws_where_used(self) -> bool:
+    """Whether the parameters are random:SEED weights not drawn as a tree (yet): an engine then
+    draws its own form of them (gemma_jax.drawn) rather than place the tree's."""
+    return self.seed is not None and self._params is None
 
   @functools.cached_property
   def params_sha256(self) -> str:
     """SHA-256 of the canonical parameters (gemma_jax.checkpoints.tree.params_digest)."""
     if self.stored is not None:
       return self.stored.params_sha256
-    assert self._params is not None  # __init__ refuses neither
+    if self.seed is not None and self._params is None:  # drawn one parameter at a time
+      return drawn.params_sha256(self.seed, self.config, DTYPES[self.dtype])
+    assert self._params is not None  # __init__ refuses a model with neither
     return tree.params_digest(self._params)
 
   def replace(self, **changes: Any) -> 'LoadedModel':
@@ -72,9 +87,9 @@ class LoadedModel:
     replace the stored ones)."""
     values: dict[str, Any] = dict(config=self.config, params=self._params,
                                   tokenizer=self.tokenizer, weights=self.weights, dtype=self.dtype,
-                                  stored=self.stored)
+                                  stored=self.stored, seed=self.seed)
     if 'params' in changes:
-      values['stored'] = None
+      values['stored'] = values['seed'] = None
     values.update(changes)
     return LoadedModel(**values)
 
@@ -253,9 +268,11 @@ def load(model_name: str | TransformerConfig, weights: str = 'embedded',
     if not seed.isdigit():
       raise ValueError(f'--weights={weights}: the seed after "random:" must be a non-negative '
                        'integer')
-    # Drawn parameter by parameter straight into `dtype` (one copy of the weights at a time).
-    return LoadedModel(config=config, params=model.init_params(config, int(seed), DTYPES[dtype]),
-                       tokenizer=tokenizer_for(config, None), weights=weights, dtype=dtype)
+    # Drawn where they are used: an engine draws its own form of each parameter (one copy,
+    # gemma_jax.drawn); the tree is drawn, parameter by parameter straight into `dtype`, only
+    # when something asks for `params`.
+    return LoadedModel(config=config, params=None, tokenizer=tokenizer_for(config, None),
+                       weights=weights, dtype=dtype, seed=int(seed))
   else:
     params, tokenizer = _load_path(config, weights)
   params = _as_jax(params, dtype)

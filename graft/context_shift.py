@@ -21,7 +21,7 @@ What is exact, and how it is known:
 - Raw keys under float. A float engine caches R(p) k and never k, so the stream runs the same
   model with keys cached before RoPE (kv_cache_pre_rope): its attention rotates each cached raw
   key by its slot position at every read, with the operations a rotated cache applies at write,
-  so its logits are the float engine's and its cache holds the raw keys. `turn` is that
+  so its logits are the float engine's and its cache holds the raw keys. `turn` (graft.store.compose) is that
   rotation, jitted with the engine's numerics and compiler options: R(p) of the stream's raw
   key is the float engine's cached key, bit for bit (tests/test_context_shift.py), and at every
   measurement the reference's next logits equal the stream's (`reference_equals_stream`).
@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-import weakref
 from typing import Callable, Sequence
 
 import jax
@@ -47,9 +46,9 @@ import numpy as np
 
 from gemma_jax import compare
 from gemma_jax import kv_state as kvs
-from gemma_jax import rope
 from gemma_jax.weights import LoadedModel
 from graft.engine import Context, Engine, EngineConfig
+from graft.store.compose import turn  # the engine's rotation of cached keys (one home)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -83,40 +82,6 @@ def drop_oldest(ctx: Context, drop: int) -> Context:
   kv = _drop(ctx.kv, drop, jnp.int32(first + drop))
   kv = jax.device_put(kv, jax.tree.map(lambda x: x.sharding, ctx.kv))  # placed as it was
   return Context(kv=kv, tokens=ctx.tokens[drop:], next_position=ctx.next_position - drop)
-
-
-# engine -> its jitted rotation (the engine's numerics and compiler options).
-_TURNS: 'weakref.WeakKeyDictionary[Engine, Callable]' = weakref.WeakKeyDictionary()
-
-
-def _turner(engine: Engine) -> Callable:
-  if engine not in _TURNS:
-    numerics = engine.numerics
-
-    def turn(k, positions, *, head_dim, base, scale, fraction, back):
-      # The run-time zero of the numerics' barriers, as the model makes it: positions are
-      # never below EMPTY, which the compiler cannot know.
-      with_zero = numerics.with_zero((positions[0] < kvs.EMPTY).astype(jnp.uint32))
-      sin, cos = rope.float_sin_cos(positions[None], head_dim, with_zero, base=base, scale=scale,
-                                    rotary_fraction=fraction)
-      return rope.rotate_heads(k[None], (-sin if back else sin, cos), with_zero)[0]
-
-    _TURNS[engine] = jax.jit(turn, static_argnames=('head_dim', 'base', 'scale', 'fraction',
-                                                    'back'),
-                             compiler_options=engine.plan.compiler_options)
-  return _TURNS[engine]
-
-
-def turn(engine: Engine, layer_index: int, k: np.ndarray, positions: np.ndarray, *,
-         back: bool = False) -> np.ndarray:
-  """Keys [n, K, H] of cache-owning layer `layer_index` turned by the float RoPE of that layer
-  at integer `positions` [n] >= 0, computed as `engine`'s model rotates keys (its numerics);
-  back=True turns them by minus those positions."""
-  spec = engine.model_config.layer_spec(layer_index)
-  out = _turner(engine)(jnp.asarray(k), jnp.asarray(positions, jnp.int32),
-                        head_dim=spec.head_dim, base=spec.rope_base, scale=spec.rope_scale,
-                        fraction=spec.rotary_fraction, back=back)
-  return np.asarray(out)
 
 
 # ----------------------------------------------------------------------------------------------

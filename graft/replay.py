@@ -3,7 +3,9 @@
 A graft-exactness manifest (experiments.graft_exactness --manifest) holds the token ids of
 every sample, the model and engine fingerprints, and the SHA-256 of the fresh and grafted query
 logits and of the greedy continuation; a flywheel manifest (experiments.flywheel --manifest)
-holds every answer's prompt token ids, decoding settings, tokens and logits SHA-256. `replay`
+holds every answer's prompt token ids, decoding settings, tokens and logits SHA-256; a compose
+manifest (experiments.compose --manifest_output) every composition's prefix, documents, order,
+strategy and query, and the SHA-256 of its KV, logits and continuation. `replay`
 rebuilds the model and the engine from the manifest's config, checks the model fingerprint,
 recomputes every record and returns a line per differing one. experiments/replay.py is the
 entry point.
@@ -18,11 +20,14 @@ import tempfile
 
 from absl import logging
 
-from gemma_jax import sampling, sharding, weights
-from graft import exactness
+from gemma_jax import compare, sampling, sharding, weights
+from gemma_jax.config import get_config
+from graft import composition, exactness
 from graft.engine import Engine, EngineConfig, fingerprint
 from graft.knowledge.flywheel import Asker  # the decoding a flywheel run used
 from graft.engine.fingerprint import differences
+from graft.store import Recompute, Store
+from graft.store.kvstore import KvStore
 
 
 HASHES = ('fresh_sha256', 'graft_sha256', 'continuation_sha256')
@@ -72,14 +77,18 @@ def select(pattern: str) -> str:
       '--manifest=manifests/<name>.json')
 
 
-def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Engine]:
-  """Two separately constructed engines of the manifest's model and configuration, after
-  checking that this machine loads the same model. A spec manifest's engine runs under this
-  process's XLA_FLAGS and on this machine's kernels (the spec engine's default dot library), or
-  on `dot_library` where one is asked for: neither decides a bit there (the self-check says whether this machine
+def _engine(manifest: dict, dot_library: str | None = None,
+            rope: str | None = None) -> tuple[Engine, Engine]:
+  """Two separately constructed engines of the manifest's model (in its RoPE mode, or `rope`)
+  and configuration, after checking that this machine loads the same model. A spec manifest's
+  engine runs under this process's XLA_FLAGS and on this machine's kernels (the spec engine's
+  default dot library), or on `dot_library` where one is asked for: neither decides a bit there
+  (the self-check says whether this machine
   computes the spec under them), so the dots it was made on do not matter."""
   config = manifest['config']
-  loaded = weights.load(config['model'], config['weights'], config['dtype'])
+  loaded = weights.load(get_config(config['model']).replace(rope_mode=rope or config.get('rope')
+                                                            or 'float'),
+                        config['weights'], config['dtype'])
   # Manifests made before the config was named EngineConfig hold it under 'pinned'.
   engine_config = EngineConfig.from_dict(config.get('engine_config') or config['pinned'])
   if machine_independent(manifest):
@@ -92,6 +101,11 @@ def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Eng
                      'dot library (the others\' bits follow it)')
   engine = Engine(loaded, engine_config)
   writer = Engine(loaded, engine_config)
+  manifest = {**manifest,  # a compose manifest records both per RoPE mode
+              'engine_fingerprint': manifest.get('engine_fingerprints', {}).get(
+                  rope, manifest['engine_fingerprint']),
+              'model_fingerprint': manifest.get('model_fingerprints', {}).get(
+                  rope, manifest['model_fingerprint'])}
   if engine.model_fingerprint['sha256'] != manifest['model_fingerprint']['sha256']:
     raise ValueError('this machine loads a different model than the manifest was made with: '
                      + '; '.join(differences(engine.model_fingerprint,
@@ -116,8 +130,9 @@ def _engine(manifest: dict, dot_library: str | None = None) -> tuple[Engine, Eng
 
 
 def records(manifest: dict) -> list[dict]:
-  """What a manifest records one hash set each for: samples or answers."""
-  return manifest['answers'] if manifest.get('kind') == 'flywheel' else manifest['samples']
+  """What a manifest records one hash set each for: samples, answers or compositions."""
+  return manifest[{'flywheel': 'answers', 'compose': 'compositions'}.get(
+      str(manifest.get('kind')), 'samples')]
 
 
 def replay(manifest: dict, limit: int = 0, dot_library: str | None = None) -> list[str]:
@@ -125,6 +140,8 @@ def replay(manifest: dict, limit: int = 0, dot_library: str | None = None) -> li
   dot_library: another one for a spec manifest's engine (EngineConfig.dot_library)."""
   if manifest.get('kind') == 'flywheel':
     return replay_answers(manifest, limit, dot_library)
+  if manifest.get('kind') == 'compose':
+    return replay_compositions(manifest, limit, dot_library)
   config = manifest['config']
   engine, writer = _engine(manifest, dot_library)
   chosen = manifest['samples'][:limit or None]
@@ -169,4 +186,43 @@ def replay_answers(manifest: dict, limit: int = 0, dot_library: str | None = Non
                  'ok' if not differing else 'DIFFERS: ' + ', '.join(differing))
     if differing:
       failures.append(f'answer {i} ({record["id"]} {record["phase"]}): ' + ', '.join(differing))
+  return failures
+
+
+def replay_compositions(manifest: dict, limit: int = 0,
+                        dot_library: str | None = None) -> list[str]:
+  """A compose manifest (experiments.compose --manifest): each composition made again from
+  scratch, its documents computed after the prefix and stored in a new memory store, composed
+  in the recorded order with the recorded strategy (and re-rotation), then the query and a
+  greedy continuation; the SHA-256 of the composed KV, the query's logits and the
+  continuation's logits must be the recorded ones."""
+  chosen = manifest['compositions'][:limit or None]
+  engines, failures = {}, []
+  for i, record in enumerate(chosen):
+    rope = record['rope']
+    if rope not in engines:
+      engines[rope] = _engine(manifest, dot_library, rope)[0]
+    engine = engines[rope]
+    store = Store(KvStore('memory://'), engine)
+    for document in record['documents']:
+      store.put_document(record['prefix'], document)
+    composed = store.compose(record['prefix'], record['documents'],
+                             recompute=Recompute(**record['recompute']),
+                             rerotate=record['rerotate'])
+    kv = composition.kv_digest(engine, composed.context)
+    ctx, logits = engine.extend(composed.context, record['query'], logits='all', consume=True)
+    assert logits is not None  # logits='all' of a query
+    decoded = engine.decode(ctx, len(record['continuation']))
+    got = {'kv_sha256': kv, 'logits_sha256': compare.sha256_bytes(logits),
+           'continuation_sha256': decoded.logits_sha256}
+    differing = [name for name, value in got.items() if value != record[name]]
+    if decoded.tokens != record['continuation']:
+      differing.append('continuation')
+    logging.info('composition %d/%d (%s, %s at %g, %d documents): %s', i + 1, len(chosen), rope,
+                 record['recompute']['strategy'], record['recompute']['fraction'],
+                 len(record['documents']), 'ok' if not differing else 'DIFFERS: '
+                 + ', '.join(differing))
+    if differing:
+      failures.append(f'composition {i} ({rope} {record["recompute"]["strategy"]} '
+                      f'{record["recompute"]["fraction"]}): ' + ', '.join(differing))
   return failures

@@ -152,14 +152,14 @@ def _experiment(tmp_path, *flags):
 def test_the_experiment_writes_its_result_and_refuses_bad_flags_in_one_line(tmp_path):
   output = tmp_path / 'shift.json'
   out = _experiment(tmp_path, '--rope=relative', '--window=20', '--drop=2', '--shifts=1,3',
-                    '--continuation=2', f'--output={output}')
+                    '--continuation_tokens=2', f'--output={output}')
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(output.read_text())
   assert result['schema'] == 'context_shift/1' and result['summary']['exact']
   assert result['config']['window'] == 20 and result['config']['rope'] == 'relative'
   assert 'git_base_commit' in result['config']
   for flags, message in ((['--window=20', '--drop=20'], 'error: --drop=20 must be below'),
-                         (['--shifts=1,x'], 'error: --shifts: expected integers')):
+                         (['--shifts=1,x'], "error: flag --shifts=1,x: 'x' is not an integer")):
     out = _experiment(tmp_path, *flags, f'--output={tmp_path / "bad.json"}')
     errors = [line for line in out.stderr.splitlines() if line.startswith('error:')]
     assert out.returncode == 2 and len(errors) == 1 and errors[0].startswith(message), out.stderr

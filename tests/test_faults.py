@@ -16,6 +16,7 @@ from graft.store.index import Index
 from graft.store.maintenance import Maintenance
 from graft.store.publish import Publication
 from graft.store.trust import Trust
+from gemma_jax.config import get_config
 from graft.engine import Engine, EngineConfig
 
 # Kinds that must be refused at least once in a CI-sized run (the others may find nothing to
@@ -26,12 +27,14 @@ ALWAYS_REFUSED = ('bitflip_header', 'truncate', 'empty', 'delete', 'rename', 'co
                   'borrowed_signature')
 
 
-def _setup(tmp_path_factory, signed):
-  loaded = weights.load('tiny_gemma3', 'random:0', 'float32')
+def _setup(tmp_path_factory, signed, block_kind='context'):
+  rope = 'relative' if block_kind == 'document' else 'float'
+  loaded = weights.load(get_config('tiny_gemma3').replace(rope_mode=rope), 'random:0', 'float32')
   engine = Engine(loaded, EngineConfig(rows_per_call=8, cache_len=512, attention_tile=8))
-  model_args = ['--model=tiny_gemma3', '--weights=random:0', '--block_size=8',
-                '--cache_len=512', '--attention_tile=8']
-  world = faults.make_world(engine, np.random.default_rng(1), model_args, signed=signed)
+  model_args = ['--model=tiny_gemma3', '--weights=random:0', '--rows_per_call=8',
+                '--cache_len=512', '--attention_tile=8', f'--rope={rope}']
+  world = faults.make_world(engine, np.random.default_rng(1), model_args, signed=signed,
+                            block_kind=block_kind)
   return world, faults.other_engines(loaded, engine), str(tmp_path_factory.mktemp('faults'))
 
 
@@ -43,6 +46,11 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope='module')
 def signed(tmp_path_factory):
   return _setup(tmp_path_factory, signed=True)
+
+
+@pytest.fixture(scope='module')
+def documents(tmp_path_factory):
+  return _setup(tmp_path_factory, signed=False, block_kind='document')
 
 
 def _check(kinds):
@@ -142,3 +150,28 @@ def test_the_campaign_catches_a_gc_that_ignores_leases(setup, monkeypatch):
   kinds = faults.campaign(world, ['gc_inside_put'], trials=6, process_trials=0, seed=10,
                           others=others, scratch=scratch)
   assert kinds['gc_inside_put']['lost'] > 0
+
+
+@pytest.mark.slow
+def test_a_document_campaign_has_no_silent_wrong_answer_and_loses_nothing(documents):
+  # Every kind, its faults landing on documents stored after a prefix (and on the prefix), each
+  # trial composing stored documents in an order and with a recompute strategy of its own.
+  world, others, scratch = documents
+  assert all(isinstance(c, faults.world.Composed) for c in world.contexts)
+  kinds = faults.campaign(world, faults.KINDS, trials=4, process_trials=1, seed=11,
+                          others=others, scratch=scratch)
+  assert sum(k['trials'] for k in kinds.values()) == 4 * len(faults.STORE_KINDS) + 2
+  _check(kinds)
+
+
+def test_the_document_campaign_catches_a_repair_that_leaves_the_prefix(documents, monkeypatch):
+  world, others, scratch = documents
+  # A planted bug (the first put_document had it): a recompute put of documents does not
+  # recompute their prefix, so a forged prefix block survives the honest writer's repair.
+  real = Publication.put
+  monkeypatch.setattr(Publication, 'put', lambda self, tokens, recompute=False,
+                      own_last_block=False: real(self, tokens, own_last_block=own_last_block,
+                                                 recompute=recompute and not own_last_block))
+  kinds = faults.campaign(world, ['forgery'], trials=12, process_trials=0, seed=12,
+                          others=others, scratch=scratch)
+  assert kinds['forgery']['silent_wrong'] > 0

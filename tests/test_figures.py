@@ -141,9 +141,36 @@ def _context_shift_fixture(rope: str) -> dict:
           'summary': {'rope': rope, 'exact': rope != 'float'}, 'measurements': rows}
 
 
+def _compose_fixture() -> dict:
+  """A compose result of the shape experiments.compose writes (values made up, marked)."""
+  def row(strategy, fraction):
+    kl = 0.0 if fraction == 1.0 else 0.1 * (1 - fraction)
+    return {'strategy': strategy, 'fraction': fraction, 'layer': 1, 'questions': 20,
+            'correct': int(12 + 6 * fraction), 'accuracy': 0.6 + 0.3 * fraction,
+            'ci95': [0.4 + 0.3 * fraction, 0.8 + 0.15 * fraction], 'kl_mean': kl,
+            'kl_max': 2 * kl, 'top1_agreement': 1.0 - kl, 'logits_equal': 20 * (fraction == 1.0),
+            'layers_by_type': {'local': {'k_rel_l2': kl, 'v_rel_l2': kl},
+                               'global': {'k_rel_l2': 2 * kl, 'v_rel_l2': 2 * kl}}}
+  modes = {}
+  for mode in ('relative', 'float'):
+    rows = [row('none', 0.0)] + [row(s, f) for s in ('cacheblend', 'epic', 'window')
+                                 for f in (0.05, 0.3, 1.0)]
+    modes[mode] = {'reference': {'questions': 20, 'accuracy': 0.9, 'ci95': [0.7, 0.97]},
+                   'rows': rows, 'relocation': [],
+                   'ttft': {'tokens': 600, 'document_lengths': [128] * 4, 'fresh_seconds': 2.0,
+                            'rows': [{'strategy': r['strategy'], 'fraction': r['fraction'],
+                                      'seconds': 0.2 + 1.8 * r['fraction']} for r in rows]}}
+  return {'config': {'model': 'tiny_gemma3', 'weights': 'random', 'dtype': 'float32',
+                     'documents': 4, 'lengths': [128], 'fixture': True},
+          'modes': modes, 'summary': {'full_recompute_equal': True, 'relocation_exact': True}}
+
+
 def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True,
-                    store=True, bench=True, flywheel=True, profile=True, shift=True) -> None:
+                    store=True, bench=True, flywheel=True, profile=True, shift=True,
+                    compose=True) -> None:
   results.mkdir(parents=True, exist_ok=True)
+  if compose:
+    _write(results / 'compose_tiny_gemma3_float32.json', _compose_fixture(), 'compose')
   for rope_mode in ('float', 'relative') if shift else ():
     _write(results / f'context_shift_tiny_gemma3_float32_{rope_mode}.json',
            _context_shift_fixture(rope_mode), 'context_shift')
@@ -199,8 +226,8 @@ def _write_fixtures(results: pathlib.Path, *, sweeps=True, graft=True, rope=True
 
 def _run_main(results: pathlib.Path, output: pathlib.Path) -> str:
   """Runs `python -m analysis.figures` as a researcher does; returns its log (stderr)."""
-  out = subprocess.run([sys.executable, '-m', 'analysis.figures', f'--results={results}',
-                        f'--output={output}'], cwd=REPO, capture_output=True, text=True,
+  out = subprocess.run([sys.executable, '-m', 'analysis.figures', f'--results_dir={results}',
+                        f'--output_dir={output}'], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, 'PYTHONPATH': str(REPO)}, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stderr
@@ -309,7 +336,7 @@ def _ceiling_lines(ax) -> list[float]:
 def test_bench_figure_draws_skipped_systems_ceilings_and_ttft(tmp_path, monkeypatch):
   results = tmp_path / 'results'
   _write_fixtures(results, sweeps=False, graft=False, rope=False, store=False, flywheel=False,
-                  profile=False, shift=False)
+                  profile=False, shift=False, compose=False)
   drawn, fig = _draw_bench_only(results, tmp_path / 'figures', monkeypatch)
   png = tmp_path / 'figures' / 'bench.png'
   assert drawn['bench'] == png
@@ -467,3 +494,70 @@ def test_every_figure_fits_a_two_column_page(tmp_path):
   whole = figures.base.save(figures.base.plt.figure(figsize=PAGE_INCHES), tmp_path / 'page.png')
   width, height, dpi = _png_size(whole)
   assert (width, height) == (round(page_width * dpi), round(page_height * dpi))
+
+
+def test_no_two_labels_of_any_figure_overlap_or_run_off_the_page(tmp_path):
+  """analysis.figures renders each figure and refuses one whose text labels (titles, ticks,
+  annotations, legends, caption) overlap or cross its edge (every figure of the committed
+  results is drawn so in test_every_figure_fits_a_two_column_page); a planted pair of
+  overlapping labels and a label past the edge are refused."""
+  plt = figures.base.plt
+  fig, ax = plt.subplots(figsize=(3, 2), layout='constrained')
+  ax.set_xlim(0, 1)
+  ax.set_xticks([0.4, 0.5], ['llama_cpp_q4_k_m', 'llama_cpp_f32'])  # a tenth of 3 in apart
+  with pytest.raises(ValueError, match='pairs of text labels overlap, e.g. "llama_cpp_q4_k_m" '
+                     'and "llama_cpp_f32"'):
+    figures.base.save(fig, tmp_path / 'overlap.png')
+  fig, ax = plt.subplots(figsize=(3, 2), layout='constrained')
+  fig.text(0.9, 0.5, 'a label that runs past the right edge of the figure', fontsize=7)
+  with pytest.raises(ValueError, match="run past the figure's edge"):
+    figures.base.save(fig, tmp_path / 'clipped.png')
+  assert not (tmp_path / 'overlap.png').exists() and not (tmp_path / 'clipped.png').exists()
+
+
+def _made_on(data: dict, cpu: str, commit: str | None = None) -> dict:
+  return {**data, 'config': {**data['config'], 'made_on': {'cpu_model': cpu},
+                             'git_commit': commit}}
+
+
+def test_each_figure_is_drawn_from_one_machine_that_its_caption_names(tmp_path, monkeypatch):
+  results = tmp_path / 'results'
+  results.mkdir()
+  sweep = lambda model: {'config': {'model': model, 'weights': 'w', 'dtype': 'float32',
+                                    'rope': 'float'},
+                         'rows': _fixture_sweep_rows(model, 'float32', 'float')}
+  _write(results / 'a.json', _made_on(sweep('m1'), 'CPU/A'), 'position_sweep')
+  _write(results / 'b.json', _made_on(sweep('m2'), 'CPU/A'), 'position_sweep')
+  _write(results / 'c.json', _made_on(sweep('m3'), 'CPU/B'), 'position_sweep')
+  found = results_lib.load(results)
+  figure = next(f for f in figures.FIGURES if f.name == 'position_exactness')
+  chosen, machine, caption = figures.choose(found, figure)
+  assert machine == 'CPU/A' and [p.name for p, _ in chosen['position_sweep']] == ['a.json',
+                                                                                  'b.json']
+  assert caption == ('Drawn from results made on CPU/A (a.json, b.json); 1 of other machines '
+                     'left out (--machine picks one).')
+  chosen, machine, caption = figures.choose(found, figure, 'CPU/B')
+  assert machine == 'CPU/B' and [p.name for p, _ in chosen['position_sweep']] == ['c.json']
+  # The caption is on the figure: the one drawn, at the bottom.
+  texts = []
+  save = figures.base.save
+  def keep(fig, path):
+    written = save(fig, path)  # captions, checks and writes the figure
+    texts.extend(t.get_text() for t in fig.findobj(matplotlib.text.Text))
+    return written
+
+  monkeypatch.setattr(figures.base, 'save', keep)
+  drawn = figures.draw_figures(results, tmp_path / 'figures', only=['position_exactness'])
+  assert list(drawn) == ['position_exactness'] and drawn['position_exactness'].exists()
+  assert any('Drawn from results made on CPU/A (a.json, b.json)' in ' '.join(t.split())
+             for t in texts)
+  with pytest.raises(ValueError, match='no figure named nope'):
+    figures.draw_figures(results, tmp_path / 'figures', only=['nope'])
+
+
+def test_docs_figures_md_maps_every_figure_to_its_claim_and_results():
+  from tests import figures_reference
+  assert (REPO / 'docs' / 'figures.md').read_text() == figures_reference.render(), (
+      'docs/figures.md is stale: python -m tests.figures_reference > docs/figures.md')
+  claims = figures_reference.claims()
+  assert all(figure.claim in claims for figure in figures.FIGURES)

@@ -247,8 +247,8 @@ def test_flywheel_runs_on_gemma4_and_its_manifest_replays(tmp_path):
   run = subprocess.run(
       [sys.executable, '-m', 'experiments.flywheel', '--model=tiny_gemma4', '--weights=random:0',
        '--task_set=units', '--tasks_n=4', '--heldout_n=3', '--attempt_tokens=12', '--budget=30',
-       '--solutions=generated', '--sample_exact=2', '--block_size=8', f'--output={output}',
-       f'--manifest={manifest}'], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+       '--solutions=generated', '--sample_exact=2', '--rows_per_call=8', f'--output={output}',
+       f'--manifest_output={manifest}'], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
   assert run.returncode == 0, run.stderr[-3000:]
   result = json.loads(output.read_text())
   assert result['schema'] == 'flywheel/1'
@@ -305,7 +305,7 @@ def test_a_solution_that_fails_verification_is_rejected_and_counted(tmp_path):
   run = subprocess.run(
       [sys.executable, '-m', 'experiments.flywheel', '--model=tiny_gemma3', '--weights=random:0',
        f'--tasks={task_file}', f'--heldout={heldout}', f'--solutions={solutions}',
-       '--attempt_tokens=4', '--budget=4', '--rounds=1', '--block_size=8', f'--output={output}'],
+       '--attempt_tokens=4', '--budget=4', '--rounds=1', '--rows_per_call=8', f'--output={output}'],
       cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True,
       timeout=900)
   assert run.returncode == 0, run.stderr[-3000:]

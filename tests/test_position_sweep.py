@@ -251,7 +251,7 @@ def test_entry_point_writes_the_documented_schema(tmp_path):
   output = tmp_path / 'sweep.json'
   result = subprocess.run(
       [sys.executable, '-m', 'experiments.position_sweep', '--model=tiny_gemma3',
-       '--weights=random:0', '--library_tokens=12', '--query_tokens=3', '--block_size=4',
+       '--weights=random:0', '--library_tokens=12', '--query_tokens=3', '--rows_per_call=4',
        '--offsets=0,1,-1,max,max+1', '--rope=float', f'--output={output}'],
       cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO)}, capture_output=True, text=True,
       timeout=900)

@@ -26,7 +26,7 @@ CONFIG = EngineConfig(rows_per_call=B, cache_len=512)
 # 8-slot attention tiles: the local ring is W + B - 1 = 15 slots rounded up to 16 (the default
 # 256-slot tiles would hold these whole contexts in the ring).
 SMALL_RING = EngineConfig(rows_per_call=B, cache_len=512, attention_tile=8)
-TINY_FLAGS = ['--model=tiny_gemma3', '--weights=random:0', f'--block_size={B}',
+TINY_FLAGS = ['--model=tiny_gemma3', '--weights=random:0', f'--rows_per_call={B}',
               '--cache_len=512']
 
 

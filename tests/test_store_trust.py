@@ -183,7 +183,7 @@ def test_the_command_line_signs_audits_and_names_what_it_refuses(tmp_path):
     return subprocess.run([sys.executable, '-m', 'experiments.store', *args, *common],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
-  assert store('keygen', f'--output={tmp_path}/key').returncode == 0
+  assert store('keygen', f'--signing_key={tmp_path}/key').returncode == 0
   (tmp_path / 'in.jsonl').write_text(json.dumps({'tokens': tokens(30, 14)}) + '\n')
   assert store('put', f'--store={url}', f'--input={tmp_path}/in.jsonl',
                f'--signing_key={tmp_path}/key').returncode == 0

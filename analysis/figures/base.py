@@ -1,20 +1,26 @@
 """What every figure shares: reading the results it draws, grouping rows, axes helpers, and
-saving within a two-column paper page (at most `MAX_INCHES`)."""
+saving within a two-column paper page (at most `MAX_INCHES`), with no two text labels
+overlapping, a caption naming the machine and result files it was drawn from (`drawing`), and
+a committed figure replaced only where told to (gemma_jax.files.check_replace)."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import functools
+import io
 import pathlib
 import subprocess
 import textwrap
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from absl import logging
 import matplotlib
 
 matplotlib.use('Agg')  # files only, no display
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+from matplotlib import text as mtext  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 # Type sizes for a figure printed at its own size on a page (7 in wide).
@@ -41,15 +47,99 @@ def height(rows: int, per_row: float) -> float:
   return min(MAX_INCHES[1], 0.6 + per_row * rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class Drawing:
+  """How the figures being drawn are saved: the caption each gets (the machine and result files
+  it was drawn from) and whether a committed PNG whose bytes change may be replaced."""
+
+  caption: str = ''
+  overwrite: bool = False
+
+
+_DRAWING = [Drawing()]
+
+
+@contextlib.contextmanager
+def drawing(caption: str = '', overwrite: bool = False) -> Iterator[None]:
+  """`save` inside the block captions each figure and guards committed files as told."""
+  _DRAWING.append(Drawing(caption, overwrite))
+  try:
+    yield
+  finally:
+    _DRAWING.pop()
+
+
+def drawn_texts(fig) -> list[tuple[str, Any]]:
+  """(text, window extent) of every non-empty text the figure draws when rendered: titles,
+  axis and tick labels, annotations, legends; ticks outside the view are not drawn, so not
+  counted."""
+  found = []
+  original = mtext.Text.draw
+
+  def record(self, renderer):
+    original(self, renderer)
+    if self.get_visible() and self.get_text().strip():
+      found.append((self.get_text(), self.get_window_extent(renderer)))
+
+  mtext.Text.draw = record
+  try:
+    fig.canvas.draw()
+  finally:
+    mtext.Text.draw = original
+  return found
+
+
+def overlapping_texts(fig, tolerance: float = 0.5) -> list[tuple[str, str]]:
+  """Pairs of drawn texts whose boxes overlap by more than `tolerance` pixels both ways."""
+  boxes = drawn_texts(fig)
+  pairs = []
+  for i, (a, box_a) in enumerate(boxes):
+    for b, box_b in boxes[i + 1:]:
+      width = min(box_a.x1, box_b.x1) - max(box_a.x0, box_b.x0)
+      height = min(box_a.y1, box_b.y1) - max(box_a.y0, box_b.y0)
+      if width > tolerance and height > tolerance:
+        pairs.append((a, b))
+  return pairs
+
+
+def clipped_texts(fig, tolerance: float = 1.0) -> list[str]:
+  """Drawn texts that run past the figure's edges (cut off in the PNG)."""
+  width, height = fig.canvas.get_width_height()
+  return [text for text, box in drawn_texts(fig)
+          if box.x0 < -tolerance or box.y0 < -tolerance or box.x1 > width + tolerance
+          or box.y1 > height + tolerance]
+
+
 def save(fig, path: pathlib.Path) -> pathlib.Path:
   """Writes the figure at its own size (never grown to fit what overflows it: constrained
-  layout keeps its labels inside), atomically."""
+  layout keeps its labels inside), with the current `drawing`'s caption at the bottom, after
+  checking that no two of its text labels overlap; atomically, and a committed PNG only where
+  its bytes stay or `drawing` allows."""
+  path = pathlib.Path(path)
   width, tall = fig.get_size_inches()
   if width > MAX_INCHES[0] + 1e-6 or tall > MAX_INCHES[1] + 1e-6:
+    plt.close(fig)
     raise ValueError(f'{path.name}: {width:.2f} x {tall:.2f} in is larger than a two-column '
                      f'page ({MAX_INCHES[0]} x {MAX_INCHES[1]} in)')
-  files.write_atomic(str(path), lambda f: fig.savefig(f, format='png', dpi=DPI))
+  settings = _DRAWING[-1]
+  if settings.caption:
+    fig.supxlabel(textwrap.fill(settings.caption, int(width * 24)), fontsize=5, color='dimgray')
+  clipped = clipped_texts(fig)
+  if clipped:
+    plt.close(fig)
+    raise ValueError(f'{path.name}: {len(clipped)} text labels run past the figure\'s edge, e.g. '
+                     f'"{" ".join(clipped[0].split())[:60]}"')
+  overlapping = overlapping_texts(fig)
+  if overlapping:
+    plt.close(fig)
+    a, b = (' '.join(t.split())[:60] for t in overlapping[0])
+    raise ValueError(f'{path.name}: {len(overlapping)} pairs of text labels overlap, e.g. '
+                     f'"{a}" and "{b}"')
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format='png', dpi=DPI)
   plt.close(fig)
+  files.check_replace(str(path), buffer.getvalue(), overwrite=settings.overwrite)
+  files.write_bytes(str(path), buffer.getvalue())
   return path
 
 
@@ -95,12 +185,39 @@ def rope_float_result(found: Found) -> dict[str, Any] | None:
 
 
 def machine(data: dict) -> str:
-  """The CPU (or device) a result was made on, as its config records it ('' where it does not)."""
+  """The CPU (or device) a result was made on, as its config records it: `made_on` or
+  `environment`, else the first `cpu_model` inside it (older results keep it only in their
+  engine fingerprints); '' where it records none."""
   config = data.get('config') if isinstance(data.get('config'), dict) else {}
   for where in (config.get('made_on'), config.get('environment')):
     if isinstance(where, dict) and where.get('cpu_model'):
       return str(where['cpu_model'])
+  return _cpu_model_inside(config, depth=0)
+
+
+def _cpu_model_inside(value, depth: int) -> str:
+  if depth > 4:
+    return ''
+  if isinstance(value, dict):
+    if isinstance(value.get('cpu_model'), str) and value['cpu_model']:
+      return value['cpu_model']
+    items = value.values()
+  elif isinstance(value, list):
+    items = value[:4]
+  else:
+    return ''
+  for item in items:
+    found = _cpu_model_inside(item, depth + 1)
+    if found:
+      return found
   return ''
+
+
+def commit_time(data: dict) -> int:
+  """The time of the commit a result records (0 where it records none)."""
+  config = data.get('config') if isinstance(data.get('config'), dict) else {}
+  commit = config.get('git_commit') or config.get('git_base_commit') or ''
+  return _commit_time(commit) if commit else 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,14 +294,21 @@ def symlog_y(ax, values: Iterable[float]) -> None:
     ax.set_ylim(-0.05, 1.0)
     ax.text(0.5, 0.5, 'all values 0 (exact)', transform=ax.transAxes, ha='center', color='gray')
     return
-  ax.set_yscale('symlog', linthresh=min(positive) / 2)
+  # The linear region ends at the power of ten at or below the smallest value: 0 and that power
+  # are then a decade apart on the axis, as every two labelled powers are, so their labels
+  # never collide.
+  ax.set_yscale('symlog', linthresh=10.0 ** np.floor(np.log10(min(positive))), linscale=1.0)
   if all(v >= 0 for v in values):
     ax.set_ylim(bottom=0)
 
 
 def title(ax, text: str, across: int = 1, fontsize: float = 6) -> None:
-  """A panel title wrapped to the width of a panel among `across` in a row."""
-  ax.set_title(textwrap.fill(text, int(135 / across)), fontsize=fontsize)
+  """A panel title wrapped to the width of a panel among `across` in a row (its lines kept; a
+  character taken as 0.6 of the type size wide, the panel as 0.6 of its share of the figure)."""
+  width = ax.figure.get_size_inches()[0] / across * 0.6
+  chars = max(10, int(width * 72 / (fontsize * 0.6)))
+  ax.set_title('\n'.join(textwrap.fill(line, chars) for line in text.split('\n')),
+               fontsize=fontsize)
 
 
 def small_legend(ax, **kwargs) -> None:

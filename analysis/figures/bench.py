@@ -202,7 +202,7 @@ def _bench_ttft(ax, runs, names) -> None:
   ax.set_ylabel('TTFT (s, log)', fontsize=7)
   ax.grid(alpha=0.3, axis='y')
   if ax.get_legend_handles_labels()[1]:
-    ax.legend(fontsize=5, loc='upper left')
+    ax.legend(fontsize=5, loc='upper left', bbox_to_anchor=(1.0, 1.0))
   c = runs[0][0]['config'] if isinstance(runs[0][0]['config'], dict) else {}
   ax.set_title(f"time to first token: {c.get('library_tokens')}-token library + "
                f"{c.get('query_tokens')}-token query, recomputed vs grafted (speedup on top)",
@@ -237,25 +237,30 @@ def _bench_graft_split(ax, runs) -> bool:
   ax.margins(x=0.25)
   ax.set_xlabel('seconds', fontsize=7)
   ax.grid(alpha=0.3, axis='x')
-  ax.legend(fontsize=5, loc='lower right')
+  ax.legend(fontsize=5, loc='upper left', bbox_to_anchor=(1.0, 1.0))
   ax.set_title('graft time to first token, by phase (medians of each phase)', fontsize=7)
   return True
 
 
+def bench_drawable(data: dict) -> bool:
+  """Whether the bench figure draws a bench result: one of throughput (not --start_only) of the
+  float engines (the relative RoPE mode's cost is a comparison of its own: docs/claims.md)."""
+  config = data.get('config') if isinstance(data.get('config'), dict) else {}
+  return not config.get('start_only') and not any(
+      str(name).endswith('_relative') for name in config.get('systems') or ())
+
+
 def bench(found_results: Sequence[tuple[pathlib.Path, dict]],
           path: pathlib.Path) -> pathlib.Path | None:
-  """The newest bench run of each machine (leaving out runs of the relative RoPE mode's systems),
-  overlaid (hatches tell machines apart): prefill and
+  """The newest bench run of each machine given (draw_figures gives one machine's; leaving out
+  runs of the relative RoPE mode's systems), overlaid (hatches tell machines apart): prefill and
   decode tokens/s per system with each machine's ceiling in tokens/s as a line, time to first
   token recomputed vs grafted, and the graft's phases. A skipped system keeps its place, with
   no bar and its reason under its name."""
   drawable = []
   for source, data in found_results:
-    config = data.get('config') if isinstance(data.get('config'), dict) else {}
-    if config.get('start_only'):
-      continue  # start phases only (experiments.bench --start_only): no throughput to draw
-    if any(str(name).endswith('_relative') for name in config.get('systems') or ()):
-      continue  # the relative RoPE mode's cost against float: a comparison of its own (README)
+    if not bench_drawable(data):
+      continue
     rows = bench_systems(source, data)
     if rows:
       drawable.append((source, data))

@@ -52,8 +52,8 @@ def rope_composition_error(rope_result: dict[str, Any] | None, path: pathlib.Pat
       spec = entry['spec']
       ax.set_xscale('log')
       base.symlog_y(ax, values)
-      ax.set_title(f'δ={offset}, {name}\nθ={spec["base"]:g}, H={spec["head_dim"]}, '
-                   f'scale {spec["scale"]:g}, rotary {spec["rotary_fraction"]:g}', fontsize=5.5)
+      base.title(ax, f'δ={offset}, {name}\nθ={spec["base"]:g}, H={spec["head_dim"]}, '
+                 f'scale {spec["scale"]:g}, rotary {spec["rotary_fraction"]:g}', len(row), 5.5)
       ax.set_xlabel('position p (log)')
       ax.grid(alpha=0.3)
       ax.legend(fontsize=5)

@@ -35,15 +35,16 @@ def faults(found_results: Sequence[tuple[pathlib.Path, dict]],
       ax.bar(x, values[outcome], bottom=bottom, color=color,
              label={'refused': 'refused and recomputed'}.get(outcome, outcome.replace('_', '-')))
       bottom += values[outcome]
-    labels = [f"{k}\nlost {data['kinds'][k]['lost']}" for k in kinds]
-    ax.set_xticks(x, labels, rotation=70, ha='right', fontsize=5)
+    labels = [f"{k}, lost {data['kinds'][k]['lost']}" for k in kinds]
+    ax.set_xticks(x, labels, rotation=90, ha='center', fontsize=5)
     ax.set_ylabel('trials')
     s, c = data['summary'], data['config']
     ax.set_title(f"{c.get('model')} ({c.get('weights')}) {c.get('dtype')}"
                  f"{', signed writer, readers trusting only it' if c.get('signed') else ''}: "
                  f"{s['trials']} trials, {s['silent_wrong']} silent-wrong, "
                  f"{s.get('crashed', 0)} crashed, {s['lost']} lost", fontsize=7)
-    ax.legend(fontsize=6)
+    ax.set_ylim(0, bottom.max() * 1.3)  # room above the bars for the legend
+    ax.legend(fontsize=6, loc='upper center', ncol=5)
   fig.suptitle('Fault campaign: every trial\'s answer against a fresh computation (SHA-256)',
                fontsize=9)
   return base.save(fig, path)

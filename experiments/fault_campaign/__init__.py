@@ -1,10 +1,13 @@
 """The fault-injection campaign behind `python -m experiments.faults` (its entry point, which says
 how to run it): the trials, the kinds of fault and how each trial's outcome is judged.
 
-Each trial deposits content (contexts with shared prefixes, some ending mid-block), injects one
-fault of its kind at a random place, then answers: a reader that has cached nothing grafts the
-longest stored prefix of one context (or restores an artifact) and computes the rest and a
-query. Outcomes, per trial:
+Each trial deposits content (contexts with shared prefixes, some ending mid-block; or, with
+block kind 'document', documents stored after a prefix that ends mid-block), injects one fault
+of its kind at a random place, then answers: a reader that has cached nothing grafts the
+longest stored prefix of one context (or restores an artifact), or composes stored documents in
+an order of its own with a recompute strategy, and computes the rest and a query. A
+composition's answer must be SHA-256 equal to the same composition of documents computed
+without a store (placing moves no bit under RoPE relative). Outcomes, per trial:
 
   exact      no fault reached stored data (the process kinds), and the answer is SHA-256 equal
              to a fresh computation;
@@ -66,7 +69,8 @@ import numpy as np
 
 from experiments.fault_campaign.process_trials import process_trial
 from experiments.fault_campaign.store_trials import store_trial
-from experiments.fault_campaign.world import World, make_world, other_engines, reason_class
+from experiments.fault_campaign.world import (BLOCK_KINDS, World, make_world, other_engines,
+                                              reason_class)
 
 STORE_KINDS = ('bitflip_data', 'bitflip_header', 'bitflip_index', 'truncate', 'empty', 'delete',
                'rename', 'copy_other_key', 'failing_write', 'foreign_store', 'shape_twin',
@@ -78,8 +82,8 @@ STORE_KINDS = ('bitflip_data', 'bitflip_header', 'bitflip_index', 'truncate', 'e
 PROCESS_KINDS = ('kill_put', 'concurrent_put')
 KINDS = STORE_KINDS + PROCESS_KINDS
 
-__all__ = ['KINDS', 'PROCESS_KINDS', 'STORE_KINDS', 'World', 'campaign', 'make_world',
-           'other_engines']
+__all__ = ['BLOCK_KINDS', 'KINDS', 'PROCESS_KINDS', 'STORE_KINDS', 'World', 'campaign',
+           'make_world', 'other_engines']
 
 
 def campaign(world: World, kinds, trials: int, process_trials: int, seed: int, others: dict,

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from experiments.fault_campaign.world import World
+from experiments.fault_campaign.world import World, path_keys
 from gemma_jax import kv_state as kvs
 from gemma_jax.config import AttentionType
 from gemma_jax.digest import canonical_json
@@ -28,13 +28,14 @@ class Place:
 
 
 def pick_place(world: World, kv: KvStore, context, rng) -> Place:
-  """A block of the context's chain (80%) or of the whole store."""
+  """A block on the target's path (80%: a context's chain; a composition's prefix and
+  documents) or of the whole store."""
   entries = {}
   for name in kv.list('index/'):
     entries[name.rsplit('/', 1)[1]] = name
   ns = json.loads(world.golden['store.json'])['namespace']
-  on_path = [entries[k] for k in blocks.chain_keys(ns, context,
-                                                   world.engine.engine_config.rows_per_call) if k in entries]
+  on_path = [entries[k] for k in path_keys(ns, world.engine.engine_config.rows_per_call, context)
+             if k in entries]
   pool = on_path if on_path and rng.random() < 0.8 else sorted(entries.values())
   entry = pool[int(rng.integers(len(pool)))]
   return Place(entry, 'objects/' + json.loads(kv.read(entry))['object'])

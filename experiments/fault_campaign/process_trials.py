@@ -11,8 +11,8 @@ import subprocess
 import sys
 import tempfile
 
-from experiments.fault_campaign.world import Outcome, World, answer, untouched_intact
-from graft import exactness
+from experiments.fault_campaign.world import (Composed, Outcome, World, answer, fresh_sha256,
+                                              put, untouched_intact)
 from graft.store import Store
 from graft.store.kvstore import KvStore
 from graft.store.publish import PAUSED
@@ -41,11 +41,18 @@ def _kill_put(world: World, rng, scratch, directory, url, kv, draw):
   """A writer killed (SIGKILL) inside a put, at a step it reports (objects of batch n written,
   read back or published); then this process reads and writes the same store."""
   engine = world.engine
-  new = [world.contexts[int(rng.integers(len(world.contexts)))][:int(rng.integers(2, 30))]
-         + draw(int(rng.integers(100, 400))) for _ in range(3)]
+  target = world.contexts[int(rng.integers(len(world.contexts)))]
+  documents = isinstance(target, Composed)
+  if documents:  # new documents after the world's prefix (a put each)
+    new = [draw(int(rng.integers(100, 400))) for _ in range(3)]
+    lines = [{'prefix': list(target.prefix), 'tokens': d} for d in new]
+  else:
+    new = [target[:int(rng.integers(2, 30))] + draw(int(rng.integers(100, 400)))
+           for _ in range(3)]
+    lines = [{'tokens': c} for c in new]
   path = os.path.join(directory, '..', os.path.basename(directory) + '.jsonl')
   with open(path, 'w') as f:
-    f.writelines(json.dumps({'tokens': c}) + '\n' for c in new)
+    f.writelines(json.dumps(line) + '\n' for line in lines)
   # Killed inside the put, at a step the writer reports: after batch n's objects were
   # written, read back or published (each context is one write batch).
   step, n = str(rng.choice(['written', 'verified', 'published'])), int(rng.integers(1, 4))
@@ -56,11 +63,13 @@ def _kill_put(world: World, rng, scratch, directory, url, kv, draw):
     return Outcome('crashed', [f'the writer was not killed where asked ({step}:{n})'], False, 0,
                    fault)
   context, query = new[int(rng.integers(len(new)))], draw(3)
-  want = exactness.fresh_sha256(engine, context, query)
+  if documents:  # the new document among the target's
+    context = Composed(target.prefix, target.documents + (tuple(context),), target.recompute)
+  want = fresh_sha256(engine, context, query)
   # A second process (this one) reads, then writes the same store, then reads again.
   sha, found, grafted = answer(engine, lambda: Store(kv, engine), context, query)
   writer = Store(kv, engine)
-  writer.put(context)
+  put(writer, context)
   sha2, found2, grafted2 = answer(engine, lambda: Store(kv, engine), context, query)
   reasons = found + found2
   ok = sha == want and sha2 == want and grafted2 == len(context)
@@ -71,15 +80,21 @@ def _concurrent_put(world: World, rng, scratch, directory, url, kv, draw):
   """2 to 8 writers putting the same and overlapping contexts at once."""
   engine = world.engine
   writers = int(rng.integers(2, 9))
-  shared = [world.contexts[0][:int(rng.integers(2, 40))] + draw(int(rng.integers(20, 120)))
-            for _ in range(3)]
+  target = world.contexts[0]
+  documents = isinstance(target, Composed)
+  if documents:  # documents after the world's prefix
+    shared = [draw(int(rng.integers(20, 120))) for _ in range(3)]
+  else:
+    shared = [target[:int(rng.integers(2, 40))] + draw(int(rng.integers(20, 120)))
+              for _ in range(3)]
+  line = lambda c: {'prefix': list(target.prefix), 'tokens': c} if documents else {'tokens': c}
   paths = []
   for w in range(writers):  # each writer: the shared contexts plus one of its own, in its order
     own = shared[int(rng.integers(3))][:int(rng.integers(2, 30))] + draw(40)
     mine = [shared[i] for i in rng.permutation(3)] + [own]
     paths.append(os.path.join(scratch, f'{os.path.basename(directory)}_{w}.jsonl'))
     with open(paths[-1], 'w') as f:
-      f.writelines(json.dumps({'tokens': c}) + '\n' for c in mine)
+      f.writelines(json.dumps(line(c)) + '\n' for c in mine)
   procs = [_put_process(url, p, world.model_args) for p in paths]
   failures = []
   for proc in procs:
@@ -95,8 +110,10 @@ def _concurrent_put(world: World, rng, scratch, directory, url, kv, draw):
   outcome = 'exact'
   for context in shared:
     query = draw(3)
+    if documents:
+      context = Composed(target.prefix, (tuple(context),), target.recompute)
     sha, found, grafted = answer(engine, lambda: Store(kv, engine), context, query)
-    if sha != exactness.fresh_sha256(engine, context, query) or grafted != len(context):
+    if sha != fresh_sha256(engine, context, query) or grafted != len(context):
       outcome = 'silent_wrong'
     reasons += found
   if problems or not one_copy or failures:

@@ -12,8 +12,10 @@ from typing import Callable
 from absl import logging
 
 from experiments.fault_campaign import damage
-from experiments.fault_campaign.world import (Outcome, World, answer, artifact_answer,
-                                              classify, finish, trial_store, untouched_intact)
+from experiments.fault_campaign.world import (Composed, Outcome, World, answer,
+                                              artifact_answer, classify, extended, finish,
+                                              fresh_sha256, path_entries, put, tokens_of,
+                                              trial_store, untouched_intact)
 from graft import exactness
 from graft.engine import Engine
 from graft.store import Store, StoreError, artifact
@@ -84,15 +86,19 @@ def _huge_header(t: Trial) -> None:
 
 
 def _failing_write(t: Trial) -> None:
-  # A new context put through a kvstore that fills up part way; then a reader answers it.
+  # A new context (a composition with a new document) put through a kvstore that fills up
+  # part way; then a reader answers it.
   vocab = t.engine.model_config.vocab_size
   base = t.context
-  t.context = base[:int(t.rng.integers(2, len(base)))] + [
-      int(x) for x in t.rng.integers(3, vocab, int(t.rng.integers(8, 80)))]
-  t.want = exactness.fresh_sha256(t.engine, t.context, t.query)
+  if isinstance(base, Composed):
+    t.context = extended(base, t.rng, vocab)
+  else:
+    t.context = base[:int(t.rng.integers(2, len(base)))] + [
+        int(x) for x in t.rng.integers(3, vocab, int(t.rng.integers(8, 80)))]
+  t.want = fresh_sha256(t.engine, t.context, t.query)
   failing = damage.FailingKvStore(t.kv, budget=int(t.rng.integers(0, 12)))
   try:
-    Store(failing, t.engine).put(t.context)
+    put(Store(failing, t.engine), t.context)
     t.fault = 'the disk had room enough'
   except OSError as e:
     t.reasons.append(f'put failed: {e}')
@@ -102,21 +108,23 @@ def _failing_write(t: Trial) -> None:
 def _foreign_store(t: Trial) -> None:
   variant = sorted(t.others)[int(t.rng.integers(len(t.others)))]
   engine = t.engine = t.others[variant]
-  t.want = exactness.fresh_sha256(engine, t.context, t.query)
+  t.want = fresh_sha256(engine, t.context, t.query)
   t.open_store = lambda: Store(t.kv, engine)
   t.fault = f'opened under another {variant}'
 
 
 def _shape_twin(t: Trial) -> Outcome | None:
   twin = t.others['model']
-  t.want = exactness.fresh_sha256(twin, t.context, t.query)
+  t.want = fresh_sha256(twin, t.context, t.query)
   if t.rng.random() < 0.5:  # an artifact of the same shapes from another model
     path = os.path.join(t.scratch, f'artifact_{os.urandom(8).hex()}')
-    library, _ = t.world.engine.prefill(t.context, logits='none')
+    tokens = tokens_of(t.context)  # an artifact holds a context, whatever the trials deposit
+    library, _ = t.world.engine.prefill(tokens, logits='none')
     artifact.save(path, t.world.engine, library)
-    sha, reasons, grafted = artifact_answer(twin, path, t.context, t.query)
+    want = exactness.fresh_sha256(twin, tokens, t.query)
+    sha, reasons, grafted = artifact_answer(twin, path, tokens, t.query)
     shutil.rmtree(path, ignore_errors=True)
-    return Outcome(classify(sha, t.want, reasons, grafted), reasons,
+    return Outcome(classify(sha, want, reasons, grafted), reasons,
                    not untouched_intact(t.kv, t.world.golden, set()), grafted,
                    'artifact of the same shapes from another model')
   # this model's block objects and entries copied into a store of the twin
@@ -133,7 +141,9 @@ def _artifact_manifest(t: Trial) -> Outcome:
   """A field of an artifact's manifest changed, resealed (its hash recomputed) or not."""
   engine, rng = t.world.engine, t.rng
   path = os.path.join(t.scratch, f'artifact_{os.urandom(8).hex()}')
-  library, _ = engine.prefill(t.context, logits='none')
+  tokens = tokens_of(t.context)  # an artifact holds a context, whatever the trials deposit
+  want = exactness.fresh_sha256(engine, tokens, t.query)
+  library, _ = engine.prefill(tokens, logits='none')
   artifact.save(path, engine, library)
   manifest_path = os.path.join(path, artifact.MANIFEST)
   manifest = json.load(open(manifest_path))
@@ -156,15 +166,15 @@ def _artifact_manifest(t: Trial) -> Outcome:
     manifest['manifest_sha256'] = artifact.manifest_digest(manifest)
   with open(manifest_path, 'w') as f:
     json.dump(manifest, f)
-  sha, reasons, grafted = artifact_answer(engine, path, t.context, t.query)
+  sha, reasons, grafted = artifact_answer(engine, path, tokens, t.query)
   shutil.rmtree(path, ignore_errors=True)
-  return Outcome(classify(sha, t.want, reasons, grafted), reasons, False, grafted,
+  return Outcome(classify(sha, want, reasons, grafted), reasons, False, grafted,
                  f'manifest {field} changed{" and resealed" if resealed else ""}')
 
 
 def _on_path_entry(t: Trial) -> dict:
-  """The index entry of a random block of the context's chain."""
-  entries = Store(t.kv, t.world.engine).lookup(t.context).entries
+  """The index entry of a random block on the target's path."""
+  entries = path_entries(Store(t.kv, t.world.engine), t.context)
   return entries[int(t.rng.integers(len(entries)))]
 
 
@@ -173,13 +183,12 @@ def _repair(t: Trial, context) -> None:
   writer; trusting only itself when the campaign is signed (an unsigned forgery is then a miss
   it computes). What it reported joins the trial's reasons."""
   writer = t.world.store(t.kv, writer=True)
-  writer.put(context, recompute=t.world.trusted is None)
+  put(writer, context, recompute=t.world.trusted is None)
   t.reasons += [p.reason for p in writer.problems]
 
 
-def _extended(t: Trial) -> list[int]:
-  vocab = t.world.engine.model_config.vocab_size
-  return list(t.context) + [int(x) for x in t.rng.integers(3, vocab, int(t.rng.integers(8, 40)))]
+def _extended(t: Trial):
+  return extended(t.context, t.rng, t.world.engine.model_config.vocab_size)
 
 
 def _forgery(t: Trial) -> None:
@@ -193,20 +202,20 @@ def _forgery(t: Trial) -> None:
 def _forgery_descendants(t: Trial) -> None:
   t.touched = damage.forge(Store(t.kv, t.engine), _on_path_entry(t), t.rng)
   longer = _extended(t)
-  t.world.store(t.kv, writer=True).put(longer)  # built on the forgery unless it is distrusted
+  put(t.world.store(t.kv, writer=True), longer)  # built on the forgery unless distrusted
   _repair(t, t.context)
-  t.context, t.want = longer, exactness.fresh_sha256(t.engine, longer, t.query)
+  t.context, t.want = longer, fresh_sha256(t.engine, longer, t.query)
   t.fault = 'a forgery, a longer put built on it, then an honest put of its text'
 
 
 def _stale_reader(t: Trial) -> Outcome:
   kv = t.kv
   stale = t.world.store(kv)
-  stale.lookup(t.context)  # caches every entry of the chain
+  path_entries(stale, t.context)  # caches every entry on the path
   entry = _on_path_entry(t)
   entry_name = f'index/{entry["parent"]}/{entry["key"]}'
   kv.delete(f'objects/{entry["object"]}')  # lost by another process...
-  t.world.store(kv, writer=True).put(t.context)  # ...which writes the block again
+  put(t.world.store(kv, writer=True), t.context)  # ...which writes the block again
   republished = kv.read(entry_name)
   touched = {f'objects/{entry["object"]}', entry_name}
   fault = 'a reader with a stale entry of a block another writer rewrote'
@@ -222,7 +231,7 @@ def _beside_put(t: Trial) -> Outcome:
   between its object writes and its publishing (its `after_step` hook)."""
   kind, kv, engine, world = t.kind, t.kv, t.engine, t.world
   context = _extended(t)
-  want = exactness.fresh_sha256(engine, context, t.query)
+  want = fresh_sha256(engine, context, t.query)
   other, seen = world.store(kv), {}
   at = str(t.rng.choice(['written', 'verified']))  # the step the rebuild or whole gc runs at
 
@@ -238,13 +247,13 @@ def _beside_put(t: Trial) -> Outcome:
       other.gc()
 
   try:
-    Store(kv, engine, trusted_keys=world.trusted, signing_key=world.signing_key,
-          after_step=beside).put(context)
+    put(Store(kv, engine, trusted_keys=world.trusted, signing_key=world.signing_key,
+              after_step=beside), context)
   except StoreError as e:  # the put found its own object gone or changed, and said so
     t.reasons.append(f'put failed: {e}')
   # What the put published must still be there: an entry naming a removed object is lost.
   lost = any(kv.read(f'objects/{e["object"]}') is None
-             for e in Store(kv, engine).lookup(context).entries)
+             for e in path_entries(Store(kv, engine), context))
   sha, found, grafted = answer(engine, lambda: world.store(kv), context, t.query)
   t.reasons += found
   return finish(world, kv, set(), Outcome(classify(sha, want, t.reasons, grafted), t.reasons,
@@ -264,7 +273,7 @@ def _borrowed_signature(t: Trial) -> None:
   # A forgery that carries a trusted signature: one copied from another block, or one made
   # over another header (what a forger who cannot sign can do with signatures it has seen).
   kv = t.kv
-  entries = Store(kv, t.engine).lookup(t.context).entries
+  entries = path_entries(Store(kv, t.engine), t.context)
   victim = entries[int(t.rng.integers(len(entries)))]
   t.touched = damage.forge(Store(kv, t.engine), victim, t.rng)
   donors = [n for n in kv.list('signatures/') if not n.startswith(f'signatures/{victim["key"]}')]

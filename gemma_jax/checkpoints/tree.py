@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import jax
 import numpy as np
@@ -28,8 +28,14 @@ def flatten(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
 def params_digest(params: Mapping[str, Any]) -> str:
   """SHA-256 over every parameter: name, dtype, shape and raw bytes, in sorted name order (a
   tree or a flat {name: array}). What the model fingerprint binds."""
+  return digest_of(flatten(params).items())  # a flat tree's '/' names are its own
+
+
+def digest_of(named: Iterable[tuple[str, Any]]) -> str:
+  """`params_digest` of (name, array) pairs given in sorted name order, one at a time (so that
+  they need not all be held at once: graft.engine.drawn)."""
   h = hashlib.sha256()
-  for name, leaf in flatten(params).items():  # a flat tree's '/' names are its own
+  for name, leaf in named:
     array = np.ascontiguousarray(np.asarray(leaf))
     h.update(f'{name}|{array.dtype.name}|{array.shape}|'.encode())
     h.update(array.reshape(-1).view(np.uint8).data)  # the bytes in place, not a copy

@@ -14,6 +14,7 @@ decide nothing of it again.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from gemma_jax import attention as attention_lib
 from gemma_jax import rope, sharding
@@ -105,7 +106,8 @@ class EngineConfig:
 
 def resolve_engine_config(model_config: TransformerConfig,
                           requested: EngineConfig | None = None, *,
-                          platform: str | None = None) -> EngineConfig:
+                          platform: str | None = None,
+                          fit: Literal['rows', 'cache'] | None = None) -> EngineConfig:
   """The configuration an engine of `model_config` runs under: `requested` (what the flags or
   the caller ask for; None: every default) with each field it leaves None decided, here and
   nowhere else.
@@ -115,6 +117,10 @@ def resolve_engine_config(model_config: TransformerConfig,
     requested: the asked-for EngineConfig; fields left None are decided.
     platform: the backend the engine's kernels run on ('cpu', 'gpu', 'tpu'; None: this
       process's default backend), which decides the spec engine's default dot library.
+    fit: how an engine is sized for what it was asked rather than refused for it (None: it is
+      refused, ValueError, where cache_len < rows_per_call): 'rows' (the cache was asked for:
+      rows_per_call left None is at most cache_len) or 'cache' (cache_len is raised to
+      rows_per_call); either way cache_len ends at least rows_per_call.
 
   Returns:
     The resolved EngineConfig: rows_per_call the plan's default; attention the plan's where the
@@ -129,10 +135,13 @@ def resolve_engine_config(model_config: TransformerConfig,
     supported = rope.get_mode(model_config.rope_mode).attention
     attention = plan.default_attention if plan.default_attention in supported else 'xla'
   rope.check_attention(model_config.rope_mode, attention)
+  rows, cache_len = config.rows_per_call, config.cache_len
+  if rows is None:
+    rows = min(plan.default_rows, cache_len) if fit == 'rows' else plan.default_rows
+  if fit is not None:
+    cache_len = max(cache_len, rows)
   return dataclasses.replace(
-      config, attention=attention,
-      rows_per_call=(config.rows_per_call if config.rows_per_call is not None
-                     else plan.default_rows),
+      config, attention=attention, rows_per_call=rows, cache_len=cache_len,
       dot_library=(config.dot_library if config.dot_library is not None
                    else plan.default_dot_library(platform)),
       xla_flags=config.xla_flags if config.xla_flags is not None else sharding.xla_flags())

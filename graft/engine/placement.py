@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from gemma_jax import model, sharding
+from gemma_jax import drawn, model, sharding
 from gemma_jax.checkpoints import param_cache, tree
 from gemma_jax.config import TransformerConfig
 from gemma_jax.kernels import native_dot
@@ -64,7 +64,10 @@ def place_weights(loaded: LoadedModel, model_config: TransformerConfig, layout: 
   one device): the loaded model's parameter-cache entry as it is, where it is laid out so (the
   embedded model's packed entry: mapped, not copied); else placed on the mesh and stored by the
   layout (a copy). The embedding becomes the OutputTable ([D, V], or its Panels [V / P, D, P])
-  where the layout keeps one: its one copy, which the lookup reads by columns."""
+  where the layout keeps one: its one copy, which the lookup reads by columns. random:SEED
+  weights are drawn where and as they are kept (gemma_jax.drawn: one copy)."""
+  if loaded.seed is not None and loaded.draws_where_used:
+    return drawn.place(loaded.seed, model_config, loaded.dtype, layout, mesh, mesh_layout)
   cached = _from_cache(loaded, layout) if mesh is None else None
   if cached is not None:
     return cached
@@ -99,7 +102,8 @@ def projection_weights(loaded: LoadedModel, model_config: TransformerConfig,
   layer's of each; projections of at most `layout.small` weights are elementwise products and
   sums), and the output table: what a self-check probes, each in the form the engine stores it.
   Read from the model's unplaced parameters where on a mesh (across processes nothing here waits
-  on another process); else from `params`, as `place_weights` made them (no copy).
+  on another process; random:SEED weights each drawn alone), else from `params`, as
+  `place_weights` made them (no copy).
 
   Args:
     loaded, model_config: the model.
@@ -112,14 +116,20 @@ def projection_weights(loaded: LoadedModel, model_config: TransformerConfig,
     'output_table': [D, V] or its Panels [V / P, D, P], where the layout keeps one}.
   """
   out: dict[str, Weight] = {}
-  source = loaded.params if mesh is not None else params
+  canonical = mesh is not None and not loaded.draws_where_used
+  source = loaded.params if canonical else params
   for path, (k, n) in model.dense_weights(model_config).items():
     name = f'{k}x{n}'
     if k * n <= layout.small or name in out:
       continue
-    leaf: Any = source
-    for key in path.split('/'):
-      leaf = leaf[int(key) if key.isdigit() else key]
+    leaf: Any
+    if mesh is not None and loaded.seed is not None and loaded.draws_where_used:
+      # this one drawn on its own (random:SEED weights are never held as a tree)
+      leaf = jnp.asarray(drawn.leaf(loaded.seed, model_config, path, jnp.dtype(loaded.dtype)))
+    else:
+      leaf = source
+      for key in path.split('/'):
+        leaf = leaf[int(key) if key.isdigit() else key]
     out[name] = leaf if isinstance(leaf, Panels) else layout.stored(leaf.reshape(k, n))
   table = params['embedder']['input_embedding']
   if isinstance(table, OutputTable):

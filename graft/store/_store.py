@@ -58,13 +58,20 @@ receives what it depends on in its constructor (graph: each needs only those bef
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
+from gemma_jax import kv_state as kvs
 from gemma_jax.digest import canonical_json
 from graft.engine import Context, Engine, fingerprint
 from graft.engine.fingerprint import differences
 from graft.store import blocks, signing
+from graft.store import compose as composing
+from graft.store.compose import ComposeError, Recompute
+from graft.store.documents import Document, DocumentError, Documents
 from graft.store.index import Index
 from graft.store.kvstore import KvStore
 from graft.store.lookup import Lookup
@@ -75,7 +82,18 @@ from graft.store.shared import (DESCRIPTION, LEASE_SECONDS, Codec, Kind, Match, 
                                 Problems, StoreError)
 from graft.store.trust import Trust
 
-__all__ = ['LEASE_SECONDS', 'HostCache', 'Kind', 'Match', 'Problem', 'Store', 'StoreError']
+__all__ = ['LEASE_SECONDS', 'Composition', 'Document', 'HostCache', 'Kind', 'Match', 'Problem',
+           'Recompute', 'Store', 'StoreError']
+
+
+@dataclasses.dataclass(frozen=True)
+class Composition:
+  """What `Store.compose` made: the composed context, the query's logits [Q, V] float32 (None
+  without a query) and the record of the composition (graft/store/compose.py)."""
+
+  context: Context
+  logits: np.ndarray | None
+  record: dict
 
 
 class Store:
@@ -126,6 +144,7 @@ class Store:
     self._publication = Publication(self.backing, codec, engine, self.counters, self._lookup,
                                     self._index, self._reads, self._trust, after_step)
     self._maintenance = Maintenance(self.backing, codec, engine, self._index, self._reads)
+    self._documents = Documents(engine, codec, self._lookup, self._publication)
 
   @property
   def host(self) -> HostCache:
@@ -217,6 +236,101 @@ class Store:
     its entry are moved aside; a sound object's entry is rebuilt from it
     (`Index.quarantine_object`)."""
     self._index.quarantine_object(entry, reason, judged)
+
+  # Documents -----------------------------------------------------------------------------------
+
+  def put_document(self, prefix: Sequence[int], document: Sequence[int], *, recompute: bool = False) -> dict:
+    """Deposits `document` (token ids) computed after `prefix` (token ids from position 0, e.g.
+    BOS and an instruction): the prefix's blocks, then the document's own chain, keyed by the
+    namespace, the prefix and the document's tokens and not by where it will be placed
+    (graft/store/documents.py). `recompute` as for `put`. Returns what it did, as `put` does,
+    with the stored `document` (a Document). DocumentError (nothing written) for an empty
+    prefix or document, a token outside the vocabulary, or a prefix + document longer than the
+    cache."""
+    return self._documents.put(prefix, document, recompute=recompute)
+
+  def read_document(self, prefix: Sequence[int], document: Sequence[int]) -> kvs.KVRows | None:
+    """A stored document's rows, verified: every layer's K and V [L, K, H] at sequence indices
+    and positions p .. p + L - 1 after the prefix (p = len(prefix)); None when it is not stored
+    whole and usable (a block refused on the way is quarantined and reported in `problems`)."""
+    prefix, document = self._documents.check(prefix, document)
+    found = self._documents.read(prefix, document)
+    return None if found is None else found[0]
+
+  def compose(self, prefix: Sequence[int],
+              documents: Sequence[Document | Sequence[int]], query: Sequence[int] = (), *, recompute: Recompute = Recompute(),
+              rerotate: bool = False) -> 'Composition':
+    """The prefix followed by `documents` in the order given, each placed from its stored rows
+    wherever it falls, then `query` (graft/store/compose.py).
+
+    Args:
+      prefix: token ids from position 0, the prefix the documents were stored after.
+      documents: each a sequence of token ids or a Document (`put_document`'s); a document not
+        stored whole is computed by the engine after the prefix (and not stored: a reader
+        writes nothing).
+      query: token ids after the documents (may be empty: the context is then ready for
+        queries).
+      recompute: which document tokens are computed again (Recompute: none, cacheblend, epic,
+        window, at a fraction); at fraction 1.0 every token is, and the result is the fresh
+        computation bit for bit.
+      rerotate: a float-RoPE engine's keys turned by each document's shift (CacheBlend's
+        re-rotation: not exact, recorded); refused under RoPE 'relative', required under
+        'float'.
+
+    Returns:
+      A Composition: the context (prefix, documents, query; its KV the engine's fixed cache),
+      the query's float32 logits [Q, V] (None without a query) and a record of what was placed
+      where (each document's key, length, offset, shift, source), the strategy and what it
+      recomputed.
+
+    Raises:
+      DocumentError / ComposeError (nothing computed or written): an empty document, a
+      document or context longer than the cache, a Document stored after another prefix, a
+      float engine without rerotate (or a relative one with it).
+    """
+    checked: list[Sequence[int]] = []
+    for i, doc in enumerate(documents):
+      tokens = doc.tokens if isinstance(doc, Document) else doc
+      prefix, tokens = self._documents.check(prefix, tokens, f'document {i}')
+      if isinstance(doc, Document):
+        if doc.prefix_key != self._documents.prefix_key(prefix):
+          raise DocumentError(f'document {i} was stored after another prefix (of '
+                              f'{doc.prefix_tokens} tokens, key {doc.prefix_key[:16]}..), not '
+                              f'this one ({len(prefix)} tokens, key '
+                              f'{self._documents.prefix_key(prefix)[:16]}..)')
+      checked.append(tokens)
+    if not checked:
+      raise DocumentError('a composition needs at least one document')
+    prefix = [int(t) for t in prefix]
+    query = [int(t) for t in query]
+    total = len(prefix) + sum(len(d) for d in checked) + len(query)
+    if total > self.engine.engine_config.cache_len:
+      raise DocumentError(f'the prefix, documents and query ({total} tokens) do not fit the '
+                          f'cache of {self.engine.engine_config.cache_len} slots')
+    composing.check_mode(self.engine, rerotate)
+    prefix_ctx, match = self._lookup.graft(prefix)
+    if match.tokens < len(prefix):
+      prefix_ctx, _ = self.engine.extend(prefix_ctx, prefix[match.tokens:], logits='none',
+                                         consume=True)
+    rows, sources = [], []
+    for tokens in checked:
+      found = self._documents.read(prefix, tokens)
+      if found is None:
+        rows.append(composing.compute_rows(self.engine, prefix_ctx, tokens))
+        sources.append({'source': 'computed', 'key': self._documents.keys(prefix, tokens)[-1]})
+      else:
+        rows.append(found[0])
+        sources.append({'source': 'store', 'key': found[1].entries[-1]['key']})
+    ctx, record = composing.compose(self.engine, prefix_ctx, checked, rows, recompute=recompute,
+                                    rerotate=rerotate)
+    record['prefix_key'] = self._documents.prefix_key(prefix)
+    record['prefix_grafted'] = match.tokens
+    for entry, source in zip(record['documents'], sources):
+      entry.update(source)
+    logits = None
+    if query:
+      ctx, logits = self.engine.extend(ctx, query, logits='all', consume=True)
+    return Composition(context=ctx, logits=logits, record=record)
 
   # Maintenance ---------------------------------------------------------------------------------
 

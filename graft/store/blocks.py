@@ -63,6 +63,7 @@ BLOCK_FORMAT = 'kv-graft-block/3'
 # The content hash of each readable block format's leaves.
 CONTENT_HASH = {'kv-graft-block/2': 'sha256', BLOCK_FORMAT: 'blake3'}
 KEY_DOMAIN = b'kv-graft-block/2'
+DOCUMENT_DOMAIN = b'kv-graft-document/1'  # the domain of a document root (`document_root`)
 _DTYPES = {'float32': np.dtype(np.float32), 'bfloat16': np.dtype(ml_dtypes.bfloat16),
            'int32': np.dtype(np.int32)}
 ENTRY_FORMAT = 'kv-graft-index/2'
@@ -93,9 +94,28 @@ def block_key(ns: str, parent: str, tokens: Sequence[int]) -> str:
   return hashlib.sha256(payload).hexdigest()
 
 
-def chain_keys(ns: str, tokens: Sequence[int], block_tokens: int) -> list[str]:
-  """The keys of every block of a context (the last one partial when len(tokens) % B)."""
-  keys, parent = [], ROOT
+def document_root(ns: str, prefix_key: str) -> str:
+  """The root of the document chains stored after a prefix whose chain ends with block
+  `prefix_key`: a document's first block has it as its parent. SHA-256 over DOCUMENT_DOMAIN, the
+  namespace and the prefix's key, so it depends on the prefix's tokens and the namespace only
+  (never on where a document is placed), and no token sequence chains to it."""
+  return hashlib.sha256(DOCUMENT_DOMAIN + bytes.fromhex(ns) + bytes.fromhex(prefix_key)).hexdigest()
+
+
+def document_keys(ns: str, prefix: Sequence[int], document: Sequence[int],
+                  block_tokens: int) -> list[str]:
+  """The keys of a document's blocks stored after `prefix` (graft/store/documents.py): its
+  chain from the document root of the prefix's own last block."""
+  root = document_root(ns, chain_keys(ns, prefix, block_tokens)[-1])
+  return chain_keys(ns, document, block_tokens, root)
+
+
+def chain_keys(ns: str, tokens: Sequence[int], block_tokens: int,
+               root: str = ROOT) -> list[str]:
+  """The keys of every block of a context (the last one partial when len(tokens) % B); `root`:
+  the parent of its first block (ROOT for a context from position 0, a document root for a
+  document, `document_root`)."""
+  keys, parent = [], root
   for start in range(0, len(tokens), block_tokens):
     parent = block_key(ns, parent, tokens[start:start + block_tokens])
     keys.append(parent)

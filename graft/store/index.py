@@ -70,13 +70,17 @@ class Index:
     return [e for e in self.entries_many([(parent, k, start) for k in keys]) if e is not None]
 
   def entries(self) -> list[dict]:
-    """Every published entry reachable from the root, verified, in (start, key) order."""
-    out, frontier = [], [(blocks.ROOT, 0)]
+    """Every published entry reachable from the root, verified, in (start, key) order: the
+    contexts' chains, and the documents' chains after each of their blocks (a document's
+    starts count from its first token)."""
+    out, frontier = [], [(blocks.ROOT, 0, True)]
     while frontier:
-      parent, start = frontier.pop()
+      parent, start, context = frontier.pop()
       for entry in self.children(parent, start):
         out.append(entry)
-        frontier.append((entry['key'], start + self._codec.block_tokens))
+        frontier.append((entry['key'], start + self._codec.block_tokens, context))
+        if context:  # documents stored after the prefix this block ends
+          frontier.append((blocks.document_root(self._codec.namespace, entry['key']), 0, False))
     return sorted(out, key=lambda e: (e['start'], e['key']))
 
   def rebuild_index(self) -> int:

@@ -16,8 +16,8 @@ from graft.store.trust import Trust
 from typing import Sequence
 
 
-class _BadBlock(Exception):
-  """A published block whose object failed verification during a graft."""
+class BadBlock(Exception):
+  """A published block whose object failed verification while its rows were read."""
 
   def __init__(self, entry: dict, reason: str):
     super().__init__(reason)
@@ -39,15 +39,18 @@ class Lookup:
     self._engine, self._codec = engine, codec
     self._index, self._reads, self._trust = index, reads, trust
 
-  def match(self, tokens: Sequence[int]) -> Match:
+  def match(self, tokens: Sequence[int], *, root: str = blocks.ROOT,
+            root_header: str = blocks.ROOT) -> Match:
     """The longest stored prefix of `tokens` (token ids, from position 0), at token
-    granularity, cut before its first block that may not be used."""
+    granularity, cut before its first block that may not be used. root, root_header: where the
+    chain hangs and the header hash its first block must record (a document's chain: its
+    document root and the prefix's last block header, graft/store/documents.py)."""
     tokens = [int(t) for t in tokens]
     ns, block_tokens = self._codec.namespace, self._codec.block_tokens
-    keys = blocks.chain_keys(ns, tokens, block_tokens)
-    self._index.entries_many([(keys[i - 1] if i else blocks.ROOT, key, i * block_tokens)
+    keys = blocks.chain_keys(ns, tokens, block_tokens, root)
+    self._index.entries_many([(keys[i - 1] if i else root, key, i * block_tokens)
                               for i, key in enumerate(keys)])  # every entry, concurrently
-    parent, parent_header, used, matched, rows = blocks.ROOT, blocks.ROOT, [], 0, 0
+    parent, parent_header, used, matched, rows = root, root_header, [], 0, 0
     for start in range(0, len(tokens), block_tokens):
       chunk = tokens[start:start + block_tokens]
       entry = self._index.entry(parent, blocks.block_key(ns, parent, chunk), start)
@@ -90,25 +93,37 @@ class Lookup:
         return self._engine.empty(), match
       try:
         rows = self._rows(match)
-      except _BadBlock as bad:  # each retry removes one bad block, so this ends
+      except BadBlock as bad:  # each retry removes one bad block, so this ends
         self._index.quarantine_object(bad.entry, bad.reason)
         continue
       return self._engine.graft(rows, tokens[:match.tokens]), match
 
-  def _rows(self, match: Match) -> list[kvs.KVRows]:
+  def rows(self, match: Match, *, first: int = 0, every_layer: bool = False) -> list[kvs.KVRows]:
+    """Each matched block's rows, verified, at sequence indices and positions `first` +
+    the block's start (a document's blocks count from the document's first token); a block
+    that fails verification is quarantined and raises BadBlock. every_layer: every layer's
+    rows (a document placed anywhere); else as far as a graft at the match's end attends to
+    them (a block wholly behind every ring: its global layers only)."""
+    try:
+      return self._rows(match, first, every_layer)
+    except BadBlock as bad:
+      self._index.quarantine_object(bad.entry, bad.reason)
+      raise
+
+  def _rows(self, match: Match, first: int = 0, every_layer: bool = False) -> list[kvs.KVRows]:
     """Each matched block's rows, read as far as the graft attends to them."""
     n = match.tokens
     ring = self._engine.local_slots
     used = [len(e['tokens']) for e in match.entries[:-1]] + [match.rows]
     # A block wholly behind every ring is read for its global layers only.
-    wanted = [(entry, entry['start'] + rows <= n - ring)
+    wanted = [(entry, not every_layer and entry['start'] + rows <= n - ring)
               for entry, rows in zip(match.entries, used)]
     layers = self._engine.model_config.cache_layers
     out = []
     for (entry, _), rows, leaves in zip(wanted, used, self._reads.read_blocks(wanted)):
       if isinstance(leaves, BlockError):
-        raise _BadBlock(entry, str(leaves))
-      out.append(kvs.block_rows(leaves, layers, entry['start'], len(entry['tokens']))
+        raise BadBlock(entry, str(leaves))
+      out.append(kvs.block_rows(leaves, layers, first + entry['start'], len(entry['tokens']))
                  .prefix(rows))
     return out
 

@@ -54,10 +54,10 @@ class Maintenance:
         problems.append(Problem(Kind.STRAY, '', name[:200], _STRAY))
         continue
       by_parent[parts[1]].append(parts[2])
-    frontier = [(blocks.ROOT, 0)]
+    frontier = [(blocks.ROOT, 0, True)]  # (parent, start, of a context's chain)
     published = set()
     while frontier:
-      parent, start = frontier.pop()
+      parent, start, context = frontier.pop()
       for key in by_parent.get(parent, []):
         name = f'index/{parent}/{key}'
         try:
@@ -68,7 +68,11 @@ class Maintenance:
           continue
         published.add(entry['object'])
         reachable.add(key)  # its children are addressed by key whatever its object holds
-        frontier.append((key, start + self._codec.block_tokens))
+        frontier.append((key, start + self._codec.block_tokens, context))
+        if context:  # the documents stored after the prefix this block ends
+          root = blocks.document_root(self._codec.namespace, key)
+          reachable.add(root)
+          frontier.append((root, 0, False))
         try:
           self._reads.read_object(entry, global_only=False)
         except BlockError as e:
@@ -95,9 +99,11 @@ class Maintenance:
     if not 0 < fraction <= 1:
       raise ValueError(f'the audited fraction must lie in (0, 1], not {fraction}')
     rng = np.random.default_rng(seed)
-    problems, frontier = [], [(blocks.ROOT, 0, self._engine.empty(), None)]
+    # (parent, start, the context it extends, the forged header it descends from, the sequence
+    # index of the chain's first token: 0 for a context, the prefix's length for a document)
+    problems, frontier = [], [(blocks.ROOT, 0, self._engine.empty(), None, 0)]
     while frontier:
-      parent, start, ctx, forged_header = frontier.pop()
+      parent, start, ctx, forged_header, base = frontier.pop()
       for entry in sorted(self._index.children(parent, start), key=lambda e: e['key']):
         child_ctx, _ = self._engine.extend(ctx, entry['tokens'], logits='none')
         bad = forged_header
@@ -108,7 +114,7 @@ class Maintenance:
           bad = entry['header_sha256']
         elif rng.random() < fraction:
           header = self._reads.header_of(entry)
-          rows = kvs.take_rows(child_ctx.kv, start, start + len(entry['tokens']))
+          rows = kvs.take_rows(child_ctx.kv, base + start, base + start + len(entry['tokens']))
           hash_name = blocks.content_hash(header)
           mine = {name: digest.hexdigest(hash_name, np.asarray(a)) for name, a in
                   kvs.block_leaves(rows, self._engine.model_config.cache_layers).items()}
@@ -117,7 +123,10 @@ class Maintenance:
                                     'forged: its bytes differ from a recomputation by this '
                                     'engine'))
             bad = entry['header_sha256']
-        frontier.append((entry['key'], start + self._codec.block_tokens, child_ctx, bad))
+        frontier.append((entry['key'], start + self._codec.block_tokens, child_ctx, bad, base))
+        if not base:  # the documents stored after the prefix this block ends
+          frontier.append((blocks.document_root(self._codec.namespace, entry['key']), 0,
+                           child_ctx, bad, len(child_ctx.tokens)))
     return problems
 
   def gc(self, findings: list[Problem], *, lease_seconds: float = LEASE_SECONDS) -> dict:

@@ -16,6 +16,8 @@ import time
 import uuid
 from typing import Callable, Sequence
 
+import numpy as np
+
 from gemma_jax import kv_state as kvs
 from gemma_jax import digest
 from gemma_jax.digest import canonical_json
@@ -32,6 +34,9 @@ from graft.store.trust import Trust
 _WRITE_BATCH = 64  # blocks computed before they are written together (bounds host memory)
 # The steps of a put, in order; `after_step` is called after each with the batch's object names.
 STEPS = ('written', 'verified', 'published')
+# A block computed and not yet stored: its parent's key, its first token's index, its tokens and
+# its leaves (kv_state.block_leaves' names).
+Block = tuple[str, int, Sequence[int], dict[str, np.ndarray]]
 PAUSED = 'store put paused after step'
 
 
@@ -58,21 +63,27 @@ class Publication:
     self._lookup, self._index, self._reads, self._trust = lookup, index, reads, trust
     self._after_step = after_step or (lambda step, names: None)
 
-  def put(self, tokens: Sequence[int], *, recompute: bool = False) -> dict:
+  def put(self, tokens: Sequence[int], *, recompute: bool = False,
+          own_last_block: bool = False) -> dict:
     """Deposits `tokens` (a context from position 0): grafts the longest stored prefix of whole
     blocks (the trusted one, with a trust list), computes the rest block by block with the
     engine and writes every block not stored yet; `recompute` computes every block and compares
     it with what is stored (a stored block that differs is a conflict: replaced, quarantined,
-    reported). Returns what it did: tokens, blocks reused and written, conflicts, bytes,
-    seconds computing and storing."""
+    reported). own_last_block: the context's last block is published under its own key even
+    where it is the first rows of a longer stored block (a prefix that documents hang after,
+    graft/store/documents.py). Returns what it did: tokens, blocks reused and written,
+    conflicts, bytes, seconds computing and storing."""
     tokens = [int(t) for t in tokens]
     if not tokens:
       raise ValueError('nothing to put: the token list is empty')
     t0 = time.perf_counter()
-    ctx, match = ((self._engine.empty(), Match(0, (), 0)) if recompute
-                  else self._lookup.graft(tokens, whole_blocks=True))
     block_tokens = self._codec.block_tokens
     keys = blocks.chain_keys(self._codec.namespace, tokens, block_tokens)
+    ctx, match = ((self._engine.empty(), Match(0, (), 0)) if recompute
+                  else self._lookup.graft(tokens, whole_blocks=True))
+    if (own_last_block and match.tokens == len(tokens)
+        and match.entries[-1]['key'] != keys[-1]):  # matched inside a longer block
+      ctx, match = self._lookup.graft(tokens[:(len(keys) - 1) * block_tokens], whole_blocks=True)
     # The block holding token `match.tokens` is the first one to write. (When every token is
     # matched, even a partial last block is addressable already: it is a prefix of a stored one.)
     first_new = len(keys) if match.tokens == len(tokens) else match.tokens // block_tokens
@@ -82,7 +93,7 @@ class Publication:
     # The header hash of the parent of the first block written: the stored block it was
     # grafted from (what this put computes on), else the root.
     parent_header = (match.entries[first_new - 1]['header_sha256'] if first_new else blocks.ROOT)
-    batch = []  # (parent, start, tokens, leaves) computed and not yet stored
+    batch: list[Block] = []  # computed and not yet stored
     for k in range(first_new, len(keys)):
       start, stop = k * block_tokens, min((k + 1) * block_tokens, len(tokens))
       t1 = time.perf_counter()
@@ -95,7 +106,7 @@ class Publication:
       report['compute_seconds'] += time.perf_counter() - t1
       if len(batch) == _WRITE_BATCH or k == len(keys) - 1:
         t2 = time.perf_counter()
-        written_bytes, parent_header, conflicts = self._write_blocks(batch, parent_header)
+        written_bytes, parent_header, conflicts = self.write_blocks(batch, parent_header)
         report['conflicts'] += conflicts
         for written in written_bytes:
           report['blocks_written' if written else 'blocks_existing'] += 1
@@ -105,12 +116,13 @@ class Publication:
     report['seconds'] = time.perf_counter() - t0
     return report
 
-  def _write_blocks(self, batch, parent_header: str) -> tuple[list[int], str, int]:
-    """Writes, verifies and publishes blocks [(parent, start, tokens, leaves)] of one chain,
-    each step for the whole batch at once; `parent_header` is the header hash of the first
-    one's parent. Returns the bytes written per block (0 where another writer's identical copy
-    was published first), the header hash of the last block's copy that stands published and
-    the conflicts found."""
+  def write_blocks(self, batch: Sequence[Block], parent_header: str) -> tuple[list[int], str, int]:
+    """Writes, verifies and publishes blocks [(parent, start, tokens, leaves)] of one chain
+    (a context's, or a document's), each step for the whole batch at once; `parent_header` is
+    the header hash of the first one's parent (ROOT for a context's first block, the prefix's
+    last block for a document's). Returns the bytes written per block (0 where another
+    writer's identical copy was published first), the header hash of the last block's copy
+    that stands published and the conflicts found."""
     layout = self._codec.layout
     hashed = list(POOL.map(lambda b: blocks.hash_leaves(b[3], len(b[2]), layout), batch))
     first_parent_header = parent_header
@@ -132,7 +144,7 @@ class Publication:
 
   def _publish_batch(self, batch, encoded, names,
                      first_parent_header: str) -> tuple[list[int], str, int]:
-    """Writes, verifies and publishes the encoded blocks of `_write_blocks` under `names`.
+    """Writes, verifies and publishes the encoded blocks of `write_blocks` under `names`.
     Returns the bytes written per block, the header hash of the last block's copy that stands
     published (another writer's equal copy may stand instead of ours, under another header
     when it is of an older format) and the conflicts found."""
