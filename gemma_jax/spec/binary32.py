@@ -49,7 +49,10 @@ def _tiny(r: np.ndarray, exact) -> np.ndarray:
 def flush(x: np.ndarray) -> np.ndarray:
   """Subnormal values as zeros of their sign (flush-to-zero); any shape, kept, as binary32."""
   x = np.asarray(x, F32)
-  tiny = (x.view(np.int32) & 0x7F800000) == 0
+  # Subnormal: |bits| in [1, 2^23 - 1], i.e. |bits| - 1 < 2^23 - 1 in uint32 (zeros wrap around
+  # and are left alone: they are no work, and most arrays of the model hold some).
+  magnitude = np.bitwise_and(x.view(np.uint32), np.uint32(0x7FFFFFFF))
+  tiny = np.less(np.subtract(magnitude, np.uint32(1)), np.uint32(0x007FFFFF))
   if not tiny.any():
     return x
   return np.where(tiny, np.copysign(F32(0.0), x), x).astype(F32)
