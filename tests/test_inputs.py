@@ -89,7 +89,8 @@ def test_the_audit_check_finds_a_planted_draw(tmp_path):
   drawing = drawing_modules()
   assert 'gemma_jax.rope' not in drawing
   planted = {**drawing, 'gemma_jax.rope': [12]}
-  assert unaudited(rows, planted) == ['gemma_jax.rope:12']
+  assert 'gemma_jax.rope:12' in unaudited(rows, planted)
+  assert 'gemma_jax.rope:12' not in unaudited(rows, drawing)
   without = [r for r in rows if 'gemma_jax.sampling' not in r['modules']]
   assert any(m.startswith('gemma_jax.sampling:') for m in unaudited(without, drawing))
 

@@ -35,9 +35,10 @@ def random(seed, shape, scale=1.0):
 
 
 def attend(dot, q, k, v, q_pos, k_pos, *, window, softcap, tile):
-  numerics = Spec(dot=dot)
-  return jax.jit(lambda *a: numerics.attention(*a, window=window, softcap=softcap,
-                                               tile=tile))(q, k, v, q_pos, k_pos)
+  # The tiled attention with a kernel that `attends`: the kernel computes it whole.
+  numerics = Spec(kernel=dot)
+  return jax.jit(lambda *a: tiled_attention.TiledAttention(tile)(
+      *a, window=window, softcap=softcap, numerics=numerics))(q, k, v, q_pos, k_pos)
 
 
 def reference(q, k, v, q_pos, k_pos, **kw):
@@ -126,7 +127,7 @@ def test_the_engines_two_attentions_agree():
   q_pos = np.arange(41, 50, dtype=np.int32)[None]
   dot = native_dot.make_native_dot()
   fused = attend(dot, q, k, v, q_pos, k_pos, window=16, softcap=20.0, tile=16)
-  numerics = Spec(dot=dot)
+  numerics = Spec(kernel=dot)
   tiled = jax.jit(lambda *a: tiled_attention.tiled_attend(
       *a[:5], window=16, softcap=20.0, tile=16, numerics=numerics.with_zero(a[5])))(
           q, k, v, q_pos, k_pos, jnp.uint32(0))
@@ -188,10 +189,10 @@ def test_the_kernel_turns_keys_as_the_relative_mode_does(path, case):
   want = bits(reference(q, k, v, q_pos, k_pos, k_chunk=256, window=window, softcap=softcap,
                         tile=tile, relative=table))
   dot = native_dot.make_native_dot(path)
-  numerics = Spec(dot=dot)
+  numerics = Spec(kernel=dot)
   scores = rope.RelativeScores(h, base, scale, fraction, numerics)
-  got = jax.jit(lambda *a: numerics.attention(*a, window=window, softcap=softcap, tile=tile,
-                                              relative=scores))(q, k, v, q_pos, k_pos)
+  got = jax.jit(lambda *a: tiled_attention.TiledAttention(tile)(
+      *a, window=window, softcap=softcap, scores=scores, numerics=numerics))(q, k, v, q_pos, k_pos)
   assert np.array_equal(bits(got), want), path
   tiled = jax.jit(lambda *a: tiled_attention.tiled_attend(
       *a[:5], window=window, softcap=softcap, tile=tile,

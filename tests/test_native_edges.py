@@ -371,7 +371,7 @@ def test_the_self_checks_edge_probes_pass_on_glibcs_software_fmaf():
   host_compiler()
   code = ('import json; from gemma_jax import numerics; from gemma_jax.kernels import native_dot; '
           'from gemma_jax.spec import selfcheck; print(json.dumps(selfcheck.underflow_failures('
-          'numerics.Spec(dot=native_dot.make_native_dot("portable")), None)))')
+          'numerics.Spec(kernel=native_dot.make_native_dot("portable")), None)))')
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=repo,
                         timeout=600, env={**os.environ, 'PYTHONPATH': repo,
