@@ -41,9 +41,9 @@ from analysis import results as results_schema
 from experiments.cli import (MEANINGS, NOT_BITS, OLD_SPELLINGS, CheckedList,  # noqa: F401
                              OldSpelling, define_list, modernize)
 from gemma_jax import compilation_cache, files, resources, rope, sharding, weights
-from gemma_jax.config import get_config
+from gemma_jax.config import TransformerConfig, get_config
 from gemma_jax.attention import IMPLEMENTATIONS
-from graft.engine import PLANS, Engine, EngineConfig, fingerprint, plans
+from graft.engine import PLANS, Engine, EngineConfig, fingerprint, resolve_engine_config
 from graft.engine.plans import DOT_LIBRARIES
 from gemma_jax.spec.interpreter import ROPE_MODES as SPEC_ROPE_MODES
 
@@ -96,7 +96,9 @@ def run(main) -> None:
     sys.exit(2)
 
   def guarded(argv):
-    if not FLAGS.compilation_cache:
+    if FLAGS.compilation_cache:
+      compilation_cache.use_default()
+    else:
       compilation_cache.disable()
     try:
       return main(argv)
@@ -235,6 +237,11 @@ def engine_flag_args() -> list[str]:
   return args
 
 
+def model_config() -> TransformerConfig:
+  """The --model config, in the --rope mode (where the tool has the flag)."""
+  return get_config(FLAGS.model).replace(rope_mode=FLAGS.rope if 'rope' in FLAGS else 'float')
+
+
 def load_model() -> weights.LoadedModel:
   """The --model / --weights / --dtype model. With --mesh (engine tools), first asks XLA for
   this process's share of the mesh's host devices, and with --coordinator joins the
@@ -245,11 +252,10 @@ def load_model() -> weights.LoadedModel:
   if processes > 1 or ('coordinator' in FLAGS and FLAGS.coordinator):
     sharding.initialize_distributed(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
   check_rope_engine()
-  mode = FLAGS.rope if 'rope' in FLAGS else 'float'
+  config = model_config()
   logging.info('loading %s with weights=%s dtype=%s rope=%s', FLAGS.model, FLAGS.weights,
-               FLAGS.dtype, mode)
-  return weights.load(get_config(FLAGS.model).replace(rope_mode=mode), FLAGS.weights,
-                      FLAGS.dtype)
+               FLAGS.dtype, config.rope_mode)
+  return weights.load(config, FLAGS.weights, FLAGS.dtype)
 
 
 def check_rope_engine() -> None:
@@ -261,34 +267,32 @@ def check_rope_engine() -> None:
                          f'{", ".join(SPEC_ROPE_MODES)} only; run it with --engine=pinned')
 
 
-def engine_config(needed_cache: int | None = None, **overrides) -> EngineConfig:
-  """The EngineConfig the engine flags describe (with `overrides`), sized for the run and with
-  its defaults resolved, so a result records what it ran and its command names it:
+def engine_config(needed_cache: int | None = None, *, model: TransformerConfig | None = None,
+                  **overrides: object) -> EngineConfig:
+  """The EngineConfig the engine flags describe (with `overrides`), sized for the run and
+  resolved for `model` (None: the --model in its --rope mode) by
+  graft.engine.resolve_engine_config, the one place a default is decided, so a result records
+  what it ran and its command names it:
 
-  - the dot library: the mode's default where the flag names none;
-  - rows per call: the mode's default, or, where --cache_len (or `needed_cache`'s cache) is
-    smaller and --rows_per_call was not given, that cache: an engine is sized for what it
-    was asked, never refused for it;
   - cache_len: `overrides`' or --cache_len, or where that is 0 (sized by the tool)
-    `needed_cache`; raised to the rows per call where smaller."""
+    `needed_cache`; raised to the rows per call where smaller;
+  - rows per call and the dot library: resolved (the mode's defaults); where --cache_len was
+    given smaller than the default rows and --rows_per_call was not, the rows are that cache
+    (fit='rows'): an engine is sized for what it was asked, never refused for it."""
   values = dict(mode=FLAGS.engine, attention=FLAGS.attention, rows_per_call=FLAGS.rows_per_call,
                 attention_tile=FLAGS.attention_tile,
                 cache_len=FLAGS.cache_len, mesh=FLAGS.mesh, mesh_layout=FLAGS.mesh_layout,
-                dot_library=FLAGS.dot_library, xla_flags=sharding.xla_flags())
+                dot_library=FLAGS.dot_library)
   values.update(overrides)
-  plan = plans.plan_class(values['mode'])
   if not values['cache_len']:
     if needed_cache is None:
       raise ValueError('--cache_len=0 (sized for the run) needs a tool that sizes its cache')
     values['cache_len'] = needed_cache
-  if values['rows_per_call'] is None:
-    asked = FLAGS['cache_len'].present and FLAGS.cache_len > 0  # the user's own small cache
-    values['rows_per_call'] = (min(plan.default_rows, values['cache_len']) if asked
-                               else plan.default_rows)
-  values['cache_len'] = max(values['cache_len'], values['rows_per_call'])
-  if values['dot_library'] is None:
-    values['dot_library'] = plan.default_dot_library()
-  config = EngineConfig(**values)
+  if values['rows_per_call'] is not None:
+    values['cache_len'] = max(values['cache_len'], values['rows_per_call'])
+  asked = FLAGS['cache_len'].present and FLAGS.cache_len > 0  # the user's own small cache
+  config = resolve_engine_config(model or model_config(), EngineConfig(**values),
+                                 fit='rows' if asked else 'cache')
   _RESOLVED.update(engine=config.mode, rows_per_call=config.rows_per_call,
                    cache_len=config.cache_len, mesh=config.mesh, mesh_layout=config.mesh_layout)
   for name in ('attention', 'attention_tile'):
@@ -304,9 +308,9 @@ _RESOLVED: dict[str, object] = {}
 
 
 def make_engine(loaded: weights.LoadedModel, needed_cache: int | None = None,
-                **overrides) -> Engine:
-  """An Engine of `engine_config(needed_cache, **overrides)`."""
-  return Engine(loaded, engine_config(needed_cache, **overrides))
+                **overrides: object) -> Engine:
+  """An Engine of `engine_config(needed_cache, **overrides)` for `loaded`'s model."""
+  return Engine(loaded, engine_config(needed_cache, model=loaded.config, **overrides))
 
 
 def model_config_json() -> dict:

@@ -60,7 +60,7 @@ def main(argv):
     raise ValueError(f'{out} already exists; a fixture is written once')
 
   engine = fixture_engine()
-  vocab = engine.config.vocab_size
+  vocab = engine.model_config.vocab_size
   context, query = tokens(CONTEXT_TOKENS, 35, vocab), tokens(QUERY_TOKENS + 1, 36, vocab)[1:]
   fresh = engine.extend(engine.empty(), context + query, logits=len(query))[1]
   ctx, _ = engine.extend(engine.empty(), context, logits=0)
@@ -68,7 +68,7 @@ def main(argv):
   os.makedirs(staging)
   artifact.save(os.path.join(staging, 'artifact'), engine, ctx)
   Store(f'file://{os.path.abspath(staging)}/store/', engine).put(context)
-  safetensors_io.save_safetensors(engine.loaded.params, engine.config,
+  safetensors_io.save_safetensors(engine.loaded.params, engine.model_config,
                                   os.path.join(staging, 'weights.safetensors'))
   record = {'model': MODEL, 'weights': WEIGHTS, 'engine_config': ENGINE, 'tokens': context,
             'query': query, 'fresh_logits_sha256': sha256_bytes(fresh),

@@ -283,14 +283,14 @@ def _measure_context(engine: Engine, store: Store, prefix, documents, questions,
         tokens = engine.decode(ctx, FLAGS.continuation_tokens).tokens
         tally.continuations.append(composition.first_difference(tokens, ref_continuations[i]))
       if recompute.fraction == 1.0 and not compared['equal']:
-        failures.append(f'{engine.config.rope_mode} {recompute.strategy} at 1.0: question {i} '
+        failures.append(f'{engine.model_config.rope_mode} {recompute.strategy} at 1.0: question {i} '
                         'logits differ from fresh')
     if manifest is not None:
       q = questions[0]
       ctx, logits = engine.extend(composed.context, q.tokens, logits='all')
       decoded = engine.decode(ctx, FLAGS.continuation_tokens)
       manifest.append({
-          'rope': engine.config.rope_mode, 'rerotate': rerotate, 'prefix': list(prefix),
+          'rope': engine.model_config.rope_mode, 'rerotate': rerotate, 'prefix': list(prefix),
           'documents': [list(d) for d in documents], 'query': list(q.tokens),
           'recompute': recompute.as_dict(),
           'kv_sha256': composition.kv_digest(engine, composed.context),
@@ -318,7 +318,7 @@ def _ttft(engine: Engine, store: Store, context: facts.Context, configs, rerotat
                                           rerotate=rerotate))
     rows.append({**recompute.as_dict(), 'seconds': seconds, 'speedup': fresh / seconds})
     logging.info('ttft %s %s at %.2f: %.3f s (fresh %.3f s, %.2fx)',
-                 engine.config.rope_mode, recompute.strategy, recompute.fraction, seconds,
+                 engine.model_config.rope_mode, recompute.strategy, recompute.fraction, seconds,
                  fresh, fresh / seconds)
   return {'tokens': len(tokens), 'document_lengths': [len(d) for d in documents],
           'fresh_seconds': fresh, 'rows': rows}

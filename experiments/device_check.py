@@ -97,7 +97,7 @@ def edge_probe() -> dict:
     os.environ[numerics.FLUSH_ENV] = rule
     jax.clear_caches()  # the rule is read when a function is traced
     out[f'selfcheck_edge_failures_{rule}'] = selfcheck.underflow_failures(
-        numerics.Spec(dot=dot), None)
+        numerics.Spec(kernel=dot), None)
   os.environ.pop(numerics.FLUSH_ENV)
   return out
 

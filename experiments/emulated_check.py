@@ -162,7 +162,7 @@ def probe(dump: str) -> dict:
   os.environ.pop(selfcheck.SKIP_UNDERFLOW_ENV, None)
   underflow = selfcheck.underflow_failures(numerics.Spec(), None)
   try:
-    native = selfcheck.underflow_failures(numerics.Spec(dot=native_dot.make_native_dot()), None)
+    native = selfcheck.underflow_failures(numerics.Spec(kernel=native_dot.make_native_dot()), None)
   except native_build.BuildError as e:
     native = [f'no native kernels: {e}']
   return {'llvm_target_cpu': ','.join(sorted(targets)), 'avx512': '+avx512f,' in topology,

@@ -125,7 +125,7 @@ def flywheel_demo(engine) -> list[str]:
     library = Library(Store(f'file://{scratch}/store/', engine))
     results = flywheel.run(engine, library, task_list, [heldout], solutions, examples,
                            flywheel.Settings(budget=80, attempt_tokens=40, sample_exact=4))
-  summary = flywheel.summarize(engine.config, results)
+  summary = flywheel.summarize(engine.model_config, results)
   low, high = summary['heldout_delta_ci95']
   print(f"base accuracy {summary['base_accuracy']:.2f}, with the library (recurring) "
         f"{summary['recurring_accuracy']:.2f} in "

@@ -31,7 +31,7 @@ from experiments import common, samples
 from gemma_jax import compare, sharding
 from graft.store import artifact
 from graft import exactness
-from graft.engine import Engine, EngineConfig, plans
+from graft.engine import Engine, EngineConfig, plans, resolve_engine_config
 
 FLAGS = flags.FLAGS
 
@@ -147,7 +147,8 @@ def main(argv):
   with tempfile.TemporaryDirectory(prefix='mesh_exactness_') as scratch:
     runs = measure(loaded, pairs, layouts, scratch)
   config = {**common.model_config_json(), 'engine': FLAGS.engine,
-            'dot_library': plans.plan_class(FLAGS.engine).default_dot_library(),
+            'dot_library': resolve_engine_config(
+                loaded.config, EngineConfig(mode=FLAGS.engine)).dot_library,
             'meshes': FLAGS.mesh,
             'layouts': layouts,
             'samples': len(pairs), 'seed': FLAGS.seed, 'cache_len': FLAGS.cache_len}

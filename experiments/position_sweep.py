@@ -54,10 +54,10 @@ from experiments import common, samples
 from gemma_jax import compare
 from gemma_jax import weights
 from gemma_jax.config import BOS_ID, get_config
+from gemma_jax.digest import canonical_json
 from graft.store import artifact
-from graft.engine import fingerprint
 from graft import shift
-from graft.engine import Engine, EngineConfig
+from graft.engine import Engine, EngineConfig, resolve_engine_config
 
 # Offsets δ measured by default: every small δ where a rounding coincidence could make a shift
 # exact (0..3, a few primes), every power of two up to 2^16 (the 270M's 32,768-token context and
@@ -269,7 +269,7 @@ def measure(run: Run, method: str, offset: int, base: int) -> dict:
     engine = run.engines[name]
     grafted = shift.graft_shifted(engine, run.library_artifact(name, base), offset, method)
     layers = shift.layer_divergence(
-        engine.config, grafted, run.library_state(name, start),
+        engine.model_config, grafted, run.library_state(name, start),
         slot_positions=(start, start + library_span),
         keys='attention' if method == 'pre_rope' else 'cache')
     _, logits = engine.extend(grafted, run.query, logits='all')
@@ -289,7 +289,7 @@ def measure(run: Run, method: str, offset: int, base: int) -> dict:
     # Layers: the pre-RoPE engine's library (keys before RoPE, and V: the position-free part).
     pre = run.engines['pre_rope']
     layers = shift.layer_divergence(
-        pre.config, run.library_state('pre_rope', start, again=offset == 0),
+        pre.model_config, run.library_state('pre_rope', start, again=offset == 0),
         run.library_state('pre_rope', base), slot_positions=(base, base + library_span),
         keys='cache', position_offset=offset)
     return _row(method, offset, base, reference_logits, logits, layers,
@@ -351,9 +351,10 @@ def main(argv):
                FLAGS.dtype, FLAGS.rope)
   loaded = weights.load(config, FLAGS.weights, FLAGS.dtype)
   common.check_rope_engine()
-  block_size = FLAGS.rows_per_call or EngineConfig(mode=FLAGS.engine).rows_per_call
+  block_size = resolve_engine_config(config, EngineConfig(
+      mode=FLAGS.engine, rows_per_call=FLAGS.rows_per_call)).rows_per_call
   engine_config = common.engine_config(
-      needed_cache=auto_cache_len(library_len, query_len, block_size))
+      needed_cache=auto_cache_len(library_len, query_len, block_size), model=config)
   cache_len = engine_config.cache_len
   engines = build_engines(loaded, engine_config, methods)
   library, query = text_tokens(loaded.tokenizer, library_len, query_len, FLAGS.seed)
@@ -377,7 +378,7 @@ def main(argv):
       'block_size': block_size, 'cache_len': cache_len,
       'engine_config': dataclasses.asdict(standard.engine_config),
       'max_context': config.max_context,
-      'transformer_config': json.loads(fingerprint.canonical_json(config)),
+      'transformer_config': json.loads(canonical_json(config)),
       'model_fingerprint': standard.model_fingerprint['sha256'],
       'pre_rope_model_fingerprint': (engines['pre_rope'].model_fingerprint['sha256']
                                      if 'pre_rope' in engines else None),

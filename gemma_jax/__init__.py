@@ -12,15 +12,15 @@ a researcher extends: `gj.get_config` / gemma_jax/config.py (model families and 
 `gj.rope.MODES` (RoPE modes), `gj.attention.IMPLEMENTATIONS` (attention kernels).
 `gj.compare` holds the one SHA-256 of arrays and the distances (ULP, KL, argmax) every
 comparison uses; `gj.files` the one atomic writer; `gj.cost` FLOP and byte counts. Importing the
-package turns on JAX's persistent compilation cache (gemma_jax/compilation_cache.py) and the
-counting of what the process compiles (gemma_jax/resources.py).
+package changes no JAX setting (tests/test_imports.py): JAX's persistent compilation cache is
+turned on by the entry points and engines that compile (gemma_jax/compilation_cache.py). It
+starts the counting of what the process compiles (gemma_jax/resources.py, a listener of JAX's
+monitoring events).
 """
 
-from gemma_jax import compilation_cache
-compilation_cache.enable_by_default()  # before anything compiles: JAX reads it once
-from gemma_jax import resources  # noqa: E402,F401  (counts executables from the first compile)
+from gemma_jax import resources  # noqa: F401  (counts executables from the first compile)
 
-from gemma_jax import attention, compare, cost, files, rope  # noqa: E402
+from gemma_jax import attention, compare, cost, files, rope
 from gemma_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig, get_config
 from gemma_jax.config import names as model_names
 from gemma_jax.kv_state import KVRows, KVState, LayerKV, init_kv_state

@@ -16,14 +16,16 @@ mode in gemma_jax.rope.MODES; None for the plain q . k) to whichever implementat
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
+from jax.typing import DTypeLike
 
 from gemma_jax import kv_state as kvs
-from gemma_jax import rope
+from gemma_jax import rope, sharding
 from gemma_jax.config import LayerSpec, TransformerConfig
 from gemma_jax.kernels import pallas_attention
 from gemma_jax.layers import Dense, RMSNorm
@@ -32,28 +34,36 @@ from gemma_jax.tiled_attention import DEFAULT_TILE, TiledAttention
 
 
 def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
-  """[B, T, S] bool: slot s is visible to query t. Empty slots and padding queries see nothing."""
-  q = q_pos[:, :, None]
-  k = k_pos[:, None, :]
-  visible = (k >= 0) & (k <= q)
-  if window is not None:
-    visible &= (q - k) < window
-  return visible
+  """[B, T, S] bool: slot s is visible to query t (`kv_state.visible`). Empty slots and padding
+  queries see nothing."""
+  return kvs.visible(q_pos[:, :, None], k_pos[:, None, :], window)
 
 
 class AttendFn(Protocol):
-  """An attention implementation: the signature of `attend`, and what decides its bits."""
+  """An attention implementation: the signature of `attend`, what decides its bits, and how it
+  reads the cache (`tile`, `reading`)."""
 
   def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                k_pos: jax.Array, *, window: int | None, softcap: float | None,
                scores: Callable | None = None, numerics: Numerics = XLA) -> jax.Array:
     ...
 
-  def blocks(self, head_dims: tuple[int, ...], dtype) -> dict:
+  @property
+  def tile(self) -> int | None:
+    """The KV tile a call may be cut to read whole tiles of (`reading`); None where the
+    implementation reads the whole cache."""
+    ...
+
+  def reading(self, max_tiles: int | None) -> 'AttendFn':
+    """This attention reading only the first `max_tiles` tiles (None: all); itself where it has
+    no tiles to cut."""
+    ...
+
+  def blocks(self, head_dims: tuple[int, ...], dtype: DTypeLike) -> dict:
     """Block shapes per head dim that change its bits ({} when none): fingerprinted."""
     ...
 
-  def slot_multiple(self, head_dims: tuple[int, ...], dtype) -> int:
+  def slot_multiple(self, head_dims: tuple[int, ...], dtype: DTypeLike) -> int:
     """Caches sized as a multiple of this run without padding copies."""
     ...
 
@@ -90,21 +100,37 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
 
 @dataclasses.dataclass(frozen=True)
 class XlaAttention:
-  """`attend` as an AttendFn: XLA's own reductions whatever the numerics, no blocks of its
-  own."""
+  """`attend` as an AttendFn: XLA's own reductions whatever the numerics, over the whole cache,
+  no blocks of its own."""
 
-  def __call__(self, q, k, v, q_pos, k_pos, *, window, softcap, scores=None, numerics=XLA):
+  def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+               k_pos: jax.Array, *, window: int | None, softcap: float | None,
+               scores: Callable | None = None, numerics: Numerics = XLA) -> jax.Array:
     return attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, scores=scores)
 
-  def blocks(self, head_dims, dtype) -> dict:
+  @property
+  def tile(self) -> int | None:
+    """None: the whole cache in one reduction."""
+    return None
+
+  def reading(self, max_tiles: int | None) -> 'XlaAttention':
+    """Itself: no tiles to cut."""
+    del max_tiles
+    return self
+
+  def blocks(self, head_dims: tuple[int, ...], dtype: DTypeLike) -> dict:
     """None: XLA decides its own blocking ({})."""
     del head_dims, dtype
     return {}
 
-  def slot_multiple(self, head_dims, dtype) -> int:
+  def slot_multiple(self, head_dims: tuple[int, ...], dtype: DTypeLike) -> int:
     """1: any cache size."""
     del head_dims, dtype
     return 1
+
+
+# The reference attention as an AttendFn: the default of every model call.
+XLA_ATTENTION = XlaAttention()
 
 
 def _xla(tile_size: int | None, platform: str | None) -> AttendFn:
@@ -140,6 +166,30 @@ def build(name: str, tile_size: int | None = None, platform: str | None = None) 
   return IMPLEMENTATIONS[name](tile_size, platform)
 
 
+RopeKey = tuple[int, float, float, float]  # (head dim, base, scale, rotary fraction)
+
+
+@struct.dataclass
+class Step:
+  """What every layer of one model call reads besides its input and its cache (a pytree, made
+  once per call by gemma_jax.model.Transformer).
+
+  positions: int32 [B, T], the call's RoPE positions (kv_state.EMPTY: a padding row).
+  start: int32 [B], row 0's sequence index (where the call's rows are written).
+  angles: per RoPE key (`Attention.rope_key`), the (sin, cos) [B, T, H/2] of the call's
+    positions (None: no rotation), computed once for the layers that share them.
+  per_layer_inputs: [B, T, L, E] (Gemma 4 E-models: one gated input per layer), else None.
+  numerics: the call's arithmetic, bound to its per-call bundle (gemma_jax.numerics.CallBundle).
+  attention_fn: the attention implementation (static)."""
+
+  positions: jax.Array
+  start: jax.Array
+  angles: dict[RopeKey, tuple[jax.Array, jax.Array] | None]
+  per_layer_inputs: jax.Array | None
+  numerics: Numerics
+  attention_fn: AttendFn = struct.field(pytree_node=False)
+
+
 class Attention(nnx.Module):
   """Projections, QK(V)-norms, RoPE, cache write, attention, output projection.
 
@@ -148,41 +198,46 @@ class Attention(nnx.Module):
   weights and reads the cache of its source layer.
   """
 
-  def __init__(self, config: TransformerConfig, spec: LayerSpec, *, owns_kv: bool, dtype):
+  def __init__(self, config: TransformerConfig, spec: LayerSpec, *, owns_kv: bool,
+               dtype: DTypeLike):
     d, n, k, h = config.embed_dim, config.num_heads, spec.num_kv_heads, spec.head_dim
     self.config = config
     self.spec = spec
     self.owns_kv = owns_kv
     self.q_proj = Dense((d,), (n, h), dtype=dtype)
     self.o_proj = Dense((n, h), (d,), dtype=dtype)
-    norm = dict(offset=config.norm_scale_offset, eps=config.rms_norm_eps, dtype=dtype)
-    self.query_norm = RMSNorm(h, **norm) if config.use_qk_norm else None
-    self.key_norm = RMSNorm(h, **norm) if config.use_qk_norm and owns_kv else None
-    self.value_norm = (RMSNorm(h, with_scale=False, **norm)
+    norm = functools.partial(RMSNorm, offset=config.norm_scale_offset, eps=config.rms_norm_eps,
+                           dtype=dtype)
+    self.query_norm = norm(h) if config.use_qk_norm else None
+    self.key_norm = norm(h) if config.use_qk_norm and owns_kv else None
+    self.value_norm = (norm(h, with_scale=False)
                        if config.use_v_norm and owns_kv else None)
     self.k_proj = (Dense((d,), (k, h), dtype=dtype)
                    if owns_kv and spec.k_eq_v else None)
     self.kv_proj = (Dense((d,), (2, k, h), dtype=dtype)
                     if owns_kv and not spec.k_eq_v else None)
 
-  def rope_key(self) -> tuple:
+  def rope_key(self) -> RopeKey:
     """What decides this layer's rotation angles besides the positions (layers that share it
     share one sin/cos table per call)."""
     return (self.spec.head_dim, self.spec.rope_base, self.spec.rope_scale,
             self.spec.rotary_fraction)
 
-  def angles(self, positions: jax.Array, numerics: Numerics):
+  def angles(self, positions: jax.Array,
+             numerics: Numerics) -> tuple[jax.Array, jax.Array] | None:
     """(sin, cos) [B, T, H/2] of this layer's RoPE at positions [B, T] (None: no rotation)."""
     return rope.sin_cos(positions, self.spec.head_dim, base=self.spec.rope_base,
                         scale=self.spec.rope_scale, rotary_fraction=self.spec.rotary_fraction,
                         mode=self.config.rope_mode, numerics=numerics)
 
-  def keys_values(self, x: jax.Array, angles, numerics: Numerics) -> tuple[jax.Array, jax.Array]:
+  def keys_values(self, x: jax.Array, angles: tuple[jax.Array, jax.Array] | None,
+                  numerics: Numerics) -> tuple[jax.Array, jax.Array]:
     """The cache entries of new tokens: normed K (turned by `angles` unless the config caches
     keys before RoPE) and normed V, each [B, T, K, H]."""
     if self.k_proj is not None:
       k = v = self.k_proj(x, numerics)
     else:
+      assert self.kv_proj is not None  # a layer that owns its KV has one of the two
       kv = self.kv_proj(x, numerics)  # [B, T, 2, K, H]
       k, v = kv[:, :, 0], kv[:, :, 1]
     if self.key_norm is not None:
@@ -191,12 +246,13 @@ class Attention(nnx.Module):
       v = self.value_norm(v, numerics)
     return (k if self.config.kv_cache_pre_rope else rope.rotate_heads(k, angles, numerics)), v
 
-  def __call__(self, x: jax.Array, positions: jax.Array, angles, cache: kvs.LayerKV,
-               start: jax.Array, attention_fn: AttendFn,
-               numerics: Numerics) -> tuple[jax.Array, kvs.LayerKV]:
-    """x [B, T, D], positions [B, T], `angles` this layer's RoPE (sin, cos) at them (`angles()`)
-    -> ([B, T, D], the layer cache after this call's write). For a KV-shared layer `cache` is
-    the source layer's, already updated, and is returned as is."""
+  def __call__(self, x: jax.Array, cache: kvs.LayerKV,
+               step: Step) -> tuple[jax.Array, kvs.LayerKV]:
+    """x [B, T, D] -> ([B, T, D], the layer cache after this call's write), at the call's
+    positions with this layer's RoPE angles (`step`). For a KV-shared layer `cache` is the source
+    layer's, already updated, and is returned as is."""
+    positions, numerics = step.positions, step.numerics
+    angles = step.angles[self.rope_key()]
     q = self.q_proj(x, numerics)
     if self.query_norm is not None:
       q = self.query_norm(q, numerics)
@@ -205,14 +261,15 @@ class Attention(nnx.Module):
       q = numerics.mul(q, jnp.asarray(self.config.query_pre_attn_scalar ** -0.5, q.dtype))
     if self.owns_kv:
       k, v = self.keys_values(x, angles, numerics)
-      cache = kvs.write(cache, k, v, positions, start)
+      cache = kvs.write(cache, k, v, positions, step.start)
     keys = cache.k
     if self.config.kv_cache_pre_rope:  # every slot rotated by its own position (empty: masked)
       keys = rope.rotate_heads(keys, self.angles(cache.positions, numerics), numerics)
     mode = rope.get_mode(self.config.rope_mode)
     scores = mode.scores(self.spec, numerics) if mode.scores else None
-    encoded = attention_fn(q, keys, cache.v, positions, cache.positions,
-                           window=self.spec.window, softcap=self.config.attn_logits_softcap,
-                           scores=scores, numerics=numerics)
-    return numerics.whole(self.o_proj(numerics.whole(encoded), numerics)), cache
+    encoded = step.attention_fn(q, keys, cache.v, positions, cache.positions,
+                                window=self.spec.window, softcap=self.config.attn_logits_softcap,
+                                scores=scores, numerics=numerics)
+    mesh = numerics.call.mesh
+    return sharding.whole(self.o_proj(sharding.whole(encoded, mesh), numerics), mesh), cache
 

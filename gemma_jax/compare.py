@@ -16,9 +16,10 @@ import hashlib
 from typing import Iterable
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 
-def sha256_bytes(array) -> str:
+def sha256_bytes(array: ArrayLike) -> str:
   """SHA-256 of an array's raw bytes in C order."""
   return hashlib.sha256(np.ascontiguousarray(np.asarray(array)).tobytes()).hexdigest()
 
@@ -28,7 +29,7 @@ def token_ids_sha256(ids: Iterable[int]) -> str:
   return sha256_bytes(np.asarray(list(ids), np.int32))
 
 
-def bits_equal(a, b) -> np.ndarray:
+def bits_equal(a: ArrayLike, b: ArrayLike) -> np.ndarray:
   """Elementwise equality of raw bytes (so -0.0 != +0.0, and a NaN equals the same NaN): a, b
 of any shape and one dtype -> bool of that shape."""
   a, b = np.asarray(a), np.asarray(b)
@@ -38,7 +39,7 @@ of any shape and one dtype -> bool of that shape."""
   return a.view(view) == b.view(view)
 
 
-def ordered_int(array) -> np.ndarray:
+def ordered_int(array: ArrayLike) -> np.ndarray:
   """Maps floats to integers whose order and spacing follow the floats' ULP grid: consecutive
   representable floats map to consecutive integers, and -0.0 and +0.0 both map to 0.
   int64 for 16- and 32-bit floats; exact Python integers (object dtype) for float64. Any shape,
@@ -56,7 +57,7 @@ kept."""
   return np.where(negative, -magnitude, magnitude)
 
 
-def ulp_distance(a, b) -> np.ndarray:
+def ulp_distance(a: ArrayLike, b: ArrayLike) -> np.ndarray:
   """Elementwise number of representable floats between a and b (any shape, the same for
   both; same dtype, finite)."""
   a, b = np.asarray(a), np.asarray(b)
@@ -65,7 +66,7 @@ def ulp_distance(a, b) -> np.ndarray:
   return np.abs(ordered_int(a) - ordered_int(b))
 
 
-def max_ulp(a, b) -> float:
+def max_ulp(a: ArrayLike, b: ArrayLike) -> float:
   """Largest ulp_distance (0 iff bit-equal up to the sign of zero); NaNs are infinitely far."""
   a, b = np.asarray(a), np.asarray(b)
   if a.shape != b.shape or a.dtype != b.dtype:
@@ -77,32 +78,32 @@ def max_ulp(a, b) -> float:
   return float(np.max(ulp_distance(a, b)))
 
 
-def max_abs(a, b) -> float:
+def max_abs(a: ArrayLike, b: ArrayLike) -> float:
   """The largest |a - b| in float64 (0 for empty arrays)."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.max(np.abs(a - b))) if a.size else 0.0
 
 
-def log_softmax(logits) -> np.ndarray:
+def log_softmax(logits: ArrayLike) -> np.ndarray:
   """log softmax over the last axis, in float64: logits [..., V] -> [..., V]."""
   x = np.asarray(logits, np.float64)
   x = x - x.max(axis=-1, keepdims=True)
   return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def kl_per_position(reference_logits, other_logits) -> np.ndarray:
+def kl_per_position(reference_logits: ArrayLike, other_logits: ArrayLike) -> np.ndarray:
   """KL(reference || other) of the softmax distributions, per row, in nats: logits [R, V]
   each -> float64 [R]."""
   p_log, q_log = log_softmax(reference_logits), log_softmax(other_logits)
   return np.sum(np.exp(p_log) * (p_log - q_log), axis=-1)
 
 
-def argmax_agreement(a, b) -> float:
+def argmax_agreement(a: ArrayLike, b: ArrayLike) -> float:
   """Fraction of rows whose argmax is the same (1.0 = all)."""
   return float(np.mean(np.argmax(a, axis=-1) == np.argmax(b, axis=-1)))
 
 
-def top_k_overlap(a, b, k: int = 5) -> float:
+def top_k_overlap(a: ArrayLike, b: ArrayLike, k: int = 5) -> float:
   """Mean over rows of |top-k(a) ∩ top-k(b)| / k."""
   top_a = np.argpartition(-np.asarray(a), k, axis=-1)[..., :k]
   top_b = np.argpartition(-np.asarray(b), k, axis=-1)[..., :k]
@@ -115,7 +116,7 @@ def top_k_overlap(a, b, k: int = 5) -> float:
 _ROWS_AT_A_TIME = 8
 
 
-def compare_logits(reference, other) -> dict:
+def compare_logits(reference: ArrayLike, other: ArrayLike) -> dict:
   """Every measure for two [T, V] float32 logit arrays, as JSON-ready values: the measures of
   bit-equal arrays are those of identity (nothing to compute), others are taken a few rows at a
   time (the same values as whole: maxima and means over rows)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+from typing import Any
 
 
 class Family(enum.Enum):
@@ -141,7 +142,7 @@ class TransformerConfig:
         mlp_hidden=self.hidden_dim * (2 if shared and self.double_wide_mlp_in_shared else 1),
     )
 
-  def replace(self, **changes) -> 'TransformerConfig':
+  def replace(self, **changes: Any) -> 'TransformerConfig':
     """This config with `changes` (fields by name)."""
     return dataclasses.replace(self, **changes)
 

@@ -3,22 +3,26 @@
 Object formats name the function their hashes were made with (an artifact's or a block's
 format version decides it), so objects written under an older format still read: SHA-256 in
 kv-graft-artifact/2 and kv-graft-block/2, BLAKE3 from version 3 on. BLAKE3 (the `blake3`
-package) is a cryptographic hash that runs at several GB/s per core with AVX-512, where
-SHA-256 runs at under 1 GB/s on this project's machine, so hashing no longer bounds a restore
-(experiments.bench: restore_fraction_of_raw_read). Keys, namespaces and manifests stay SHA-256
+package) is a cryptographic hash several times faster than SHA-256 per core, so hashing no
+longer bounds a restore (docs/security.md; experiments.bench measures
+restore_fraction_of_raw_read). Keys, namespaces and manifests stay SHA-256
 chains; only the per-leaf and per-file content hashes change.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import enum
 import hashlib
+import json
 import os
+from typing import Any, Callable
 
 import blake3
 import numpy as np
 
-HASHES = {'sha256': hashlib.sha256, 'blake3': blake3.blake3}
+HASHES: dict[str, Callable[..., Any]] = {'sha256': hashlib.sha256, 'blake3': blake3.blake3}
 PIECE = 4 << 20  # bytes read and hashed at a time: they are hashed while still in the cache
 WORKERS = max(2, os.cpu_count() or 1)
 # Reads and hashes run in threads (file reads and both hashes release the GIL): every core.
@@ -29,15 +33,30 @@ class ReadError(OSError):
   """A file that cannot be read, or holds fewer bytes than expected; the message names it."""
 
 
-def as_bytes(data) -> memoryview:
-  """A byte view of bytes or of an array's raw C-order bytes (any dtype, bfloat16 included)."""
+def canonical_json(value: Any) -> bytes:
+  """`value` as canonical JSON: sorted keys, no spaces, UTF-8 (dataclasses as their fields, enums
+  as their values; any other non-JSON value is a TypeError). The one text that is hashed, signed
+  and stored as a document: fingerprints, block headers and index entries, signatures, verdict
+  keys."""
+  def default(obj: object) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+      return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+      return obj.value
+    raise TypeError(f'cannot write {type(obj).__name__} as canonical JSON')
+  return json.dumps(value, sort_keys=True, separators=(',', ':'), default=default).encode()
+
+
+def as_bytes(data: bytes | memoryview | np.ndarray) -> memoryview:
+  """A byte view of bytes or of an array's raw C-order bytes (any shape and dtype, bfloat16
+  included)."""
   if isinstance(data, np.ndarray):
-    return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
   return memoryview(data).cast('B')
 
 
-def hexdigest(name: str, data) -> str:
-  """The `name` hash of `data` (bytes, or an array's raw C-order bytes)."""
+def hexdigest(name: str, data: bytes | memoryview | np.ndarray) -> str:
+  """The `name` hash of `data` (bytes, or an array's raw C-order bytes: any shape)."""
   return HASHES[name](as_bytes(data)).hexdigest()
 
 
@@ -78,7 +97,8 @@ def read_files(root: str, sizes: dict[str, int], name: str,
       raise ReadError(f'file {relative} has {size} bytes, {len(out)} expected')
     return got
 
-  shares, loads = [[] for _ in range(WORKERS)], [0] * WORKERS
+  shares: list[list[str]] = [[] for _ in range(WORKERS)]
+  loads = [0] * WORKERS
   for relative in sorted(sizes, key=lambda relative: -sizes[relative]):
     i = loads.index(min(loads))
     shares[i].append(relative)

@@ -15,21 +15,25 @@ gemma_jax.model.init_params gives it), so the engine's bits are those of the tre
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from gemma_jax import model, seeded, sharding
 from gemma_jax.checkpoints import tree
 from gemma_jax.config import TransformerConfig
 from gemma_jax.kernels import native_dot
+from gemma_jax.stored import OutputTable, Panels, WeightLayout
 
 TABLE = 'embedder/input_embedding'
 _CHUNK = 1 << 20  # elements drawn at once (their uint64 indices: 8 MB)
 
 
-def region(seed: int, name: str, shape: tuple[int, ...], mean: float, std: float, dtype,
+def region(seed: int, name: str, shape: tuple[int, ...], mean: float, std: float, dtype: DTypeLike,
            index: tuple[slice, ...] | None = None, transposed: bool = False) -> np.ndarray:
   """The elements of parameter `name` in `index`, of the parameter or of its transpose. Drawn in
   chunks of rows.
@@ -65,7 +69,7 @@ def region(seed: int, name: str, shape: tuple[int, ...], mean: float, std: float
   return np.asarray(jnp.asarray(out, dtype)) if np.dtype(dtype) != np.float32 else out
 
 
-def leaf(seed: int, config: TransformerConfig, name: str, dtype) -> np.ndarray:
+def leaf(seed: int, config: TransformerConfig, name: str, dtype: DTypeLike) -> np.ndarray:
   """Parameter `name` of random:`seed`, whole (as gemma_jax.model.init_params draws it).
 
   Args:
@@ -79,23 +83,24 @@ def leaf(seed: int, config: TransformerConfig, name: str, dtype) -> np.ndarray:
   return region(seed, name, shape, mean, std, dtype)
 
 
-def params_sha256(seed: int, config: TransformerConfig, dtype) -> str:
+def params_sha256(seed: int, config: TransformerConfig, dtype: DTypeLike) -> str:
   """tree.params_digest of the whole tree, drawn one parameter at a time (never all held)."""
   return tree.digest_of((name, leaf(seed, config, name, dtype))
                         for name in sorted(model.parameter_distributions(config)))
 
 
-def place(seed: int, config: TransformerConfig, dtype, numerics, mesh, layout: str) -> dict:
-  """The parameters of random:`seed` as an engine of `numerics` on `mesh` (None: one device)
-  keeps them (graft.engine.placement.place_weights' form, the same values), each drawn where it
-  is kept: on one device, projections the numerics pack drawn then packed one at a time; on a
-  mesh, each device's shard drawn on its own. The embedding as the output table ([D, V], or its
-  panels) where the numerics read a transposed one."""
+def place(seed: int, config: TransformerConfig, dtype: DTypeLike, layout: WeightLayout,
+          mesh: Mesh | None, mesh_layout: str) -> dict:
+  """The parameters of random:`seed` in the stored form of `layout` on `mesh` (None: one device)
+  (graft.engine.placement.place_weights' form, the same values), each drawn where it is kept: on
+  one device, projections the layout packs drawn then packed one at a time; on a mesh, each
+  device's shard drawn on its own. The embedding as the OutputTable ([D, V], or its Panels)
+  where the layout keeps one."""
   distributions = model.parameter_distributions(config)
   dense = model.dense_weights(config)
-  transposed = numerics.output_table == 'transposed'
+  transposed = layout.output_table
   dtype = jnp.dtype(dtype)
-  flat = {}
+  flat: dict[str, Any] = {}
   for name, (shape, mean, std) in distributions.items():
     table = transposed and name == TABLE
     # The output table is float32 of the model's values (a bfloat16 table rounded first, as
@@ -105,13 +110,15 @@ def place(seed: int, config: TransformerConfig, dtype, numerics, mesh, layout: s
             np.float32 if table else dtype)
     if mesh is not None:
       spec = (sharding.vocabulary_sharding(mesh, shape[0]) if table else jax.sharding.NamedSharding(
-          mesh, sharding.partition_spec(name, shape, mesh.shape['model'], layout)))
-      flat[name] = jax.make_array_from_callback(shape[::-1] if table else shape, spec, draw)
+          mesh, sharding.partition_spec(name, shape, mesh.shape['model'], mesh_layout)))
+      placed = jax.make_array_from_callback(shape[::-1] if table else shape, spec, draw)
+      flat[name] = OutputTable(placed) if table else placed
     elif table:
-      flat[name] = (native_dot.pack(jnp.asarray(draw())) if numerics.packs(*shape[::-1])
-                    else jnp.asarray(draw()))
-    elif name in dense and numerics.packs(*dense[name]):
-      flat[name] = numerics.stored(jnp.asarray(draw()).reshape(dense[name]))
+      data = jnp.asarray(draw())
+      flat[name] = OutputTable(Panels(native_dot.pack(data)) if layout.packs(*shape[::-1])
+                               else data)
+    elif name in dense and layout.packs(*dense[name]):
+      flat[name] = layout.stored(jnp.asarray(draw()).reshape(dense[name]))
     else:
       flat[name] = jnp.asarray(draw())
   return tree.unflatten(flat)

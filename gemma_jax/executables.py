@@ -35,6 +35,7 @@ import os
 import pickle
 import threading
 import uuid
+from typing import Any
 
 import jax
 from jax import monitoring
@@ -115,17 +116,17 @@ class Saved:
   trace. fixed: the leading arguments whose shapes never change between calls (an engine's
   weights), left out of the per-call shape lookup."""
 
-  def __init__(self, name: str, jitted, key, fixed: int = 0):
+  def __init__(self, name: str, jitted: Any, key: Any, fixed: int = 0):
     self.name, self.jitted, self.fixed = name, jitted, fixed
     self._key = json.dumps(key, sort_keys=True, default=repr)
     self._compiled: dict = {}
     self._loading: dict = {}  # shapes -> a future of the saved executable (None: not saved)
 
-  def lower(self, *args):
+  def lower(self, *args: Any) -> Any:
     """The jitted function's lowering (graft/engine/lowering.py reads it for other platforms)."""
     return self.jitted.lower(*args)
 
-  def preload(self, *args, compile: bool = False) -> None:
+  def preload(self, *args: Any, compile: bool = False) -> None:
     """Starts loading the executable saved for arguments of these shapes (concrete, or
     jax.ShapeDtypeStruct), if one is, in the background: a process loads what it will run
     while it does other work; a call of these shapes waits for it instead of compiling. With
@@ -134,7 +135,7 @@ class Saved:
     if enabled() and shapes not in self._compiled and shapes not in self._loading:
       self._loading[shapes] = _LOADER.submit(self._obtain if compile else self._load, args)
 
-  def __call__(self, *args):
+  def __call__(self, *args: Any) -> Any:
     shapes = _shapes(args[self.fixed:])
     compiled = self._compiled.get(shapes)
     if compiled is None:

@@ -25,7 +25,7 @@ import os
 import shutil
 import subprocess
 import uuid
-from typing import Callable, Iterator, BinaryIO
+from typing import Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 
@@ -100,7 +100,9 @@ def check_replace(path: str, data: bytes, *, overwrite: bool) -> None:
 
 def write_bytes(path: str, data: bytes) -> None:
   """`data` at `path`, atomically and durably (`write_atomic`)."""
-  write_atomic(path, lambda f: f.write(data))
+  def write(f: BinaryIO) -> None:
+    f.write(data)
+  write_atomic(path, write)
 
 
 def write_text(path: str, text: str) -> None:
@@ -108,7 +110,7 @@ def write_text(path: str, text: str) -> None:
   write_bytes(path, text.encode())
 
 
-def to_json(value, indent: int = 0) -> str:
+def to_json(value: Any, indent: int = 0) -> str:
   """JSON with one key per line but every list of scalars on a single line (readable diffs,
   small files)."""
   pad, inner = ' ' * indent, ' ' * (indent + 1)
@@ -120,17 +122,19 @@ def to_json(value, indent: int = 0) -> str:
   return json.dumps(value)
 
 
-def write_json(path: str, value) -> None:
+def write_json(path: str, value: Any) -> None:
   """JSON (UTF-8, `to_json`'s layout, a trailing newline), atomically."""
   write_text(path, to_json(value) + '\n')
 
 
 def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
   """An uncompressed .npz of the named arrays (any shape and dtype each), atomically."""
-  write_atomic(path, lambda f: np.savez(f, **arrays), suffix='.npz')
+  def write(f: BinaryIO) -> None:
+    np.savez(f, allow_pickle=False, **arrays)  # numeric arrays only
+  write_atomic(path, write, suffix='.npz')
 
 
-def fsync_tree(root: str, *, then=None) -> None:
+def fsync_tree(root: str, *, then: Callable[[int], None] | None = None) -> None:
   """fsyncs every file under `root` (calling then(fd) on each, still open) and every directory."""
   for directory, _, names in os.walk(root):
     for name in names:

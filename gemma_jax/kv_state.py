@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.typing import DTypeLike
 
 from gemma_jax.config import AttentionType, TransformerConfig
 from gemma_jax.sharding import to_host
@@ -67,7 +69,25 @@ def local_slots_needed(config: TransformerConfig, tokens_per_call: int) -> int:
   return config.sliding_window + tokens_per_call - 1
 
 
-def init_kv_state(config: TransformerConfig, *, batch_size: int, cache_len: int, dtype,
+# Integer positions (or sequence indices) of either array library: the model's and the
+# interpreter's.
+Positions = TypeVar('Positions', jax.Array, np.ndarray)
+
+
+def visible(q_pos: Positions, k_pos: Positions, window: int | None) -> Positions:
+  """The visibility rule, the one definition every attention (the reference, the tiled one, the
+  Pallas kernel) and the spec's interpreter apply: the key of a slot at position `k_pos` is seen
+  by a query at `q_pos` iff the slot holds a token (not EMPTY: k_pos >= 0), at or before the
+  query, and on a sliding-window layer less than `window` positions before it. A padding query
+  (position EMPTY) sees nothing. Positions broadcast against each other, as jax or NumPy
+  integer arrays (sequence indices obey the same rule) -> bool of the broadcast shape."""
+  seen = (k_pos >= 0) & (k_pos <= q_pos)
+  if window is not None:
+    seen = seen & ((q_pos - k_pos) < window)
+  return seen
+
+
+def init_kv_state(config: TransformerConfig, *, batch_size: int, cache_len: int, dtype: DTypeLike,
                   local_cache_len: int | None = None) -> KVState:
   """An empty KV state (every position EMPTY, fill 0), placed on the default device.
 
@@ -83,18 +103,19 @@ def init_kv_state(config: TransformerConfig, *, batch_size: int, cache_len: int,
     A KVState: per cache layer k, v [B, S, K, H] zeros in `dtype` and positions int32 [B, S];
     fill int32 [B].
   """
-  layers = []
+  host = []
   for i in config.cache_layers:
     spec = config.layer_spec(i)
     slots = cache_len
     if spec.attention_type is AttentionType.LOCAL and local_cache_len is not None:
       slots = min(cache_len, local_cache_len)
     shape = (batch_size, slots, spec.num_kv_heads, spec.head_dim)
-    layers.append(LayerKV(k=np.zeros(shape, dtype), v=np.zeros(shape, dtype),
-                          positions=np.full((batch_size, slots), EMPTY, np.int32)))
+    host.append((np.zeros(shape, dtype), np.zeros(shape, dtype),
+                 np.full((batch_size, slots), EMPTY, np.int32)))
   # Made on the host and placed in one call: no XLA computation per shape (jnp.zeros would
   # compile and dispatch one for every leaf).
-  return jax.device_put(KVState(layers=tuple(layers), fill=np.zeros((batch_size,), np.int32)))
+  layers, fill = jax.device_put((host, np.zeros((batch_size,), np.int32)))
+  return KVState(layers=tuple(LayerKV(k=k, v=v, positions=p) for k, v, p in layers), fill=fill)
 
 
 def write(layer: LayerKV, k: jax.Array, v: jax.Array, positions: jax.Array,
@@ -158,8 +179,34 @@ def _write_select(layer: LayerKV, new: LayerKV, padding: jax.Array, start: jax.A
 
 
 def leaf_names(layer_index: int) -> tuple[str, str, str]:
-  """The leaf names of a cache-owning layer's K, V and slot positions."""
-  return tuple(f'layer_{layer_index}/{part}' for part in ('k', 'v', 'positions'))
+  """The leaf names of a cache-owning layer's K, V and slot positions ('layer_<i>/k', '/v',
+  '/positions'): the one spelling artifacts and store blocks use."""
+  k, v, positions = (f'layer_{layer_index}/{part}' for part in ('k', 'v', 'positions'))
+  return k, v, positions
+
+
+def block_leaves(rows: 'KVRows', cache_layers: tuple[int, ...]) -> dict[str, np.ndarray]:
+  """The K and V leaves of rows, as a store block holds them: per cache-owning layer i (in
+  `cache_layers` order, as `rows` holds them) 'layer_<i>/k' and '/v' [T, K, H]. A block holds no
+  positions: its rows are at their own (`block_rows`)."""
+  out = {}
+  for layer_index, k, v in zip(cache_layers, rows.k, rows.v):
+    if k is None or v is None:
+      raise ValueError(f'layer {layer_index}: its rows were not read')
+    k_name, v_name, _ = leaf_names(layer_index)
+    out[k_name], out[v_name] = k, v
+  return out
+
+
+def block_rows(leaves: dict[str, np.ndarray], cache_layers: tuple[int, ...], start: int,
+               num_tokens: int) -> 'KVRows':
+  """The rows a store block's leaves (`block_leaves`) hold for sequence indices [start,
+  start + num_tokens), at their own positions: per cache-owning layer k, v [T, K, H] (None for a
+  layer whose leaves were not read) and positions int32 [T]."""
+  names = [leaf_names(i) for i in cache_layers]
+  positions = np.arange(start, start + num_tokens, dtype=np.int32)
+  return KVRows(start, tuple(leaves.get(k) for k, _, _ in names),
+                tuple(leaves.get(v) for _, v, _ in names), (positions,) * len(names))
 
 
 def to_leaves(kv: KVState, cache_layers: tuple[int, ...]) -> dict[str, np.ndarray]:
@@ -221,17 +268,6 @@ def rows_from_leaves(leaves: dict[str, np.ndarray], cache_layers: tuple[int, ...
   return rows
 
 
-def shift_positions(kv: KVState, delta: int) -> KVState:
-  """The same K/V with every filled slot's position moved by `delta` (empty slots stay EMPTY;
-  slots never move, since a token's slot is its sequence index): each layer's positions [B, S]
-  shifted, k and v [B, S, K, H] as they are."""
-  def move(layer: LayerKV) -> LayerKV:
-    filled = layer.positions != EMPTY
-    return layer.replace(positions=jnp.where(filled, layer.positions + jnp.int32(delta),
-                                             layer.positions))
-  return kv.replace(layers=tuple(move(layer) for layer in kv.layers))
-
-
 @dataclasses.dataclass(frozen=True)
 class KVRows:
   """The K/V of consecutive tokens, sequence indices [start, start + T), on the host: the unit
@@ -248,13 +284,27 @@ class KVRows:
     """T, the tokens the rows cover."""
     return int(self.positions[0].shape[0]) if self.positions else 0
 
+  def layer(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cache layer j's rows.
+
+    Args:
+      j: the cache layer's index (in config.cache_layers order, as k and v hold them).
+    Returns:
+      (k, v), each [T, K, H]; ValueError where they were not read.
+    """
+    k, v = self.k[j], self.v[j]
+    if k is None or v is None:
+      raise ValueError(f'cache layer {j}: its rows were not read')
+    return k, v
+
   def prefix(self, n: int) -> 'KVRows':
     """The first n rows. Under the pinned engine a row's bits never depend on the rows after
     it, so a prefix of a block's rows is the KV of that prefix (tests/test_store.py)."""
     if not 0 <= n <= self.num_tokens:
       raise ValueError(f'a prefix of {n} rows out of {self.num_tokens}')
-    cut = lambda arrays: tuple(None if a is None else a[:n] for a in arrays)
-    return KVRows(self.start, cut(self.k), cut(self.v), cut(self.positions))
+    k = tuple(None if a is None else a[:n] for a in self.k)
+    v = tuple(None if a is None else a[:n] for a in self.v)
+    return KVRows(self.start, k, v, tuple(p[:n] for p in self.positions))
 
 
 @functools.partial(jax.jit, static_argnames=('count',))
@@ -284,6 +334,14 @@ def take_rows(kv: KVState, start: int, stop: int) -> KVRows:
                 tuple(np.asarray(p) for _, _, p in gathered))
 
 
+def first_position(rows: Sequence[KVRows], default: int = 0) -> int:
+  """The position of sequence index 0 of a run of rows (the first row's position less its
+  sequence index): where the tokens they hold start. `default` where there are no rows."""
+  if not rows or not rows[0].num_tokens:
+    return default
+  return int(rows[0].positions[0][0]) - rows[0].start
+
+
 def assemble(empty: KVState, rows: list[KVRows], num_tokens: int) -> KVState:
   """A KV state holding sequence indices [0, num_tokens), built on the host from rows (batch
   row 0, the shapes and dtype of `empty`). Each layer keeps the rows its slots hold after all
@@ -301,13 +359,13 @@ def assemble(empty: KVState, rows: list[KVRows], num_tokens: int) -> KVState:
       keep = (index < num_tokens) & (index >= num_tokens - slots)
       if not keep.any():
         continue
-      if k is None:
+      if k is None or v is None:
         raise ValueError(f'rows {block.start}.. are needed on a layer of {slots} slots but were '
                          'not read')
       k_buf[index[keep] % slots] = k[keep]
       v_buf[index[keep] % slots] = v[keep]
       p_buf[index[keep] % slots] = positions[keep]
-  start = int(rows[0].positions[0][0]) - rows[0].start if rows else 0
+  start = first_position(rows)
   for (_, _, p_buf) in buffers:  # every slot a fresh computation fills, and no other
     stored = min(num_tokens, p_buf.shape[0])
     if not (np.array_equal(p_buf[:stored], expected_positions(start, num_tokens, p_buf.shape[0]))

@@ -15,11 +15,14 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
+from gemma_jax import sharding
 from gemma_jax.numerics import Numerics
 
 
-def init_param(shape: tuple[int, ...], dtype, *, std: float, mean: float = 0.0):
+def init_param(shape: tuple[int, ...], dtype: DTypeLike, *, std: float,
+               mean: float = 0.0) -> nnx.Param:
   """A parameter of `shape` and `dtype` as its jax.ShapeDtypeStruct, carrying the distribution
   random weights draw it from (metadata `init_mean`, `init_std`): the single place that
   distribution is stated. Every model is built abstract (no memory, no tracing); a checkpoint
@@ -39,15 +42,15 @@ class RMSNorm(nnx.Module):
   float32 because a bfloat16 mean of squares loses most of its mantissa over a 2,560-wide row.
   """
 
-  def __init__(self, dim: int, *, offset: float, eps: float, dtype, with_scale: bool = True):
+  def __init__(self, dim: int, *, offset: float, eps: float, dtype: DTypeLike,
+               with_scale: bool = True):
     self.offset = offset
     self.eps = eps
-    if with_scale:
-      self.scale = init_param((dim,), dtype, std=0.1, mean=1.0 - offset)
-    else:
-      self.scale = None
+    self.scale: nnx.Param | None = (
+        init_param((dim,), dtype, std=0.1, mean=1.0 - offset) if with_scale else None)
 
   def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
+    """x [..., X] normed over its last axis, in x's dtype."""
     x32 = x.astype(jnp.float32)
     normed = numerics.mul(x32, numerics.rsqrt(numerics.mean_square(x32) + self.eps))
     if self.scale is not None:
@@ -65,26 +68,30 @@ class Dense(nnx.Module):
   "Layouts and speed").
   """
 
-  def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, dtype):
+  def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, dtype: DTypeLike):
     self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
     self.w = init_param(self.in_shape + self.out_shape, dtype,
                         std=1 / math.sqrt(math.prod(self.in_shape)))
 
   def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
+    """x [..., *in_shape] -> [..., *out_shape]."""
     batch = x.shape[:x.ndim - len(self.in_shape)]
     k, n = math.prod(self.in_shape), math.prod(self.out_shape)
-    y = numerics.dense(x.reshape(-1, k), self.w[...], k, n)  # w as the engine stores it
+    # w in its stored form (gemma_jax.stored: the array, or a kernel's Panels)
+    y = numerics.dense(x.reshape(-1, k), self.w.get_value(), k, n)
     return y.reshape(batch + self.out_shape)
 
 
 class FeedForward(nnx.Module):
   """GeGLU MLP. gate_up_proj w: [D, 2, F] (index 0 is the gate branch); down_proj w: [F, D]."""
 
-  def __init__(self, embed_dim: int, hidden_dim: int, *, dtype):
+  def __init__(self, embed_dim: int, hidden_dim: int, *, dtype: DTypeLike):
     self.gate_up_proj = Dense((embed_dim,), (2, hidden_dim), dtype=dtype)
     self.down_proj = Dense((hidden_dim,), (embed_dim,), dtype=dtype)
 
   def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
+    """x [B, T, D] -> [B, T, D]."""
     gate_up = self.gate_up_proj(x, numerics)  # [B, T, 2, F]
     hidden = numerics.mul(numerics.gelu(gate_up[..., 0, :]), gate_up[..., 1, :])
-    return numerics.whole(self.down_proj(numerics.whole(hidden), numerics))
+    mesh = numerics.call.mesh
+    return sharding.whole(self.down_proj(sharding.whole(hidden, mesh), numerics), mesh)

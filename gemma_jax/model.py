@@ -1,8 +1,10 @@
 """The Gemma transformer (families 2, 3, 4) as Flax NNX modules, and the pure functions over it.
 
-Parameters travel as a plain nested dict of arrays (`Params`), the interchange format of the
-checkpoint loaders, the parameter cache and the fingerprints. The model calls are pure functions
-of (params, config, tokens, positions, KV state):
+Parameters travel as a plain nested dict (`Params`), the interchange format of the checkpoint
+loaders, the parameter cache and the fingerprints, in one form: the stored form
+(gemma_jax.stored), whose leaves say what they are (an array as loaded, a kernel's Panels, the
+OutputTable); a checkpoint's tree is its simplest case. The model calls are pure functions of
+(params, config, tokens, positions, KV state):
 
     hidden, kv = forward(params, config, tokens, positions, kv)   # hidden after the final norm
     logits = compute_logits(params, config, hidden)              # float32 [B, T, V]
@@ -16,6 +18,7 @@ Logits are a separate call so that an engine computes them only for the rows it 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -24,13 +27,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.typing import DTypeLike
+
 from gemma_jax import kv_state as kvs
 from gemma_jax import seeded, sharding
-from gemma_jax.attention import AttendFn, Attention, attend
+from gemma_jax.attention import XLA_ATTENTION, AttendFn, Attention, Step
 from gemma_jax.config import TransformerConfig
 from gemma_jax.kernels import native_dot
 from gemma_jax.layers import Dense, FeedForward, RMSNorm, init_param
 from gemma_jax.numerics import XLA, Numerics
+from gemma_jax.stored import OutputTable, Panels, Table, WeightLayout
 
 Params = dict[str, Any]  # nested dict of arrays, keyed like the NNX state
 
@@ -41,11 +47,12 @@ PARAMS_TREE_VERSION = 2
 class Embedder(nnx.Module):
   """Token embedding (tied with the output head); Gemma 4 E-models add per-layer embeddings.
 
-  input_embedding [V, D]. Per-layer embeddings (PLE, width E): per_layer_embeddings [V, L, E],
-  per_layer_model_projection [D, L, E], per_layer_projection_norm over E.
+  input_embedding [V, D] (or, stored, the OutputTable [D, V]: gemma_jax.stored). Per-layer
+  embeddings (PLE, width E): per_layer_embeddings [V, L, E], per_layer_model_projection
+  [D, L, E], per_layer_projection_norm over E.
   """
 
-  def __init__(self, config: TransformerConfig, *, dtype):
+  def __init__(self, config: TransformerConfig, *, dtype: DTypeLike):
     self.config = config
     d, p = config.embed_dim, config.per_layer_embed_dim
     self.input_embedding = init_param((config.vocab_size, d), dtype, std=1 / math.sqrt(d))
@@ -60,11 +67,9 @@ class Embedder(nnx.Module):
   def encode(self, tokens: jax.Array,
              numerics: Numerics) -> tuple[jax.Array, jax.Array | None]:
     """tokens [B, T] -> (x [B, T, D], per-layer inputs [B, T, L, E] or None)."""
-    table = self.input_embedding[...]
-    if table.ndim == 3:  # stored as the output table's column panels [V / P, D, P]: gathered
-      rows = table[tokens // table.shape[2], :, tokens % table.shape[2]]  # [B, T, D]
-    elif table.shape == (self.config.embed_dim, self.config.vocab_size):  # as the [D, V] table
-      rows = sharding.table_rows(table, tokens, numerics.mesh)
+    table: Table = self.input_embedding.get_value()
+    if isinstance(table, OutputTable):  # the output table's columns
+      rows = table.rows(tokens, numerics.call.mesh)
     else:
       rows = table[tokens]
     # sqrt(D) is rounded to the activation dtype first, as the reference does (in bfloat16,
@@ -83,18 +88,15 @@ class Embedder(nnx.Module):
     return x, numerics.materialize(numerics.mul(by_context + by_token,
                                                 jnp.asarray(2.0 ** -0.5, x.dtype)))
 
-  def decode(self, hidden: jax.Array, numerics: Numerics,
-             output_table: jax.Array | None = None) -> jax.Array:
-    """hidden [B, T, D] -> logits [B, T, V] in float32, soft-capped where the family does.
-    output_table: the [D, V] float32 table of numerics whose `output_table` is 'transposed'.
+  def decode(self, hidden: jax.Array, numerics: Numerics) -> jax.Array:
+    """hidden [B, T, D] -> logits [B, T, V] in float32, soft-capped where the family does,
+    against the embedding as stored (the tied [V, D] table or the OutputTable).
 
     Float32 operands (bfloat16 ones are widened exactly): on XLA:CPU a 3D einsum, or a bfloat16
-    dot with a float32 result, is 25-40x slower (docs/determinism.md)."""
-    table = self.input_embedding[...].astype(jnp.float32)  # [V, D]
-    if numerics.output_table == 'transposed':
-      if output_table is None:
-        raise ValueError(f'the {numerics.name} numerics read a transposed output table')
-      table = output_table
+    dot with a float32 result, is much slower (docs/determinism.md, "Layouts and speed")."""
+    table: Table = self.input_embedding.get_value()
+    if not isinstance(table, OutputTable):
+      table = table.astype(jnp.float32)  # [V, D]
     rows = hidden.reshape(-1, hidden.shape[-1]).astype(jnp.float32)
     logits = numerics.logits(table, rows)
     logits = logits.reshape(hidden.shape[:-1] + (logits.shape[-1],))
@@ -107,37 +109,41 @@ class Embedder(nnx.Module):
 class Block(nnx.Module):
   """One transformer layer: normed attention and normed MLP, each with a residual."""
 
-  def __init__(self, config: TransformerConfig, index: int, *, dtype):
+  def __init__(self, config: TransformerConfig, index: int, *, dtype: DTypeLike):
     spec = config.layer_spec(index)
     d = config.embed_dim
-    norm = dict(offset=config.norm_scale_offset, eps=config.rms_norm_eps, dtype=dtype)
+    norm = functools.partial(RMSNorm, offset=config.norm_scale_offset, eps=config.rms_norm_eps,
+                           dtype=dtype)
     self.index = index
-    self.pre_attention_norm = RMSNorm(d, **norm)
+    self.pre_attention_norm = norm(d)
     self.attn = Attention(config, spec, owns_kv=spec.kv_source == index, dtype=dtype)
-    self.post_attention_norm = RMSNorm(d, **norm)
-    self.pre_ffw_norm = RMSNorm(d, **norm)
+    self.post_attention_norm = norm(d)
+    self.pre_ffw_norm = norm(d)
     self.mlp = FeedForward(d, spec.mlp_hidden, dtype=dtype)
-    self.post_ffw_norm = RMSNorm(d, **norm)
+    self.post_ffw_norm = norm(d)
     p = config.per_layer_embed_dim  # Gemma 4 E-models: a gated per-layer input after the MLP
     self.per_layer_input_gate = (
         Dense((d,), (p,), dtype=dtype) if p else None)
     self.per_layer_projection = (
         Dense((p,), (d,), dtype=dtype) if p else None)
-    self.post_per_layer_input_norm = RMSNorm(d, **norm) if p else None
+    self.post_per_layer_input_norm = norm(d) if p else None
     self.skip_scale = (init_param((1,), dtype, std=0.1, mean=1.0)
                        if config.use_skip_scale else None)
 
-  def __call__(self, x, positions, angles, cache, start, per_layer_input, attention_fn,
-               numerics: Numerics):
-    n = numerics
-    attn_out, cache = self.attn(self.pre_attention_norm(x, n), positions, angles, cache, start,
-                                attention_fn, n)
+  def __call__(self, x: jax.Array, cache: kvs.LayerKV,
+               step: Step) -> tuple[jax.Array, kvs.LayerKV]:
+    """x [B, T, D] -> (x [B, T, D], the layer cache after this call's write)."""
+    n = step.numerics
+    attn_out, cache = self.attn(self.pre_attention_norm(x, n), cache, step)
     x = n.barrier(x + self.post_attention_norm(attn_out, n))
     x = n.barrier(x + self.post_ffw_norm(self.mlp(self.pre_ffw_norm(x, n), n), n))
-    if per_layer_input is not None:
-      gated = n.mul(n.gelu(self.per_layer_input_gate(x, n)), per_layer_input)
-      x = n.barrier(x + self.post_per_layer_input_norm(
-          n.whole(self.per_layer_projection(n.whole(gated), n)), n))
+    if step.per_layer_inputs is not None:  # a model with per-layer inputs has these modules
+      gate, project, norm = (self.per_layer_input_gate, self.per_layer_projection,
+                             self.post_per_layer_input_norm)
+      assert gate is not None and project is not None and norm is not None
+      gated = n.mul(n.gelu(gate(x, n)), step.per_layer_inputs[:, :, self.index])
+      mesh = n.call.mesh
+      x = n.barrier(x + norm(sharding.whole(project(sharding.whole(gated, mesh), n), mesh), n))
     if self.skip_scale is not None:
       x = n.barrier(n.mul(x, self.skip_scale[...]))
     return x, cache
@@ -146,8 +152,9 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
   """The Gemma decoder: the embedder, L blocks (attention and MLP, each between norms) and the
   final norm, as `config` describes them (gemma_jax.config: per-layer attention types, windows,
-  RoPE, KV sharing). Its state is the parameter tree (`Params`); `forward` and `compute_logits`
-  are the pure functions over it that engines call.
+  RoPE, KV sharing). Its state is the parameter tree (`Params`, in its stored form:
+  gemma_jax.stored); `forward` and `compute_logits` are the pure functions over it that engines
+  call.
 
   Args:
     config: the model's TransformerConfig.
@@ -157,7 +164,7 @@ class Transformer(nnx.Module):
   weights draw it from (gemma_jax.layers.init_param); `bind` fills it.
   """
 
-  def __init__(self, config: TransformerConfig, *, dtype=jnp.float32):
+  def __init__(self, config: TransformerConfig, *, dtype: DTypeLike = jnp.float32):
     self.config = config
     self.embedder = Embedder(config, dtype=dtype)
     self.layers = nnx.List([Block(config, i, dtype=dtype)
@@ -166,16 +173,19 @@ class Transformer(nnx.Module):
                               eps=config.rms_norm_eps, dtype=dtype)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, kv: kvs.KVState,
-               attention_fn: AttendFn = attend,
+               attention_fn: AttendFn = XLA_ATTENTION,
                numerics: Numerics = XLA) -> tuple[jax.Array, kvs.KVState]:
     """tokens, positions [B, T] (position EMPTY marks a padding row) -> (hidden [B, T, D] after
     the final norm, the KV state with these tokens written)."""
-    # The run-time zero of numerics.materialize: fill is never negative; the compiler cannot
-    # know that.
-    numerics = numerics.with_zero((kv.fill[0] < 0).astype(jnp.uint32))
-    if tokens.shape[0] == 1:  # the rows through the last real one (a kernel may skip the rest)
+    # The call's bundle: the run-time zero of numerics.materialize (fill is never negative; the
+    # compiler cannot know that) and, for one sequence, the rows through the last real one (a
+    # kernel may skip the rest).
+    call = dataclasses.replace(numerics.call, zero=(kv.fill[0] < 0).astype(jnp.uint32))
+    if tokens.shape[0] == 1:
       rows = jnp.arange(1, tokens.shape[1] + 1, dtype=jnp.int32)
-      numerics = numerics.with_rows(jnp.max(jnp.where(positions[0] != kvs.EMPTY, rows, 0)))
+      call = dataclasses.replace(
+          call, rows=jnp.max(jnp.where(positions[0] != kvs.EMPTY, rows, 0)))
+    numerics = numerics.bind(call)
     x, per_layer_inputs = self.embedder.encode(tokens, numerics)
     # Each layer's RoPE angles, computed once per call for the layers that share them.
     angles = {}
@@ -185,13 +195,14 @@ class Transformer(nnx.Module):
     # Row 0's sequence index: padding rows before the first real token (an engine aligning its
     # calls to the sequence) sit at the indices just before kv.fill.
     start = kv.fill - jnp.argmax(positions != kvs.EMPTY, axis=1).astype(jnp.int32)
+    step = Step(positions=positions, start=start, angles=angles,
+                per_layer_inputs=per_layer_inputs, numerics=numerics,
+                attention_fn=attention_fn)
     cache_index = {layer: j for j, layer in enumerate(self.config.cache_layers)}
     caches = list(kv.layers)
     for i, block in enumerate(self.layers):
       j = cache_index[self.config.kv_sources[i]]
-      per_layer = None if per_layer_inputs is None else per_layer_inputs[:, :, i]
-      x, caches[j] = block(x, positions, angles[block.attn.rope_key()], caches[j], start,
-                           per_layer, attention_fn, numerics)
+      x, caches[j] = block(x, caches[j], step)
     fill = kv.fill + jnp.sum(positions != kvs.EMPTY, axis=1, dtype=jnp.int32)
     return self.final_norm(x, numerics), kvs.KVState(layers=tuple(caches), fill=fill)
 
@@ -203,7 +214,7 @@ def _abstract_model(config: TransformerConfig, dtype_name: str):
   return nnx.split(Transformer(config, dtype=jnp.dtype(dtype_name)))
 
 
-def abstract_params(config: TransformerConfig, dtype=jnp.float32) -> Params:
+def abstract_params(config: TransformerConfig, dtype: DTypeLike = jnp.float32) -> Params:
   """The parameter tree as jax.ShapeDtypeStruct leaves (no memory allocated)."""
   _, state = _abstract_model(config, jnp.dtype(dtype).name)
   return nnx.to_pure_dict(state)
@@ -222,12 +233,12 @@ def parameter_distributions(config: TransformerConfig) -> dict[str, tuple[tuple[
   return dict(sorted(out.items()))
 
 
-def init_params(config: TransformerConfig, seed: int, dtype=jnp.float32) -> Params:
+def init_params(config: TransformerConfig, seed: int, dtype: DTypeLike = jnp.float32) -> Params:
   """Seeded random weights (`--weights=random:SEED`: tests and random-weight ablations): each
   parameter drawn by its name from the integer stream of (seed, name) (gemma_jax.seeded.normal),
   the same bits on every machine; made in float32, then given `dtype` (rounded to nearest even)."""
   distributions = parameter_distributions(config)
-  def draw(path, leaf):
+  def draw(path: tuple, leaf: jax.ShapeDtypeStruct) -> jax.Array:
     name = '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
     shape, mean, std = distributions[name]
     return jnp.asarray(seeded.normal(seed, name, shape, mean, std), dtype)
@@ -252,18 +263,19 @@ def dense_weights(config: TransformerConfig) -> dict[str, tuple[int, int]]:
   return out
 
 
-def store_weights(params: Params, config: TransformerConfig, numerics: Numerics) -> Params:
-  """params with every dense projection's weight in the form `numerics.dense` reads it
-  (`numerics.stored`: the native kernels' column panels; unchanged for every other numerics).
-  Concrete or abstract (jax.ShapeDtypeStruct) leaves."""
+def store_weights(params: Params, config: TransformerConfig, layout: WeightLayout) -> Params:
+  """params with every dense projection's weight in its stored form under `layout`
+  (gemma_jax.stored: Panels where the layout packs it, else the parameter as it is). Concrete or
+  abstract (jax.ShapeDtypeStruct) leaves. The embedding is left as it is (graft.engine.placement
+  makes the output table)."""
   module = bind(params, config)
   for _, node in nnx.iter_graph(module):
     if isinstance(node, Dense):
       k, n = math.prod(node.in_shape), math.prod(node.out_shape)
-      if numerics.packs(k, n):  # else kept as the parameter it is
+      if layout.packs(k, n):  # else kept as the parameter it is
         w = node.w.get_value()
-        node.w.set_value(jax.eval_shape(_packed, w, k, n) if isinstance(w, jax.ShapeDtypeStruct)
-                         else _packed(w, k, n))
+        node.w.set_value(Panels(jax.eval_shape(_packed, w, k, n)
+                                if isinstance(w, jax.ShapeDtypeStruct) else _packed(w, k, n)))
   return nnx.to_pure_dict(nnx.state(module))
 
 
@@ -273,12 +285,13 @@ def _packed(w: jax.Array, k: int, n: int) -> jax.Array:
 
 
 def forward(params: Params, config: TransformerConfig, tokens: jax.Array, positions: jax.Array,
-            kv: kvs.KVState, attention_fn: AttendFn = attend,
+            kv: kvs.KVState, attention_fn: AttendFn = XLA_ATTENTION,
             numerics: Numerics = XLA) -> tuple[jax.Array, kvs.KVState]:
   """One model call: the tokens' hidden states, and the KV state with their K and V written.
 
   Args:
-    params: the parameter tree (`Params`: `init_params`, gemma_jax.weights.load).
+    params: the parameter tree in its stored form (`Params`: `init_params`,
+      gemma_jax.weights.load, or an engine's placed weights: gemma_jax.stored).
     config: the model's TransformerConfig.
     tokens: int32 [B, T] token ids.
     positions: int32 [B, T] RoPE positions; kv_state.EMPTY (-1) marks a padding row, which
@@ -296,20 +309,17 @@ def forward(params: Params, config: TransformerConfig, tokens: jax.Array, positi
 
 
 def compute_logits(params: Params, config: TransformerConfig, hidden: jax.Array,
-                   numerics: Numerics = XLA, output_table: jax.Array | None = None) -> jax.Array:
-  """The logits of hidden states against the tied embedding (soft-capped where the family
-  caps them).
+                   numerics: Numerics = XLA) -> jax.Array:
+  """The logits of hidden states against the embedding as stored (the tied table, or the
+  output table: gemma_jax.stored), soft-capped where the family caps them.
 
   Args:
-    params: the parameter tree.
+    params: the parameter tree in its stored form.
     config: the model's TransformerConfig.
     hidden: [B, T, D] hidden states from `forward`.
     numerics: how the contraction is computed.
-    output_table: the numerics' output table where it is not the embedding itself (a
-      float32 [D, V] copy, or its column panels [V / P, D, P]; `Numerics.output_table`); None:
-      the embedding [V, D].
 
   Returns:
     float32 [B, T, V] logits.
   """
-  return bind(params, config).embedder.decode(hidden, numerics, output_table)
+  return bind(params, config).embedder.decode(hidden, numerics)

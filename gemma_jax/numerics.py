@@ -1,18 +1,25 @@
-"""Numerics: how the model's arithmetic is computed, as one frozen value passed through every call.
+"""Numerics: the model's arithmetic, a small value passed through every call.
 
     numerics = FIXED_ORDER                     # or XLA, or SPEC (gemma_jax.spec)
     hidden, kv = forward(params, config, tokens, positions, kv, attention_fn, numerics)
 
-A value says how every contraction (`matmul`, `logits`), reduction (`mean_square`), elementwise
-function (`exp`, `tanh`, `gelu`, `rsqrt`, `sin_cos`, the RoPE `angles`) and fusion barrier
-(`materialize`, `barrier`) is computed. The model reads nothing ambient: whatever decides a bit
-arrives in this value, and `describe()` is what the engine fingerprint records.
+A value says how every contraction (`matmul`, `dense`, `logits`, the attention's tiles),
+reduction (`mean_square`), elementwise function (`exp`, `tanh`, `gelu`, `rsqrt`, `sin_cos`, the
+RoPE `angles`) and fusion barrier (`materialize`, `barrier`) is computed. The model reads
+nothing ambient: whatever decides a bit arrives in this value. It is a pytree of three parts,
+each with one job:
 
-Some of its operations need a value the compiler cannot know at trace time (a run-time zero,
-see `materialize`) and, on a mesh under the 'gather' layout, the mesh whose activations are
-gathered before a contraction (`whole`). The model binds both when it traces a call
-(`numerics.with_zero(zero)`, `numerics.on_mesh(mesh)`); outside a bound call those operations
-are identities.
+  the arithmetic  its class and its fingerprinted fields (FixedOrder's k_chunk and small, Spec's
+                  version): what docs/determinism.md writes; `describe()` is what the engine
+                  fingerprint records
+  kernel          the dot kernel that computes Spec's contractions (gemma_jax.kernels.DotKernel;
+                  None: XLA's dots): it decides no bit
+  call            the per-call bundle (`CallBundle`: the run-time zero of the fusion barriers, the
+                  call's real row count, its mesh), the pytree leaves a traced call binds
+                  (`bind`); unbound, the barriers are identities
+
+Weights reach the contractions in their stored form (gemma_jax.stored: Panels where a kernel
+keeps them), which the engine's WeightLayout decided once.
 
 The values (`NUMERICS`):
   xla          XLA's own reductions, contractions and functions: what XLA picks for the shapes
@@ -32,14 +39,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, TypeVar
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from flax import struct
+from jax.sharding import Mesh
 
-from gemma_jax.kernels import native_dot
+from gemma_jax.kernels import DotKernel
 from gemma_jax.sizes import chunk_size
+from gemma_jax.stored import OutputTable, Panels, Table, Weight
 from gemma_jax.spec import SPEC_VERSION
 from gemma_jax.spec import functions as spec_functions
 
@@ -67,7 +76,8 @@ def flush_in_code() -> bool:
   return platform.machine().lower() in ('aarch64', 'arm64')
 
 
-def spec_multiply(a: jax.Array, b: jax.Array, opaque=lambda x: x) -> jax.Array:
+def spec_multiply(a: jax.Array, b: jax.Array,
+                  opaque: Callable[[jax.Array], jax.Array] = lambda x: x) -> jax.Array:
   """a * b by the spec's flush rule under a flush-to-zero mode of either rule (docs/determinism.md,
   "aarch64"): r = a b, and s = (a 2^24) b, which rounds the exact product times 2^24 at 24 bits in
   the normal range; where |s| < 2^-101 the result is s 2^-24 (2^-126 where the product rounds up
@@ -93,54 +103,59 @@ def tree_sum(x: jax.Array) -> jax.Array:
   return x
 
 
-@dataclasses.dataclass(frozen=True)
-class Numerics:
-  """XLA's own arithmetic (name 'xla'): the base the other values refine.
+@struct.dataclass
+class CallBundle:
+  """The per-call bundle: what one traced call binds (a pytree; `Numerics.bind`). zero: a uint32
+  scalar [] that is 0 at run time but unknown to the compiler (the fusion barriers OR it in);
+  rows: the call's real rows (an int32 scalar [] known at run time: a kernel may skip the
+  padding rows after them, whose values nothing reads; None: every row); mesh: where the call
+  runs (a static field; None: one device). None of them decides a bit."""
 
-  zero, mesh, rows: bound while a call is traced (`with_zero`, `on_mesh`, `with_rows`), never
-  part of the value's identity."""
+  zero: jax.Array | None = None
+  rows: jax.Array | None = None
+  mesh: Mesh | None = struct.field(pytree_node=False, default=None)
+
+
+def fingerprinted(default: Any) -> Any:
+  """A field of an arithmetic that decides bits: static, and recorded by `describe()`."""
+  return struct.field(pytree_node=False, default=default, metadata={'fingerprinted': True})
+
+
+_N = TypeVar('_N', bound='Numerics')
+
+
+@struct.dataclass
+class Numerics:
+  """XLA's own arithmetic (name 'xla'): the base the other values refine. Its fields: `kernel`
+  (static) and `call` (the per-call bundle); the arithmetics below add their fingerprinted
+  parameters."""
 
   name: ClassVar[str] = 'xla'
-  zero: Any = dataclasses.field(default=None, compare=False, repr=False)
-  mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
-  rows: Any = dataclasses.field(default=None, compare=False, repr=False)
+  kernel: DotKernel | None = struct.field(pytree_node=False, default=None)
+  call: CallBundle = CallBundle()
 
-  def with_zero(self, zero: jax.Array | None) -> 'Numerics':
-    """This value with a run-time zero: a uint32 scalar [] that is 0 at run time but unknown to
-    the compiler (the model derives it from its inputs while tracing a call)."""
-    return dataclasses.replace(self, zero=zero)
+  def bind(self: _N, call: CallBundle) -> _N:
+    """This arithmetic for one traced call (its kernel kept)."""
+    return dataclasses.replace(self, call=call)
 
-  def with_rows(self, rows: jax.Array | None) -> 'Numerics':
-    """This value computing only the first `rows` (an int32 scalar [] known at run time) of every
-    projection's rows, where its kernels can (the rest are the call's padding rows, whose
-    values nothing reads; None: every row). A row's bits never depend on it."""
-    return dataclasses.replace(self, rows=rows)
-
-  @property
-  def runs_by_length(self) -> bool:
-    """Whether a call's work follows its run-time length (`with_rows`, and attention over only
-    the tiles the context fills, `attention`), so that one call shape serves every length."""
-    return False
-
-  def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                k_pos: jax.Array, *, window: int | None, softcap: float | None, tile: int,
-                relative=None) -> jax.Array | None:
-    """The tiled attention (gemma_jax.tiled_attention) computed whole by a kernel of this
-    numerics, or None where it has none (the tiled attention then computes it with XLA ops).
-    q [B, T, N, H] (scaled), k, v [B, S, K, H], q_pos [B, T], k_pos [B, S] -> [B, T, N, H].
-    relative: the relative RoPE mode's scores (gemma_jax.rope.RelativeScores), None for q . k."""
-    del q, k, v, q_pos, k_pos, window, softcap, tile, relative
-    return None
-
-  def on_mesh(self, mesh) -> 'Numerics':
-    """This value gathering the input of every row-parallel projection on `mesh` (the 'gather'
-    layout; None: no gathering)."""
-    return dataclasses.replace(self, mesh=mesh)
+  def with_zero(self: _N, zero: jax.Array | None) -> _N:
+    """This value with the run-time zero `zero` (a uint32 scalar) in its call bundle (the rest
+    kept)."""
+    return self.bind(dataclasses.replace(self.call, zero=zero))
 
   def describe(self) -> dict:
     """What the engine fingerprint records: the name and every field that decides a bit."""
     return {'name': self.name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                                  if f.compare}}
+                                  if f.metadata.get('fingerprinted')}}
+
+  def chunk(self, k: int) -> int:
+    """The contraction chunk of a dot over k terms (here all of them)."""
+    return k
+
+  def _kernel(self) -> DotKernel:
+    if self.kernel is None:
+      raise ValueError(f'the {self.name} numerics have no dot kernel for packed weights')
+    return self.kernel
 
   # Fusion barriers ------------------------------------------------------------------------------
 
@@ -162,52 +177,30 @@ class Numerics:
     Spec)."""
     return a * b
 
-  def whole(self, x: jax.Array) -> jax.Array:
-    """x [B, ...], about to be contracted by a row-parallel projection, or just made by one
-    from its weight's output columns: whole on every device under the 'gather' layout (so the
-    contraction is never split, and the residual stream, whose norms reduce over its features,
-    never holds them split), unchanged otherwise."""
-    if self.mesh is None:
-      return x
-    batch = 'data' if x.shape[0] % self.mesh.shape['data'] == 0 else None  # sequences stay apart
-    return jax.lax.with_sharding_constraint(
-        x, NamedSharding(self.mesh, P(batch, *([None] * (x.ndim - 1)))))
-
   # Contractions and reductions -----------------------------------------------------------------
 
   def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
     """x [M, I] @ w [I, O]."""
     return x @ w
 
-  def packs(self, k: int, n: int) -> bool:
-    """Whether a [k, n] weight is stored in a dot kernel's panel layout (`stored`)."""
-    return False
-
-  @property
-  def storage(self):
-    """A hashable value that decides `stored` for every weight (None: weights as they are), so
-    that engines whose numerics store weights alike can share them."""
-    return None
-
-  def stored(self, w: jax.Array) -> jax.Array:
-    """An [I, O] weight in the form `dense` reads it (an engine stores its weights so, once)."""
-    if not self.packs(*w.shape):
-      return w
-    return native_dot.pack(w)
-
-  def dense(self, x: jax.Array, w: jax.Array, k: int, n: int) -> jax.Array:
-    """x [M, k] @ a weight of k x n values as stored (a parameter of any shape holding them in
-    [k, n] order, or `stored`'s form)."""
+  def dense(self, x: jax.Array, w: Weight, k: int, n: int) -> jax.Array:
+    """x [M, k] @ a weight of k x n values in its stored form (gemma_jax.stored): a parameter
+    of any shape holding them in [k, n] order, or the kernel's Panels."""
+    if isinstance(w, Panels):
+      return self._kernel().matmul_packed(x, w.data, self.chunk(k), rows=self.call.rows)
     return self.matmul(x, w.reshape(k, n))
 
-  # The layout of the output table `logits` reads: 'tied' (the embedding table [V, D] itself) or
-  # 'transposed' (a [D, V] copy the engine makes once, `output_table`).
-  output_table: ClassVar[str] = 'tied'
-
-  def logits(self, table: jax.Array, rows: jax.Array) -> jax.Array:
-    """rows [R, D] (float32) against the output table (float32; see `output_table`) ->
-    [R, V] float32."""
+  def logits(self, table: Table, rows: jax.Array) -> jax.Array:
+    """rows [R, D] (float32) against the output table: the tied embedding [V, D] (float32), or
+    the OutputTable ([D, V] or its Panels) -> [R, V] float32."""
+    if isinstance(table, OutputTable):
+      return self._table_logits(table, rows)
     return rows @ table.T
+
+  def _table_logits(self, table: OutputTable, rows: jax.Array) -> jax.Array:
+    d = rows.shape[-1]
+    data = table.data.data if isinstance(table.data, Panels) else table.data
+    return self.dense(rows, table.data, d, data.size // d)
 
   def tile_scores(self, q: jax.Array, k: jax.Array) -> jax.Array:
     """Attention scores per KV tile: q [B, K, R, H] . k [B, K, n, S, H] -> [B, K, n, R, S]
@@ -270,7 +263,7 @@ class Numerics:
     return jnp.sin(angles), jnp.cos(angles)
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class FixedOrder(Numerics):
   """Reduction orders fixed by construction (name 'fixed_order'; the pinned engine).
 
@@ -287,8 +280,12 @@ class FixedOrder(Numerics):
   docs/determinism.md gives the measurements behind each rule."""
 
   name: ClassVar[str] = 'fixed_order'
-  k_chunk: int = 256
-  small: int = 65536
+  k_chunk: int = fingerprinted(256)
+  small: int = fingerprinted(65536)
+
+  def chunk(self, k: int) -> int:
+    """The contraction chunk of a dot over k terms (all of them up to k_chunk)."""
+    return chunk_size(k, self.k_chunk) if k > self.k_chunk else k
 
   def materialize(self, x: jax.Array) -> jax.Array:
     """x passed through an integer identity the compiler cannot see through (its bits OR the
@@ -296,10 +293,11 @@ class FixedOrder(Numerics):
     XLA:CPU contracts a multiply and an add that share a fusion into an FMA, and which ops share
     a fusion follows the shapes; an XLA optimization barrier does not stop it (XLA:CPU removes
     barriers before fusion). Any shape, 16- or 32-bit floats."""
-    if self.zero is None:
+    zero = self.call.zero
+    if zero is None:
       return x
     bits = {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
-    word = jax.lax.bitcast_convert_type(x, bits) | self.zero.astype(bits)
+    word = jax.lax.bitcast_convert_type(x, bits) | zero.astype(bits)
     return jax.lax.bitcast_convert_type(word, x.dtype)
 
   def barrier(self, x: jax.Array) -> jax.Array:
@@ -307,9 +305,10 @@ class FixedOrder(Numerics):
     which XLA:CPU cannot fuse through. Without it XLA fuses the residual stream's cheap adds
     into every consumer and recomputes the whole stream inside each later norm and projection
     input. Also a `materialize`. Any shape."""
-    if self.zero is None:
+    zero = self.call.zero
+    if zero is None:
       return x
-    return jax.lax.cond(self.zero == 0, lambda y: y, jnp.zeros_like, self.materialize(x))
+    return jax.lax.cond(zero == 0, lambda y: y, jnp.zeros_like, self.materialize(x))
 
   def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
     k, n = w.shape
@@ -326,7 +325,9 @@ class FixedOrder(Numerics):
       acc = acc + parts[i].astype(jnp.float32)
     return acc.astype(parts.dtype)
 
-  def logits(self, table: jax.Array, rows: jax.Array) -> jax.Array:
+  def logits(self, table: Table, rows: jax.Array) -> jax.Array:
+    if isinstance(table, OutputTable):
+      return self._table_logits(table, rows)
     if rows.shape[0] == 1:
       # One row: the matrix-vector form table @ row, which XLA:CPU streams the table through
       # faster than row @ table.T (docs/determinism.md).
@@ -347,162 +348,140 @@ def _per_tile(q: jax.Array, k: jax.Array) -> jax.Array:
 
 
 class _SpecOps:
-  """The operations of gemma_jax.spec.functions as XLA ops: every product is materialized (no
-  FMA contraction with a later add) and every divisor too (XLA cannot turn a division by a
-  constant into a multiplication, nor 1 / sqrt into an rsqrt estimate)."""
+  """The operations of gemma_jax.spec.functions as XLA ops (a spec_functions.Backend): every
+  product is materialized (no FMA contraction with a later add) and every divisor too (XLA
+  cannot turn a division by a constant into a multiplication, nor 1 / sqrt into an rsqrt
+  estimate)."""
 
   def __init__(self, numerics: 'Spec'):
     self.n = numerics
 
-  const = staticmethod(jnp.float32)
-  neg, abs, min, max = (staticmethod(jnp.negative), staticmethod(jnp.abs),
-                        staticmethod(jnp.minimum), staticmethod(jnp.maximum))
-  floor, sqrt, where = staticmethod(jnp.floor), staticmethod(jnp.sqrt), staticmethod(jnp.where)
-  lt = staticmethod(jnp.less)
+  def const(self, x: Any) -> jax.Array:
+    return jnp.float32(x)
 
-  @staticmethod
-  def add(a, b):
+  def neg(self, a: jax.Array) -> jax.Array:
+    return jnp.negative(a)
+
+  def abs(self, a: jax.Array) -> jax.Array:
+    return jnp.abs(a)
+
+  def min(self, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.minimum(a, b)
+
+  def max(self, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.maximum(a, b)
+
+  def floor(self, a: jax.Array) -> jax.Array:
+    return jnp.floor(a)
+
+  def sqrt(self, a: jax.Array) -> jax.Array:
+    return jnp.sqrt(a)
+
+  def where(self, mask: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.where(mask, a, b)
+
+  def lt(self, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.less(a, b)
+
+  def add(self, a: jax.Array, b: jax.Array) -> jax.Array:
     return a + b
 
-  @staticmethod
-  def sub(a, b):
+  def sub(self, a: jax.Array, b: jax.Array) -> jax.Array:
     return a - b
 
-  def mul(self, a, b):
+  def mul(self, a: jax.Array, b: jax.Array) -> jax.Array:
     return self.n.materialize(self.n.mul(a, b))
 
-  def div(self, a, b):
+  def div(self, a: jax.Array, b: jax.Array) -> jax.Array:
     return a / self.n.materialize(jnp.broadcast_to(b, jnp.shape(b)).astype(jnp.float32))
 
-  def ldexp(self, y, n):
+  def ldexp(self, y: jax.Array, n: jax.Array) -> jax.Array:
     scale = jax.lax.bitcast_convert_type((n.astype(jnp.int32) + 127) << 23, jnp.float32)
     return self.mul(y, scale)
 
-  @staticmethod
-  def quadrant(k):
+  def quadrant(self, k: jax.Array) -> jax.Array:
     return k.astype(jnp.int32) & 3
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Spec(FixedOrder):
   """The written arithmetic (name 'spec'; docs/determinism.md, gemma_jax/spec): FixedOrder's
   contractions and sums, every elementwise function from gemma_jax.spec.functions, RoPE angles
   from a correctly rounded table of inverse frequencies, RMSNorm's reciprocal square root as
   1 / sqrt, divisions by a row's shared value as multiplications by its reciprocal, no product
-  contracted with an add outside a dot, and the logits as a chunked dot against a transposed
-  copy of the embedding table. float32 only.
+  contracted with an add outside a dot, and the logits as a chunked dot against the output
+  table (the transposed embedding, gemma_jax.stored.OutputTable). float32 only.
 
-  dot: what computes the contractions, each output one sequential FMA chain per chunk of at most
-  k_chunk terms: None for XLA's own dot (Eigen on XLA:CPU, which does so for these sizes on some
-  CPUs: the self-check says where), or a kernel object with `matmul(x, w, chunk)`,
-  `tile_scores(q, k, chunk)`, `tile_values(p, v)`, `packs(k, n)` and `matmul_packed(x, panels,
-  chunk)`: the native CPU kernels (gemma_jax.kernels.native_dot) or the Pallas kernel
-  (gemma_jax.kernels.spec_dot, for accelerators). It decides no bit, so it is not part of the
-  value's identity (`describe`); weights it `packs` are stored in its panel layout."""
+  Its contractions, each output one sequential FMA chain per chunk of at most k_chunk terms,
+  are computed by its `kernel` (gemma_jax.kernels.DotKernel: the native CPU kernels or the
+  Pallas kernel for accelerators), or, without one, by XLA's own dot (Eigen on XLA:CPU, which
+  does so for these sizes on some CPUs: the self-check says where)."""
 
   name: ClassVar[str] = 'spec'
-  output_table: ClassVar[str] = 'transposed'
-  version: int = SPEC_VERSION  # the written arithmetic's version when the value was made
-  dot: Any = dataclasses.field(default=None, compare=False, repr=False)
+  version: int = fingerprinted(SPEC_VERSION)  # the written arithmetic's version
 
-  def _ops(self):
+  def _ops(self) -> _SpecOps:
     return _SpecOps(self)
 
-  def on_mesh(self, mesh) -> 'Spec':
-    # A dot kernel that XLA's partitioner can split is told when it runs on a mesh.
-    out = super().on_mesh(mesh)
-    if hasattr(self.dot, 'partitioned'):
-      out = dataclasses.replace(out, dot=dataclasses.replace(self.dot,
-                                                             partitioned=mesh is not None))
-    return out
-
-  def chunk(self, k: int) -> int:
-    """The contraction chunk of a dot over k terms (all of them up to k_chunk)."""
-    return chunk_size(k, self.k_chunk) if k > self.k_chunk else k
-
-  def matmul(self, x, w):
+  def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
     k, n = w.shape
-    if self.dot is None or k * n <= self.small:
+    if self.kernel is None or k * n <= self.small:
       return super().matmul(x, w)
-    return self.dot.matmul(x, w, self.chunk(k), rows=self.rows)
+    return self.kernel.matmul(x, w, self.chunk(k), rows=self.call.rows)
 
-  @property
-  def runs_by_length(self) -> bool:
-    return getattr(self.dot, 'attends', False)
-
-  def attention(self, q, k, v, q_pos, k_pos, *, window, softcap, tile, relative=None):
-    if not self.runs_by_length:
-      return None
-    if relative is not None:  # the angles' parameters; the kernel makes the offsets' table
-      relative = (spec_functions.inverse_frequencies(relative.head_dim, relative.base),
-                  relative.rotated_pairs, relative.scale)
-    return self.dot.attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, tile=tile,
-                           chunk=self.chunk(q.shape[-1]), relative=relative)
-
-  def packs(self, k, n):
-    return self.dot is not None and k * n > self.small and self.dot.packs(k, n)
-
-  @property
-  def storage(self):
-    if self.dot is None or not self.dot.packs(1, 64):
-      return None
-    return ('panels', self.small)
-
-  def dense(self, x, w, k, n):
-    if self.packs(k, n):
-      return self.dot.matmul_packed(x, w, self.chunk(k), rows=self.rows)
-    return self.matmul(x, w.reshape(k, n))
-
-  def product(self, a, b):
+  def product(self, a: jax.Array, b: jax.Array) -> jax.Array:
     return self.materialize(self.mul(a, b))
 
-  def mul(self, a, b):
+  def mul(self, a: jax.Array, b: jax.Array) -> jax.Array:
     if flush_in_code():
       return spec_multiply(a, b, self.materialize)
     return jnp.multiply(a, b)
 
-  def logits(self, table, rows):
-    # table: the [D, V] output table as the engine stores it (`stored`).
-    d = rows.shape[-1]
-    return self.dense(rows, table, d, table.size // d)
+  def logits(self, table: Table, rows: jax.Array) -> jax.Array:
+    if not isinstance(table, OutputTable):
+      raise ValueError(f'the {self.name} numerics read the output table (the transposed '
+                       'embedding, gemma_jax.stored.OutputTable), not the tied embedding')
+    return self._table_logits(table, rows)
 
-  def tile_scores(self, q, k):
-    if self.dot is not None:
-      return self.dot.tile_scores(q, k, self.chunk(q.shape[-1]))
+  def tile_scores(self, q: jax.Array, k: jax.Array) -> jax.Array:
+    if self.kernel is not None:
+      return self.kernel.tile_scores(q, k, self.chunk(q.shape[-1]))
     h = q.shape[-1]  # contracted over chunks of at most k_chunk, added in order
     c = self.chunk(h)
     q = _per_tile(q, k)
-    acc = None
-    for j in range(h // c):
-      part = jnp.einsum('bkjrh,bkjsh->bkjrs', q[..., j * c:(j + 1) * c], k[..., j * c:(j + 1) * c])
-      acc = part if acc is None else acc + part
+    part = lambda j: jnp.einsum('bkjrh,bkjsh->bkjrs', q[..., j * c:(j + 1) * c],
+                                k[..., j * c:(j + 1) * c])
+    acc = part(0)
+    for j in range(1, h // c):
+      acc = acc + part(j)
     return acc
 
-  def tile_values(self, p, v):
-    return super().tile_values(p, v) if self.dot is None else self.dot.tile_values(p, v)
+  def tile_values(self, p: jax.Array, v: jax.Array) -> jax.Array:
+    return super().tile_values(p, v) if self.kernel is None else self.kernel.tile_values(p, v)
 
-  def mean_square(self, x):
+  def mean_square(self, x: jax.Array) -> jax.Array:
     ops = self._ops()
     one_over_n = spec_functions.reciprocal(ops, jnp.float32(x.shape[-1]))
     square = self.mul(x, x) if flush_in_code() else jnp.square(x)
     return ops.mul(tree_sum(self.materialize(square)), one_over_n)
 
-  def rsqrt(self, x):
+  def rsqrt(self, x: jax.Array) -> jax.Array:
     return spec_functions.rsqrt(self._ops(), x)
 
-  def exp(self, x):
+  def exp(self, x: jax.Array) -> jax.Array:
     return spec_functions.exp(self._ops(), x)
 
-  def tanh(self, x):
+  def tanh(self, x: jax.Array) -> jax.Array:
     return spec_functions.tanh(self._ops(), x)
 
-  def gelu(self, x):
+  def gelu(self, x: jax.Array) -> jax.Array:
     return spec_functions.gelu(self._ops(), x)
 
-  def softcap(self, x, cap):
+  def softcap(self, x: jax.Array, cap: float) -> jax.Array:
     return spec_functions.softcap(self._ops(), x, cap)
 
-  def angles(self, positions, head_dim, base, scale=1.0):
+  def angles(self, positions: jax.Array, head_dim: int, base: float,
+             scale: float = 1.0) -> jax.Array:
     ops = self._ops()
     inverse = jnp.asarray(spec_functions.inverse_frequencies(head_dim, base))
     angles = ops.mul(positions.astype(jnp.float32)[..., None], inverse)
@@ -510,7 +489,7 @@ class Spec(FixedOrder):
       return angles
     return ops.mul(angles, spec_functions.reciprocal(ops, jnp.float32(scale)))
 
-  def sin_cos(self, angles):
+  def sin_cos(self, angles: jax.Array) -> tuple[jax.Array, jax.Array]:
     sin, cos = spec_functions.sin_cos(self._ops(), angles)
     return self.barrier(sin), self.barrier(cos)
 

@@ -50,8 +50,8 @@ def _primitive_names() -> frozenset[str]:
 _PRIMITIVES: frozenset[str] | None = None
 
 
-def _on_duration(event: str, seconds: float, **kwargs) -> None:
-  del seconds
+def _on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
+  del duration_secs
   if event != _COMPILE:
     return
   global _PRIMITIVES
@@ -64,7 +64,7 @@ def _on_duration(event: str, seconds: float, **kwargs) -> None:
     _by_name[bare] += 1
 
 
-def _on_event(event: str, **kwargs) -> None:
+def _on_event(event: str, **kwargs: str | int) -> None:
   del kwargs
   if event in (_CACHE_HIT, _LOADED):
     with _lock:

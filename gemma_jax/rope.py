@@ -32,7 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma_jax import kv_state as kvs
+from gemma_jax.config import LayerSpec
 from gemma_jax.numerics import XLA, Numerics
+from gemma_jax.spec import functions as spec_functions
+from gemma_jax.tiled_attention import TileScores
 
 
 def timescales(head_dim: int, base: float) -> jax.Array:
@@ -56,7 +60,8 @@ def rotation_angles(positions: jax.Array, head_dim: int, *, base: float, scale: 
 
 
 def quarter_turn_sin_cos(positions: jax.Array, head_dim: int, numerics: Numerics = XLA, *,
-                         rotary_fraction: float = 1.0, **unused):
+                         rotary_fraction: float = 1.0,
+                         **unused: float) -> tuple[jax.Array, jax.Array]:
   """Exact sin/cos for angles (position * m_i) * pi/2 with m_i = 1 + i mod 3 (a linear function
   of the position, so shifts compose exactly). Values are exactly 0, 1 or -1. (The base and
   scale of a layer and the numerics do not enter.) positions [...] -> (sin, cos) float32
@@ -73,7 +78,8 @@ def quarter_turn_sin_cos(positions: jax.Array, head_dim: int, numerics: Numerics
 
 
 def float_sin_cos(positions: jax.Array, head_dim: int, numerics: Numerics = XLA, *,
-                  base: float, scale: float = 1.0, rotary_fraction: float = 1.0):
+                  base: float, scale: float = 1.0,
+                  rotary_fraction: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """sin and cos [..., H/2] of the reference's float32 angles, computed by `numerics`."""
   return numerics.sin_cos(rotation_angles(positions, head_dim, base=base, scale=scale,
                                           rotary_fraction=rotary_fraction, numerics=numerics))
@@ -156,7 +162,7 @@ class RopeMode:
 
   name: str
   sin_cos: Callable | None
-  scores: Callable[[float], Callable] | None = None
+  scores: Callable[[LayerSpec, Numerics], Callable] | None = None
   attention: tuple[str, ...] = ('xla', 'pallas', 'tiled')
   why: str = ''
 
@@ -168,7 +174,7 @@ def _quarter_turn_scores(spec, numerics: Numerics) -> Callable:
 
 
 def offset_sin_cos(size: int, head_dim: int, numerics: Numerics = XLA, *, base: float,
-                   scale: float = 1.0, rotary_fraction: float = 1.0):
+                   scale: float = 1.0, rotary_fraction: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """sin and cos [size, H/2] of the float mode's angles at integer offsets 0 .. size - 1: the
   relative mode's table (an offset's angle is computed as a position's is)."""
   return float_sin_cos(jnp.arange(size, dtype=jnp.int32), head_dim, numerics, base=base,
@@ -180,7 +186,7 @@ TURNED_BYTES = 1 << 28
 
 
 @dataclasses.dataclass(frozen=True)
-class RelativeScores:
+class RelativeScores(TileScores):
   """The relative mode's attention scores for one layer: q . R(-a(d)) k, d = p_q - p_k, where
   R(-a(d)) turns pair i back by the float mode's angle of the integer offset d (from a table of
   offsets 0 .. size - 1, `offset_sin_cos`). Unrotated q and k and the offset are all it reads, so
@@ -203,7 +209,7 @@ class RelativeScores:
   numerics: Numerics = XLA
 
   @classmethod
-  def for_layer(cls, spec, numerics: Numerics) -> 'RelativeScores':
+  def for_layer(cls, spec: LayerSpec, numerics: Numerics) -> 'RelativeScores':
     """The scores of a layer of LayerSpec `spec` under `numerics`."""
     return cls(spec.head_dim, spec.rope_base, spec.rope_scale, spec.rotary_fraction, numerics)
 
@@ -212,13 +218,21 @@ class RelativeScores:
     """The pairs of a head that turn (the rest have angle 0)."""
     return num_rotated_pairs(self.head_dim, self.rotary_fraction)
 
-  def table(self, size: int):
+  def kernel_parameters(self) -> tuple:
+    """(inverse frequencies [H/2] float32, rotated pairs, scale): the angles' parameters, from
+    which a kernel that computes the attention whole makes the offsets' table
+    (gemma_jax.kernels.native_dot.NativeDot.attend)."""
+    return (spec_functions.inverse_frequencies(self.head_dim, self.base), self.rotated_pairs,
+            self.scale)
+
+  def table(self, size: int) -> tuple[jax.Array, jax.Array]:
     """(sin, cos) float32 [size, H/2]: the turn of every offset 0 .. size - 1
     (`offset_sin_cos`)."""
     return offset_sin_cos(size, self.head_dim, self.numerics, base=self.base, scale=self.scale,
                           rotary_fraction=self.rotary_fraction)
 
-  def turned_keys(self, k: jax.Array, offsets: jax.Array, visible: jax.Array, size: int):
+  def turned_keys(self, k: jax.Array, offsets: jax.Array, visible: jax.Array,
+                  size: int) -> jax.Array:
     """k [..., S, H] as the rows with `offsets` [..., R, S] (int) see them -> [..., R, S, H]
     float32; a slot a row does not see is turned by offset 0 (its score is masked)."""
     sin, cos = self.table(size)
@@ -229,7 +243,8 @@ class RelativeScores:
     keys = jnp.broadcast_to(k, jnp.broadcast_shapes(k.shape[:-1], offsets.shape) + k.shape[-1:])
     return rotate(keys, -sin, cos, self.numerics)  # R(-a) = R(a) with sin negated (exact)
 
-  def __call__(self, q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array):
+  def __call__(self, q: jax.Array, k: jax.Array, q_pos: jax.Array,
+               k_pos: jax.Array) -> jax.Array:
     """The reference attention's scores: q [B, T, K, G, H], k [B, S, K, H] (float32),
     q_pos [B, T], k_pos [B, S] -> [B, T, K, G, S], computed for a few tokens at a time (the
     turned keys of a whole prompt against a whole cache would not fit in memory)."""
@@ -238,7 +253,7 @@ class RelativeScores:
     parts = []
     for lo in range(0, q.shape[1], step):
       offsets = q_pos[:, lo:lo + step, None] - k_pos[:, None, :]  # [B, t, S]
-      visible = (k_pos[:, None, :] >= 0) & (offsets >= 0)
+      visible = kvs.visible(q_pos[:, lo:lo + step, None], k_pos[:, None, :], None)
       turned = self.turned_keys(keys, offsets[:, None], visible[:, None],
                                 k.shape[1])  # [B, K, t, S, H]
       parts.append(jnp.einsum('btkgh,bktsh->btkgs', q[:, lo:lo + step], turned))

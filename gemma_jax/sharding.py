@@ -18,8 +18,9 @@ Two layouts (LAYOUTS), because where a contraction is split decides the bits:
            chunks' results in chunk order whichever device made them, and measured at two
            devices they keep the one-device bits (docs/determinism.md, "Meshes").
   gather   no contraction is ever split: the activation entering a row-parallel projection is
-           gathered whole (`Numerics.whole`, a sharding constraint the model applies before
-           every row-parallel projection, bound by the engine with `numerics.on_mesh`), and
+           gathered whole (`whole`, a sharding constraint the model applies before every
+           row-parallel projection and after it, on the mesh the engine binds into each call's
+           gemma_jax.numerics.CallBundle), and
            the row-parallel weights are split by their output columns instead, as the
            column-parallel ones are (each output column is its own chain over the whole
            contraction, wherever it is computed: a column split moves no bit), so each device
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -100,7 +102,7 @@ def initialize_distributed(coordinator: str, num_processes: int, process_id: int
                              process_id=process_id)
 
 
-def to_host(x) -> np.ndarray:
+def to_host(x: Any) -> np.ndarray:
   """A jax.Array as one NumPy array in every process: as is where this process holds all of it
   (one process, or replicated), else gathered from every process (multihost_utils; every
   process must call it, as with any computation on a global array). Any shape, kept."""
@@ -125,7 +127,7 @@ def partition_spec(name: str, shape: tuple[int, ...], model_size: int,
   """The PartitionSpec of the parameter called `name` ('layers/0/attn/q_proj/w', ...)."""
   parts = name.split('/')
   module = parts[-2] if len(parts) > 1 else ''
-  spec = [None] * len(shape)
+  spec: list[str | None] = [None] * len(shape)
   if module in _COLUMN:
     axis = len(shape) - 1
   elif module in _ROW:  # split: the contraction; gather: the outputs (the input whole)
@@ -140,7 +142,7 @@ def partition_spec(name: str, shape: tuple[int, ...], model_size: int,
   return P(*spec)
 
 
-def param_shardings(params, mesh: Mesh, layout: str = 'split'):
+def param_shardings(params: Any, mesh: Mesh, layout: str = 'split') -> Any:
   """The NamedSharding of every parameter, as a tree like `params`."""
   if layout not in LAYOUTS:
     raise ValueError(f'unknown layout {layout!r}; expected one of {LAYOUTS}')
@@ -153,9 +155,22 @@ def param_shardings(params, mesh: Mesh, layout: str = 'split'):
   return jax.tree_util.tree_map_with_path(sharding, params)
 
 
-def shard_params(params, mesh: Mesh, layout: str = 'split'):
+def shard_params(params: Any, mesh: Mesh, layout: str = 'split') -> Any:
   """Places params on `mesh` (which must have a 'model' axis) by `partition_spec`."""
   return jax.tree.map(jax.device_put, params, param_shardings(params, mesh, layout))
+
+
+def whole(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+  """x [B, ...], about to be contracted by a row-parallel projection, or just made by one from
+  its weight's output columns: whole on every device of `mesh` (the 'gather' layout: the
+  contraction is never split, and the residual stream, whose norms reduce over its features,
+  never holds them split; sequences stay split over 'data' where B divides), unchanged where
+  mesh is None."""
+  if mesh is None:
+    return x
+  batch = 'data' if x.shape[0] % mesh.shape['data'] == 0 else None
+  return jax.lax.with_sharding_constraint(
+      x, NamedSharding(mesh, P(batch, *([None] * (x.ndim - 1)))))
 
 
 def vocabulary_sharding(mesh: Mesh, vocab: int) -> NamedSharding:
@@ -185,7 +200,7 @@ def table_rows(table: jax.Array, tokens: jax.Array, mesh: Mesh | None) -> jax.Ar
   return jnp.moveaxis(rows, 0, -1)
 
 
-def kv_shardings(kv, mesh: Mesh):
+def kv_shardings(kv: Any, mesh: Mesh) -> Any:
   """The NamedSharding of every KV-state leaf: K/V [B, S, K, H] over ('data', -, 'model'
   where K divides, -), positions [B, S] and fill [B] over 'data' where B divides."""
   data, model = mesh.shape['data'], mesh.shape['model']

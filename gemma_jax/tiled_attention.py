@@ -28,18 +28,36 @@ Registered as attention 'tiled' in gemma_jax.attention.IMPLEMENTATIONS. Under th
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from jax.typing import DTypeLike
+
+from gemma_jax import kv_state as kvs
 from gemma_jax.numerics import MASKED, XLA, Numerics, tree_sum
+
+
+class TileScores(abc.ABC):
+  """A RoPE mode's score function that the tiled attention can run (gemma_jax.rope's
+  RelativeScores): scores per tile, and the parameters a kernel computes them from."""
+
+  @abc.abstractmethod
+  def tiles(self, q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+            visible: jax.Array) -> jax.Array:
+    """q [B, K, R, H] against each tile of k [B, K, n, S, H] -> [B, K, n, R, S]."""
+
+  @abc.abstractmethod
+  def kernel_parameters(self) -> tuple:
+    """(inverse frequencies [H/2] float32, rotated pairs, scale): what a kernel turns keys by."""
 
 
 def tiled_attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
                  *, window: int | None, softcap: float | None, tile: int,
-                 max_tiles: int | None = None, scores: Callable | None = None,
+                 max_tiles: int | None = None, scores: TileScores | None = None,
                  numerics: Numerics = XLA) -> jax.Array:
   """q [B, T, N, H] (already scaled), k, v [B, S, K, H], q_pos [B, T], k_pos [B, S] ->
   [B, T, N, H] in v's dtype. S must be a multiple of `tile`; only the first `max_tiles` tiles
@@ -69,9 +87,7 @@ def tiled_attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_p
   kt, vt = tiles(k), tiles(v)
   kp = k_pos[:, :n * tile].reshape(batch, 1, n, 1, tile)
   qp = row_pos[:, None, None, :, None]  # [B, 1, 1, R, 1]
-  visible = (kp >= 0) & (kp <= qp)
-  if window is not None:
-    visible &= (qp - kp) < window
+  visible = kvs.visible(qp, kp, window)
   if scores is None:
     s = numerics.tile_scores(qr, kt)  # [B, K, n, R, tile]: one dot per tile
   else:
@@ -109,17 +125,21 @@ class TiledAttention:
   tile: int = DEFAULT_TILE
   max_tiles: int | None = None
 
-  def __call__(self, q, k, v, q_pos, k_pos, *, window, softcap, scores: Callable | None = None,
-               numerics: Numerics = XLA):
-    if scores is not None and not hasattr(scores, 'tiles'):
+  def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+               k_pos: jax.Array, *, window: int | None, softcap: float | None,
+               scores: Callable | None = None, numerics: Numerics = XLA) -> jax.Array:
+    if scores is not None and not isinstance(scores, TileScores):
       raise ValueError('tiled attention computes the plain q . k or scores with a `tiles` '
                        'method (see gemma_jax.rope.MODES)')
-    # A kernel of the numerics computing it whole, over the tiles it needs (plain scores, or
-    # the relative mode's, which it turns inside).
-    whole = numerics.attention(q.astype(jnp.float32), k.astype(jnp.float32),
-                               v.astype(jnp.float32), q_pos, k_pos, window=window,
-                               softcap=softcap, tile=self.tile, relative=scores)
-    if whole is not None:
+    kernel = numerics.kernel
+    if kernel is not None and kernel.attends:
+      # The numerics' kernel computes it whole, over the tiles it needs (plain scores, or the
+      # relative mode's, which it turns inside, from the angles' parameters).
+      relative = None if scores is None else scores.kernel_parameters()
+      whole = kernel.attend(q.astype(jnp.float32), k.astype(jnp.float32),
+                            v.astype(jnp.float32), q_pos, k_pos, window=window,
+                            softcap=softcap, tile=self.tile, chunk=numerics.chunk(q.shape[-1]),
+                            relative=relative)
       return whole.astype(v.dtype)
     return tiled_attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, tile=self.tile,
                         max_tiles=self.max_tiles, scores=scores, numerics=numerics)
@@ -128,12 +148,12 @@ class TiledAttention:
     """This attention reading only the first `max_tiles` tiles (None: all)."""
     return dataclasses.replace(self, max_tiles=max_tiles)
 
-  def blocks(self, head_dims, dtype) -> dict:
+  def blocks(self, head_dims: tuple[int, ...], dtype: DTypeLike) -> dict:
     """Per head dim, the tile size: it orders the sums, so the fingerprint records it."""
     del dtype
     return {str(h): {'tile_size': self.tile} for h in head_dims}
 
-  def slot_multiple(self, head_dims, dtype) -> int:
+  def slot_multiple(self, head_dims: tuple[int, ...], dtype: DTypeLike) -> int:
     """The tile: caches are whole tiles."""
     del head_dims, dtype
     return self.tile

@@ -12,6 +12,8 @@ U+2581, so they are stored here with U+2581.
 
 from __future__ import annotations
 
+from typing import Any, Iterable
+
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
@@ -74,7 +76,7 @@ class Tokenizer:
       return cls.from_model_proto(f.read())
 
   @classmethod
-  def from_gguf(cls, reader) -> 'Tokenizer':
+  def from_gguf(cls, reader: Any) -> 'Tokenizer':
     """From a `gguf.GGUFReader` (the file's tokenizer.ggml.* fields)."""
     def field(name):
       if name not in reader.fields:
@@ -104,7 +106,7 @@ class Tokenizer:
     ids = self._sp.encode(text)
     return [BOS_ID] + ids if add_bos else ids
 
-  def decode(self, ids) -> str:
+  def decode(self, ids: Iterable[int]) -> str:
     """The text of token ids (BOS and EOS dropped)."""
     return self._sp.decode([int(i) for i in ids if int(i) not in (BOS_ID, EOS_ID)])
 

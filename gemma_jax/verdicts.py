@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import platform
 
@@ -25,6 +24,7 @@ import jaxlib
 
 from gemma_jax import files, host, sharding
 from gemma_jax.kernels import native_build
+from gemma_jax.digest import canonical_json
 from gemma_jax.files import cache_root
 
 RECHECK_ENV = 'GEMMA_JAX_RECHECK'
@@ -85,8 +85,8 @@ def native() -> dict:
 
 
 def _path(kind: str, key: str) -> str:
-  digest = hashlib.sha256(json.dumps({'kind': kind, 'key': key, 'process': process()},
-                                     sort_keys=True).encode()).hexdigest()
+  digest = hashlib.sha256(canonical_json({'kind': kind, 'key': key, 'process': process()})
+                          ).hexdigest()
   return os.path.join(directory(), f'{kind}-{digest}.json')
 
 

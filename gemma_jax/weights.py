@@ -15,7 +15,7 @@ import functools
 import hashlib
 import os
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -57,11 +57,13 @@ class LoadedModel:
   @property
   def params(self) -> model.Params:
     """The canonical parameters (jax arrays in `dtype`)."""
-    if self._params is None and self.stored is None:
-      self._params = model.init_params(self.config, self.seed, DTYPES[self.dtype])
     if self._params is None:
-      self.check()
-      self._params = _as_jax(self.stored.canonical(), self.dtype)
+      if self.stored is not None:
+        self.check()
+        self._params = _as_jax(self.stored.canonical(), self.dtype)
+      else:
+        assert self.seed is not None  # __init__ refuses a model with none of the three
+        self._params = model.init_params(self.config, self.seed, DTYPES[self.dtype])
     return self._params
 
   @property
@@ -75,15 +77,17 @@ class LoadedModel:
     """SHA-256 of the canonical parameters (gemma_jax.checkpoints.tree.params_digest)."""
     if self.stored is not None:
       return self.stored.params_sha256
-    if self.draws_where_used:  # one parameter at a time
+    if self.seed is not None and self._params is None:  # drawn one parameter at a time
       return drawn.params_sha256(self.seed, self.config, DTYPES[self.dtype])
+    assert self._params is not None  # __init__ refuses a model with neither
     return tree.params_digest(self._params)
 
-  def replace(self, **changes) -> 'LoadedModel':
+  def replace(self, **changes: Any) -> 'LoadedModel':
     """This model with some of config, params, tokenizer, weights and dtype changed (new params
     replace the stored ones)."""
-    values = dict(config=self.config, params=self._params, tokenizer=self.tokenizer,
-                  weights=self.weights, dtype=self.dtype, stored=self.stored, seed=self.seed)
+    values: dict[str, Any] = dict(config=self.config, params=self._params,
+                                  tokenizer=self.tokenizer, weights=self.weights, dtype=self.dtype,
+                                  stored=self.stored, seed=self.seed)
     if 'params' in changes:
       values['stored'] = values['seed'] = None
     values.update(changes)

@@ -23,7 +23,7 @@ tests share these functions; a user checks a composition of their own with them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -44,7 +44,7 @@ def fresh(engine: Engine, prefix: Sequence[int], documents: Sequence[Sequence[in
 
 def kv_digest(engine: Engine, ctx: Context) -> str:
   """SHA-256 of a context's KV state as to_leaves stores it (every layer's K, V, positions)."""
-  leaves = kvs.to_leaves(ctx.kv, engine.config.cache_layers)
+  leaves = kvs.to_leaves(ctx.kv, engine.model_config.cache_layers)
   return compare.sha256_bytes(np.concatenate(
       [np.ravel(leaves[name]).view(np.uint8) for name in sorted(leaves)]))
 
@@ -55,14 +55,14 @@ def kv_deviation(engine: Engine, ctx: Context, reference: Context, lo: int,
   position lies in [lo, hi) (the documents), where both hold them (a ring holds the last S):
   SHA-256 equality, max |Δ| and the relative L2 distance ||Δ|| / ||reference|| (float64)."""
   out = []
-  for layer_index, ours, theirs in zip(engine.config.cache_layers, ctx.kv.layers,
+  for layer_index, ours, theirs in zip(engine.model_config.cache_layers, ctx.kv.layers,
                                        reference.kv.layers):
     positions = np.asarray(theirs.positions[0])
     if not np.array_equal(positions, np.asarray(ours.positions[0])):
       raise ValueError(f'layer {layer_index}: the two contexts hold other positions')
     slots = np.flatnonzero((positions >= lo) & (positions < hi))
-    row = {'layer': int(layer_index),
-           'attention_type': engine.config.layer_spec(layer_index).attention_type.value,
+    row: dict[str, Any] = {'layer': int(layer_index),
+           'attention_type': engine.model_config.layer_spec(layer_index).attention_type.value,
            'slots': int(len(slots))}
     for part in ('k', 'v'):
       a = np.asarray(getattr(ours, part)[0])[slots].astype(np.float64)
@@ -105,7 +105,7 @@ def relocation(engine: Engine, store: Store, prefix: Sequence[int], document: Se
   """A stored document's rows placed at each offset Δ (moved by Δ; under float re-rotated by
   Δ) against the prefix and the document computed from position Δ: per offset, whether every
   layer's K and V are SHA-256 equal, and the largest |ΔK| and |ΔV|."""
-  rerotate = engine.config.rope_mode == 'float'
+  rerotate = engine.model_config.rope_mode == 'float'
   prefix, document = [int(t) for t in prefix], [int(t) for t in document]
   rows = store.read_document(prefix, document)
   if rows is None:
@@ -113,17 +113,20 @@ def relocation(engine: Engine, store: Store, prefix: Sequence[int], document: Se
   p = len(prefix)
   out = []
   for delta in offsets:
-    if not 0 <= delta <= engine.config.max_context - p - len(document):
+    if not 0 <= delta <= engine.model_config.max_context - p - len(document):
       raise ValueError(f'offset {delta}: the document would not fit positions 0 .. '
-                       f'{engine.config.max_context - 1}')
+                       f'{engine.model_config.max_context - 1}')
     moved = composing.placed(engine, rows, p + delta, rerotate)
     prefix_ctx, _ = engine.prefill(prefix, logits='none', start_position=delta)
     want = composing.compute_rows(engine, prefix_ctx, document)
-    pairs = list(zip(moved.k, want.k)) + list(zip(moved.v, want.v))
+    layers = range(len(moved.k))
+    mk, mv = zip(*(moved.layer(j) for j in layers))  # (every layer computed and placed)
+    wk, wv = zip(*(want.layer(j) for j in layers))
+    pairs = list(zip(mk, wk)) + list(zip(mv, wv))
     out.append({'offset': int(delta),
                 'equal': all(compare.sha256_bytes(a) == compare.sha256_bytes(b) for a, b in pairs),
-                'k_max_abs': max(compare.max_abs(a, b) for a, b in zip(moved.k, want.k)),
-                'v_max_abs': max(compare.max_abs(a, b) for a, b in zip(moved.v, want.v)),
+                'k_max_abs': max(compare.max_abs(a, b) for a, b in zip(mk, wk)),
+                'v_max_abs': max(compare.max_abs(a, b) for a, b in zip(mv, wv)),
                 'rows_sha256': compare.sha256_bytes(np.concatenate(
-                    [np.ravel(a).view(np.uint8) for a in moved.k + moved.v]))})
+                    [np.ravel(a).view(np.uint8) for a in mk + mv]))})
   return out

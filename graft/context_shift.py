@@ -99,7 +99,7 @@ class Engines:
 
   @property
   def relative(self) -> bool:
-    return self.model.config.rope_mode == 'relative'
+    return self.model.model_config.rope_mode == 'relative'
 
 
 def make_engines(loaded: LoadedModel, engine_config: EngineConfig) -> Engines:
@@ -122,7 +122,7 @@ class Kept:
 
   def __init__(self, engine: Engine, llama: bool):
     self.engine, self.llama = engine, llama
-    self.layers = engine.config.cache_layers
+    self.layers = engine.model_config.cache_layers
     empty = lambda: [np.zeros((0,) + l.k.shape[2:], l.k.dtype) for l in engine.empty_kv().layers]
     self.raw, self.v, self.cached = empty(), empty(), empty()
     self.positions = np.zeros(0, np.int32)
@@ -136,11 +136,13 @@ class Kept:
     """Appends sequence indices [start, stop) of the stream's state (just written)."""
     positions = np.arange(first_position, first_position + stop - start, dtype=np.int32)
     smallest = min(layer.num_slots for layer in kv.layers)
+    ks: list[np.ndarray] = []
+    vs: list[np.ndarray] = []
     if stop - start <= smallest:  # every layer holds them: gather only these rows
       rows = kvs.take_rows(kv, start, stop)
-      ks, vs = rows.k, rows.v
+      ks = [k for k in rows.k if k is not None]  # take_rows reads every layer
+      vs = [v for v in rows.v if v is not None]
     else:  # a ring has dropped the oldest: read whole layers
-      ks, vs = [], []
       for layer in kv.layers:
         index = np.arange(start, stop)
         held = (index >= stop - layer.num_slots)[:, None, None]
@@ -215,26 +217,28 @@ def measure(engines: Engines, stream: Context, kept: Kept, next_token: int,
   first = stream.next_position - len(stream.tokens)
   reference = model.graft(kept.rows('placed'), stream.tokens, first)
   shifted = stream if engines.relative else model.graft(kept.rows('cached'), stream.tokens, first)
-  ours = kvs.to_leaves(shifted.kv, model.config.cache_layers)
-  theirs = kvs.to_leaves(reference.kv, model.config.cache_layers)
+  ours = kvs.to_leaves(shifted.kv, model.model_config.cache_layers)
+  theirs = kvs.to_leaves(reference.kv, model.model_config.cache_layers)
   layers = []
   same = lambda name: compare.sha256_bytes(ours[name]) == compare.sha256_bytes(theirs[name])
-  for layer_index in model.config.cache_layers:
+  for layer_index in model.model_config.cache_layers:
     k_name, v_name, p_name = kvs.leaf_names(layer_index)
     if not np.array_equal(ours[p_name], theirs[p_name]):
       raise ValueError(f'layer {layer_index}: the shifted and reference positions differ')
     layers.append({'layer': int(layer_index),
-                   'attention_type': model.config.layer_spec(layer_index).attention_type.value,
+                   'attention_type': model.model_config.layer_spec(layer_index).attention_type.value,
                    'k_equal': same(k_name), 'v_equal': same(v_name),
                    'k_max_abs': compare.max_abs(ours[k_name], theirs[k_name]),
                    'k_max_ulp': compare.max_ulp(ours[k_name], theirs[k_name])})
   digest = lambda leaves: compare.sha256_bytes(np.concatenate(
       [np.ravel(leaves[name]).view(np.uint8) for name in sorted(leaves)]))
   ref_ctx, ref_logits = model.extend(reference, [next_token], logits='last')
+  assert ref_logits is not None  # logits='last'
   if engines.relative:
     shift_ctx, shift_logits = model.extend(shifted, [next_token], logits='last')
   else:
     shift_ctx, shift_logits = model.extend(shifted, [next_token], logits='last', consume=True)
+  assert shift_logits is not None  # logits='last'
   ref_tokens = _greedy(model, ref_ctx, continuation)
   shift_tokens = _greedy(model, shift_ctx, continuation)
   return {
@@ -246,7 +250,7 @@ def measure(engines: Engines, stream: Context, kept: Kept, next_token: int,
       'k_max_abs': max(l['k_max_abs'] for l in layers),
       'k_max_ulp': max(l['k_max_ulp'] for l in layers),
       'reference_k_max': max(float(np.abs(theirs[kvs.leaf_names(i)[0]]).max())
-                             for i in model.config.cache_layers),
+                             for i in model.model_config.cache_layers),
       'logits_sha256': compare.sha256_bytes(shift_logits),
       'reference_logits_sha256': compare.sha256_bytes(ref_logits),
       'logits_equal': compare.sha256_bytes(shift_logits) == compare.sha256_bytes(ref_logits),
@@ -278,6 +282,7 @@ def run(engines: Engines, text: Sequence[int], *, window: int, drop: int,
   kept = Kept(engines.model, llama=not engines.relative)
   prompt = list(text[:window])
   ctx, logits = stream_engine.prefill(prompt)
+  assert logits is not None  # logits='last' (prefill's default)
   kept.write(ctx.kv, 0, len(prompt), 0)
   fed = len(prompt)
   measurements, start = [], time.perf_counter()
@@ -290,6 +295,7 @@ def run(engines: Engines, text: Sequence[int], *, window: int, drop: int,
       measuring = kept.shifts in targets
     n = len(ctx.tokens)
     new, logits = stream_engine.extend(ctx, [token], logits='last', consume=not measuring)
+    assert logits is not None  # logits='last'
     if measuring:
       measurements.append(measure(engines, ctx, kept, token, logits[-1], continuation))
       m = measurements[-1]

@@ -20,7 +20,9 @@ directly; the entry points only add flags and output.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from gemma_jax import compare
 from graft import shift
@@ -28,7 +30,8 @@ from graft.store import artifact
 from graft.engine import Context, Engine
 
 
-def fresh_logits(engine: Engine, prefix, query, rows: int | None = None):
+def fresh_logits(engine: Engine, prefix: Sequence[int], query: Sequence[int],
+                 rows: int | None = None) -> tuple[np.ndarray | None, Context]:
   """The fresh side: float32 logits of the query's last `rows` tokens (None: all of them) when
   the engine computes prefix + query from scratch; and the context after them."""
   ctx, logits = engine.extend(engine.empty(), list(prefix) + list(query),
@@ -36,12 +39,17 @@ def fresh_logits(engine: Engine, prefix, query, rows: int | None = None):
   return logits, ctx
 
 
-def fresh_sha256(engine: Engine, prefix, query, rows: int | None = None) -> str:
-  return compare.sha256_bytes(fresh_logits(engine, prefix, query, rows)[0])
+def fresh_sha256(engine: Engine, prefix: Sequence[int], query: Sequence[int],
+                 rows: int | None = None) -> str:
+  logits, _ = fresh_logits(engine, prefix, query, rows)
+  if logits is None:
+    raise ValueError('no logits asked for: rows must be at least 1')
+  return compare.sha256_bytes(logits)
 
 
-def graft_logits(engine: Engine, grafted: Context, prefix, query, rows: int | None = None, *,
-                 consume: bool = False):
+def graft_logits(engine: Engine, grafted: Context, prefix: Sequence[int], query: Sequence[int],
+                 rows: int | None = None, *,
+                 consume: bool = False) -> tuple[np.ndarray | None, Context]:
   """The graft side: `grafted` holds a prefix of `prefix` (all of it from an artifact; the
   longest stored prefix from a store); the engine computes the rest and the query. Returns the
   logits of the query's last `rows` tokens (None: all) and the context after them."""
@@ -51,7 +59,8 @@ def graft_logits(engine: Engine, grafted: Context, prefix, query, rows: int | No
   return logits, ctx
 
 
-def fresh_run(engine: Engine, library, query, continuation_tokens: int):
+def fresh_run(engine: Engine, library: Sequence[int], query: Sequence[int],
+              continuation_tokens: int) -> tuple[np.ndarray | None, list[int]]:
   logits, ctx = fresh_logits(engine, library, query)
   _, continuation = engine.generate(ctx, continuation_tokens, stop_at_eos=False)
   return logits, continuation
@@ -60,14 +69,15 @@ def fresh_run(engine: Engine, library, query, continuation_tokens: int):
 def artifact_graft(writer: Engine, engine: Engine, artifact_path: str) -> Callable:
   """A graft source: `writer` computes the library and saves its artifact at `artifact_path`;
   `engine` restores it (verifying every hash) at its own positions."""
-  def graft(library) -> Context:
+  def graft(library: Sequence[int]) -> Context:
     library_ctx, _ = writer.prefill(list(library), logits='none')
     artifact.save(artifact_path, writer, library_ctx)
     return artifact.graft(engine, artifact.load(artifact_path, engine))
   return graft
 
 
-def graft_run(engine: Engine, graft: Callable, library, query, continuation_tokens: int):
+def graft_run(engine: Engine, graft: Callable, library: Sequence[int], query: Sequence[int],
+              continuation_tokens: int) -> tuple[np.ndarray | None, list[int], int]:
   """The graft side: `graft(library)` gives a context holding a prefix of the library (all of
   it from an artifact; the longest stored prefix from a store); the engine computes the rest of
   the library and the query, then continues greedily."""
@@ -77,7 +87,7 @@ def graft_run(engine: Engine, graft: Callable, library, query, continuation_toke
   return logits, continuation, len(grafted.tokens)
 
 
-def check_sample(engine: Engine, graft: Callable, library, query, *,
+def check_sample(engine: Engine, graft: Callable, library: Sequence[int], query: Sequence[int], *,
                  continuation_tokens: int = 32) -> dict:
   """One sample's row of the results (see experiments/graft_exactness.py for the schema)."""
   t0 = time.perf_counter()
@@ -90,8 +100,9 @@ def check_sample(engine: Engine, graft: Callable, library, query, *,
               graft_continuation, t1 - t0, t2 - t1)
 
 
-def check_offset(engine: Engine, writer: Engine, artifact_path: str, library, query, *,
-                 offset: int, preceding=(), continuation_tokens: int = 32) -> dict:
+def check_offset(engine: Engine, writer: Engine, artifact_path: str, library: Sequence[int],
+                 query: Sequence[int], *, offset: int, preceding: Sequence[int] = (),
+                 continuation_tokens: int = 32) -> dict:
   """A graft at another position: `writer` computes the library at [0, L) and saves its
   artifact; `engine` grafts it at [δ, δ + L) (graft/shift.py: keys re-rotated by δ, which
   under the relative RoPE mode moves positions only) and computes the query; the fresh side
@@ -141,7 +152,7 @@ def _row(library, query, grafted, fresh_logits, graft_logits, fresh_continuation
   }
 
 
-def check_batch(engine: Engine, grafts: list[Callable], pairs, *,
+def check_batch(engine: Engine, grafts: list[Callable], pairs: Sequence[Any], *,
                 continuation_tokens: int = 32) -> list[dict]:
   """`check_sample` for N samples at once, one per batch slot of every call
   (`Engine.extend_batch`): fresh and graft sides each run batched, continuations decoded

@@ -18,13 +18,12 @@ import glob
 import json
 import tempfile
 
-import jax
 from absl import logging
 
 from gemma_jax import compare, sampling, sharding, weights
 from gemma_jax.config import get_config
 from graft import composition, exactness
-from graft.engine import Engine, EngineConfig, fingerprint, plans
+from graft.engine import Engine, EngineConfig, fingerprint
 from graft.knowledge.flywheel import Asker  # the decoding a flywheel run used
 from graft.engine.fingerprint import differences
 from graft.store import Recompute, Store
@@ -82,9 +81,9 @@ def _engine(manifest: dict, dot_library: str | None = None,
             rope: str | None = None) -> tuple[Engine, Engine]:
   """Two separately constructed engines of the manifest's model (in its RoPE mode, or `rope`)
   and configuration, after checking that this machine loads the same model. A spec manifest's
-  engine runs under this
-  process's XLA_FLAGS and on this machine's kernels (`kernels_here`), or on `dot_library` where
-  one is asked for: neither decides a bit there (the self-check says whether this machine
+  engine runs under this process's XLA_FLAGS and on this machine's kernels (the spec engine's
+  default dot library), or on `dot_library` where one is asked for: neither decides a bit there
+  (the self-check says whether this machine
   computes the spec under them), so the dots it was made on do not matter."""
   config = manifest['config']
   loaded = weights.load(get_config(config['model']).replace(rope_mode=rope or config.get('rope')
@@ -93,8 +92,10 @@ def _engine(manifest: dict, dot_library: str | None = None,
   # Manifests made before the config was named EngineConfig hold it under 'pinned'.
   engine_config = EngineConfig.from_dict(config.get('engine_config') or config['pinned'])
   if machine_independent(manifest):
+    # This process's flags, and the dot library asked for or else this machine's default (the
+    # spec's own kernels where they build: resolve_engine_config decides it, as for any engine).
     engine_config = dataclasses.replace(engine_config, xla_flags=sharding.xla_flags(),
-                                        dot_library=dot_library or kernels_here())
+                                        dot_library=dot_library)
   elif dot_library:
     raise ValueError(f'dot library {dot_library!r}: only a spec manifest replays with another '
                      'dot library (the others\' bits follow it)')
@@ -128,25 +129,10 @@ def _engine(manifest: dict, dot_library: str | None = None,
   return engine, writer
 
 
-def kernels_here() -> str:
-  """The dot library a spec manifest replays on here: the spec's own kernels (the native ones on
-  a CPU, whose executables every other spec engine of this process shares; the Pallas kernel on
-  an accelerator), or Eigen's dots where the native kernels cannot be built (said in one line;
-  the self-check then decides)."""
-  if jax.default_backend() != 'cpu':
-    return 'pallas'
-  reason = plans.native_unavailable()
-  if reason:
-    logging.warning("this machine cannot build the native kernels (%s): replaying on Eigen's "
-                    'dots', reason.rstrip('.'))
-    return 'eigen'
-  return 'native'
-
-
 def records(manifest: dict) -> list[dict]:
   """What a manifest records one hash set each for: samples, answers or compositions."""
-  return manifest[{'flywheel': 'answers', 'compose': 'compositions'}.get(manifest.get('kind'),
-                                                                       'samples')]
+  return manifest[{'flywheel': 'answers', 'compose': 'compositions'}.get(
+      str(manifest.get('kind')), 'samples')]
 
 
 def replay(manifest: dict, limit: int = 0, dot_library: str | None = None) -> list[str]:
@@ -225,6 +211,7 @@ def replay_compositions(manifest: dict, limit: int = 0,
                              rerotate=record['rerotate'])
     kv = composition.kv_digest(engine, composed.context)
     ctx, logits = engine.extend(composed.context, record['query'], logits='all', consume=True)
+    assert logits is not None  # logits='all' of a query
     decoded = engine.decode(ctx, len(record['continuation']))
     got = {'kv_sha256': kv, 'logits_sha256': compare.sha256_bytes(logits),
            'continuation_sha256': decoded.logits_sha256}

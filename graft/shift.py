@@ -33,6 +33,7 @@ RoPE fidelity check and graft.exactness all call `graft_shifted` and `layer_dive
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,7 @@ class ShiftError(ValueError):
 # ----------------------------------------------------------------------------------------------
 
 
-def with_config(loaded: LoadedModel, **changes) -> LoadedModel:
+def with_config(loaded: LoadedModel, **changes: Any) -> LoadedModel:
   """The same parameters under a config with `changes` (e.g. rope_mode, kv_cache_pre_rope).
   Neither field changes the parameter shapes, so the arrays are shared, not copied."""
   return loaded.replace(config=loaded.config.replace(**changes))
@@ -113,7 +114,7 @@ def attention_keys(config: TransformerConfig, ctx: Context) -> list[jax.Array]:
 def _check_range(config: TransformerConfig, rows: list[kvs.KVRows], delta: int) -> None:
   if not rows or not rows[0].num_tokens:
     raise ShiftError('an empty context has nothing to shift')
-  start = int(rows[0].positions[0][0]) - rows[0].start
+  start = kvs.first_position(rows)
   end = start + rows[-1].start + rows[-1].num_tokens
   if start + delta < 0:
     raise ShiftError(f'a shift by {delta} moves the first token (position {start}) to '
@@ -140,7 +141,7 @@ def rerotate(config: TransformerConfig, rows: list[kvs.KVRows], delta: int) -> l
   _check_range(config, rows, delta)
   out = []
   for block in rows:
-    keys = []
+    keys: list[np.ndarray | None] = []
     for layer_index, k in zip(config.cache_layers, block.k):
       if k is None:
         keys.append(None)
@@ -181,7 +182,7 @@ def graft_shifted(engine: Engine, art: artifact_lib.Artifact, delta: int,
   `preceding`: a context of exactly `delta` tokens from position 0 (the artifact computed at 0):
   the artifact's rows then follow that context's rows, the library after other tokens (a change
   of content as well as of position: its own KV never saw them)."""
-  rows = shift(engine.config, artifact_lib.rows(engine, art), delta, method)
+  rows = shift(engine.model_config, artifact_lib.rows(engine, art), delta, method)
   if preceding is None:
     return engine.graft(rows, art.tokens, art.start_position + delta)
   if art.start_position != 0 or len(preceding.tokens) != delta:

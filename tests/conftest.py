@@ -31,7 +31,7 @@ import jax
 import pytest
 from jax import monitoring
 
-from gemma_jax import verdicts
+from gemma_jax import compilation_cache, verdicts
 
 _COMPILE = {'seconds': 0.0}
 _START = pytest.StashKey[float]()
@@ -47,8 +47,10 @@ monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 def pytest_configure(config):
-  """The session's own verdict folder: made by the controlling process (an xdist worker
-  inherits its environment, and with it the folder)."""
+  """JAX's persistent compilation cache on in every process of the session (importing
+  gemma_jax does not turn it on), and the session's own verdict folder: made by the controlling
+  process (an xdist worker inherits its environment, and with it the folder)."""
+  compilation_cache.use_default()
   if os.environ.get('PYTEST_XDIST_WORKER'):
     return
   config.stash[_VERDICTS] = os.environ[verdicts.DIRECTORY_ENV] = tempfile.mkdtemp(

@@ -297,6 +297,126 @@ def test_planted_wrong_arrows_are_found(source_of):
 
 
 # ---------------------------------------------------------------------------------------------
+# Facts the exactness rests on live in one function each, used everywhere, copied nowhere.
+
+# fact -> (its home 'module:function', patterns of an inline copy of it in code)
+FACTS = {
+    'KV leaf names': ('gemma_jax.kv_state:leaf_names',
+                      (r"""['"]layer_\{[^}]*\}/""", r"""['"]layer_['"] *\+""")),
+    'canonical JSON': ('gemma_jax.digest:canonical_json',
+                       (r"separators=\(',', *':'\)", r'separators=\(",", *":"\)')),
+    'first position of a row set': ('gemma_jax.kv_state:first_position',
+                                    (r'positions\[0\]\[0\]',)),
+    'visibility rule': ('gemma_jax.kv_state:visible',
+                        (r'>= *0\) *& *\([^)]*<=', r'k_pos *<= *q|kp *<= *qp|index *<= *t\b')),
+}
+
+
+def _code_lines(source: str) -> list[tuple[int, str]]:
+  """(line, text) of the code in `source`: comments and docstrings (string statements) left
+  out."""
+  tree = ast.parse(source)
+  prose = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(
+        node.value.value, str):
+      prose.update(range(node.lineno, node.end_lineno + 1))
+  return [(i, line.split('#', 1)[0]) for i, line in enumerate(source.splitlines(), 1)
+          if i not in prose]
+
+
+def fact_copies(source_of: dict[str, str]) -> list[str]:
+  """'module:line (fact): text' of every inline copy of a fact outside its home, and of a home
+  that is missing."""
+  found = []
+  for fact, (home, patterns) in FACTS.items():
+    module, function = home.split(':')
+    tree = ast.parse(source_of[module])
+    defs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function]
+    if len(defs) != 1:
+      found.append(f'{home} ({fact}): defined {len(defs)} times')
+      continue
+    inside = range(defs[0].lineno, defs[0].end_lineno + 1)
+    for name, source in source_of.items():
+      for line, code in _code_lines(source):
+        if (name, line in inside) == (module, True):
+          continue
+        if any(re.search(p, code) for p in patterns):
+          found.append(f'{name}:{line} ({fact}): {code.strip()}')
+  return found
+
+
+def test_each_fact_has_one_home_and_no_copy(source_of):
+  copies = fact_copies(source_of)
+  assert not copies, '\n'.join(copies)
+
+
+def test_a_planted_copy_of_a_fact_is_found(source_of):
+  planted = _planted(source_of, 'graft.store.lookup',
+                     "def _planted(i):\n  return f'layer_{i}/k'\n")
+  assert [c for c in fact_copies(planted) if c.startswith('graft.store.lookup:')
+          and 'KV leaf names' in c]
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine never branches on its mode: everything that differs by mode is its plan's answer.
+
+ENGINE_MODULE = 'graft.engine._engine'
+# Names that, read in a branch's test, make it a branch on the mode or the plan: the mode, the
+# plan itself and its module, the plan classes, and what a plan answers.
+MODE_NAMES = frozenset({
+    'mode', 'plan', 'plans', 'plan_class', 'PLANS', 'Plan', 'Spec', 'Pinned', 'Blocked',
+    'by_length', 'byte_exact', 'batch_slots', 'head_rows', 'preloads', 'runs_by_length',
+    'reads_tiles', 'fuses_decode', 'default_attention', 'default_dot_library'})
+
+
+def mode_branches(source: str) -> list[str]:
+  """'line: test' of every branch in `source` (if, a conditional expression, while, assert, a
+  comprehension's condition, match, and/or) whose test reads a name of MODE_NAMES or a string
+  naming a mode."""
+  modes = {'spec', 'pinned', 'blocked', 'default'}
+
+  def reads_mode(node: ast.AST) -> bool:
+    for n in ast.walk(node):
+      if isinstance(n, ast.Name) and n.id in MODE_NAMES:
+        return True
+      if isinstance(n, ast.Attribute) and n.attr in MODE_NAMES:
+        return True
+      if isinstance(n, ast.Constant) and n.value in modes:
+        return True
+    return False
+
+  found = []
+  for node in ast.walk(ast.parse(source)):
+    tests = []
+    if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+      tests = [node.test]
+    elif isinstance(node, ast.comprehension):
+      tests = node.ifs
+    elif isinstance(node, ast.Match):
+      tests = [node.subject]
+    elif isinstance(node, ast.BoolOp):
+      tests = node.values
+    found += [f'{t.lineno}: {ast.unparse(t)}' for t in tests if reads_mode(t)]
+  return sorted(set(found), key=lambda f: int(f.split(':')[0]))
+
+
+def test_the_engine_never_branches_on_its_mode_or_plan(source_of):
+  found = mode_branches(source_of[ENGINE_MODULE])
+  assert not found, f'{ENGINE_MODULE} branches on its mode or plan: {found}'
+  with open(ARCHITECTURE) as f:  # and the document says so
+    assert '`Engine` has no branch on a mode' in f.read()
+
+
+def test_a_planted_mode_branch_is_found(source_of):
+  planted = _planted(source_of, ENGINE_MODULE, (
+      'def _planted(self):\n  if self.engine_config.mode == "spec":\n    return 1\n'
+      '  return 2 if isinstance(self.plan, plans.Pinned) else 3\n'))[ENGINE_MODULE]
+  found = mode_branches(planted)
+  assert len(found) == 2 and 'mode' in found[0] and 'plans.Pinned' in found[1], found
+
+
+# ---------------------------------------------------------------------------------------------
 # The native kernels' paths: listed once (native_build.ISAS, PATHS), the C++ checked against it.
 
 

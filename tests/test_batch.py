@@ -63,7 +63,7 @@ def test_relative_slots_equal_one_stream_a_shifted_context_among_them():
     assert sha256_bytes(row) == sha256_bytes(logits), i
     by_itself = eng.decode(one, len(d.tokens))
     assert (d.tokens, d.logits_sha256) == (by_itself.tokens, by_itself.logits_sha256), i
-    leaves = lambda c: kvs.to_leaves(c.kv, eng.config.cache_layers)
+    leaves = lambda c: kvs.to_leaves(c.kv, eng.model_config.cache_layers)
     assert ({k: sha256_bytes(v) for k, v in leaves(d.context).items()}
             == {k: sha256_bytes(v) for k, v in leaves(by_itself.context).items()}), i
 
@@ -132,7 +132,7 @@ def test_a_batch_stays_stacked_between_decodes_and_splits_only_when_a_slot_leave
   leaving = batch.context(1)
   pieces.append(batch.decode(limits[2]))
   assert calls == ['_stack']
-  leaves = lambda c: {k: sha256_bytes(v) for k, v in kvs.to_leaves(c.kv, eng.config.cache_layers)
+  leaves = lambda c: {k: sha256_bytes(v) for k, v in kvs.to_leaves(c.kv, eng.model_config.cache_layers)
                       .items()}
   for i, ctx in enumerate(ctxs):
     alone = eng.decode(ctx, limits[0][i])

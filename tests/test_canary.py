@@ -45,14 +45,11 @@ def test_a_planted_bit_change_is_refused_by_the_canary_not_the_self_check(monkey
   monkeypatch.setattr(functions, 'TANH_P', functions.TANH_P[:-1] + (moved,))
   monkeypatch.setattr(selfcheck, '_RESULTS', {})
   monkeypatch.setenv(verdicts.RECHECK_ENV, '1')  # a patch in memory is no edit of the files
-  canary.check.cache_clear()
-  try:
-    loaded = weights.load('tiny_gemma3', 'random:0', 'float32')
-    with pytest.raises(canary.CanaryError, match=f'spec version {SPEC_VERSION} defines.*without '
-                       'a new SPEC_VERSION'):
-      Engine(loaded, EngineConfig(rows_per_call=8, cache_len=64))
-  finally:
-    canary.check.cache_clear()
+  monkeypatch.setattr(canary, '_CHECKED', {})  # no check of this process answers for it
+  loaded = weights.load('tiny_gemma3', 'random:0', 'float32')
+  with pytest.raises(canary.CanaryError, match=f'spec version {SPEC_VERSION} defines.*without '
+                     'a new SPEC_VERSION'):
+    Engine(loaded, EngineConfig(rows_per_call=8, cache_len=64))
 
 
 def test_a_spec_version_without_digests_is_refused():

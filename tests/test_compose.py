@@ -94,7 +94,7 @@ def test_relocated_rows_are_sha256_equal_to_the_document_computed_shifted(name, 
   # Offsets from 0 past the local window (8) and its ring (32) to the model's context.
   doc = DOCUMENTS[2]
   rows = store.read_document(PREFIX, doc)
-  last = eng.config.max_context - p - len(doc)
+  last = eng.model_config.max_context - p - len(doc)
   for delta in (0, 1, 7, 8, 9, 33, 300, last):
     assert same(composing.placed(eng, rows, p + delta, rerotate=False),
                 shifted(eng, store, doc, delta)), delta
@@ -165,7 +165,7 @@ def test_the_first_layers_of_a_model_compute_what_the_whole_model_does(name):
   seq = draw(50, 5)
   whole, _ = eng.prefill(seq, logits='none')
   cut, _ = early.prefill(seq, logits='none')
-  for j in range(len(early.config.cache_layers)):
+  for j in range(len(early.model_config.cache_layers)):
     for part in ('k', 'v'):
       a, b = getattr(whole.kv.layers[j], part), getattr(cut.kv.layers[j], part)
       assert sha256_bytes(np.asarray(a)) == sha256_bytes(np.asarray(b)), (j, part)

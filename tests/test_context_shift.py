@@ -52,14 +52,14 @@ def test_the_raw_key_stream_is_the_float_engine_and_the_interpreter():
   # (the interpreter's, with keys cached raw), its logits the float engine's, and its raw keys
   # turned by `turn` at their positions are the float engine's cached keys, bit for bit.
   pair = engines('float')
-  assert pair.stream.config.kv_cache_pre_rope and not pair.model.config.kv_cache_pre_rope
+  assert pair.stream.model_config.kv_cache_pre_rope and not pair.model.model_config.kv_cache_pre_rope
   text = tokens(50, seed=1)
   summary = spec_check.run(pair.stream, text, [17])['summary']
   assert summary['kv_equal'] and summary['logits_equal'], summary
   raw, raw_logits = pair.stream.prefill(text, logits='all')
   rotated, logits = pair.model.prefill(text, logits='all')
   assert sha256_bytes(raw_logits) == sha256_bytes(logits)
-  for layer_index, a, b in zip(pair.model.config.cache_layers, raw.kv.layers, rotated.kv.layers):
+  for layer_index, a, b in zip(pair.model.model_config.cache_layers, raw.kv.layers, rotated.kv.layers):
     held = np.asarray(a.positions[0]) != kvs.EMPTY
     positions = np.asarray(a.positions[0])[held]
     turned = context_shift.turn(pair.model, layer_index, np.asarray(a.k[0])[held], positions)
@@ -68,7 +68,7 @@ def test_the_raw_key_stream_is_the_float_engine_and_the_interpreter():
   # Turning back by the same angles nearly undoes the turn, and not exactly: float drift.
   k = np.asarray(rotated.kv.layers[0].k[0])
   by = np.full(len(k), 5, np.int32)
-  first = pair.model.config.cache_layers[0]
+  first = pair.model.model_config.cache_layers[0]
   back = context_shift.turn(pair.model, first, context_shift.turn(pair.model, first, k, by), by,
                             back=True)
   assert np.abs(back - k).max() < 1e-5 and not np.array_equal(back, k)
@@ -109,8 +109,8 @@ def test_a_flipped_bit_in_the_shifted_cache_is_seen():
   kept.write(ctx.kv, 0, WINDOW, 0)
   shifted = context_shift.drop_oldest(ctx, DROP)
   kept.shift(DROP)
-  cache_layers = pair.model.config.cache_layers
-  g = next(i for i, l in enumerate(cache_layers) if pair.model.config.layer_spec(l).window is None)
+  cache_layers = pair.model.model_config.cache_layers
+  g = next(i for i, l in enumerate(cache_layers) if pair.model.model_config.layer_spec(l).window is None)
   layers = list(shifted.kv.layers)
   bits = np.asarray(layers[g].k).view(np.uint32).copy()
   bits[0, 5, 0, 3] ^= 1  # a global layer: it holds every kept token

@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import importlib
 import inspect
+import os
 import pkgutil
 import re
 import typing
@@ -189,3 +190,86 @@ def test_the_checks_fail_on_an_undocumented_name():
   assert ARRAY.search(_signature_text(shapeless)) and not _states_shapes(_doc(shapeless))
   assert SHAPE.search('q [B, T, N, H] float32') and SHAPE.search('-> [V]')
   assert not SHAPE.search("rows [0, n) of ['a', 'b'], w[k]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Annotations: every public function and method of gemma_jax and graft, and every __call__, says
+# the types it takes and gives; the type checker (mypy, configured in pyproject.toml and run by
+# .ci/run) checks them against every body. Its suppressions are few, and each says why.
+
+TYPED_PACKAGES = ('gemma_jax', 'graft')
+MAX_SUPPRESSIONS = 20
+
+
+def _library_sources() -> dict[str, str]:
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = {}
+  for top in TYPED_PACKAGES:
+    for directory, _, names in os.walk(os.path.join(root, top)):
+      for name in names:
+        if name.endswith('.py'):
+          path = os.path.join(directory, name)
+          with open(path) as f:
+            out[os.path.relpath(path, root)] = f.read()
+  return out
+
+
+def unannotated(source: str) -> list[str]:
+  """'line name: what' of every public function or method (of a public class), and every
+  __call__, whose parameters (but self and cls) or return lack an annotation."""
+  found = []
+
+  def visit(node: ast.AST, prefix: str, public: bool) -> None:
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if (public and not child.name.startswith('_')) or child.name == '__call__' or (
+            public and child.name == '__init__'):
+          args = child.args
+          params = (args.posonlyargs + args.args + args.kwonlyargs
+                    + [a for a in (args.vararg, args.kwarg) if a])
+          missing = [a.arg for a in params if a.annotation is None
+                     and a.arg not in ('self', 'cls')]
+          if child.returns is None and child.name != '__init__':
+            missing.append('return')
+          if missing:
+            found.append(f'{child.lineno} {prefix}{child.name}: {missing}')
+      elif isinstance(child, ast.ClassDef):
+        visit(child, f'{prefix}{child.name}.', public and not child.name.startswith('_'))
+
+  visit(ast.parse(source), '', True)
+  return found
+
+
+def test_every_public_function_and_call_is_annotated():
+  missing = {path: found for path, source in _library_sources().items()
+             if (found := unannotated(source))}
+  assert not missing, missing
+
+
+def test_a_missing_annotation_is_found():
+  source = ('def public(x: int):\n  return x\n\nclass Thing:\n'
+            '  def __call__(self, y) -> int:\n    return y\n\n'
+            'def _private(z):\n  return z\n')
+  assert unannotated(source) == ["1 public: ['return']", "5 Thing.__call__: ['y']"]
+
+
+SUPPRESSION = re.compile(r'#\s*type:\s*ignore(\[[^\]]*\])?(.*)$')
+
+
+def suppressions(source: str) -> list[tuple[int, str | None, str]]:
+  """(line, error codes or None, the reason after them) of every `# type: ignore`."""
+  return [(i, m.group(1), m.group(2).lstrip('# ').strip())
+          for i, line in enumerate(source.splitlines(), 1)
+          if (m := SUPPRESSION.search(line))]
+
+
+def test_the_type_checker_is_suppressed_rarely_and_each_time_says_why():
+  found = {path: s for path, source in _library_sources().items() if (s := suppressions(source))}
+  count = sum(len(s) for s in found.values())
+  assert count <= MAX_SUPPRESSIONS, found
+  silent = [(path, line) for path, s in found.items() for line, codes, reason in s
+            if not codes or not reason]
+  assert not silent, f'suppressions without an error code and a reason: {silent}'
+  assert suppressions('x = f()  # type: ignore[arg-type]  # numpy stub') == [
+      (1, '[arg-type]', 'numpy stub')]
+  assert suppressions('x = f()  # type: ignore') == [(1, None, '')]

@@ -52,9 +52,9 @@ def test_an_engine_on_drawn_weights_holds_the_trees_form(mode, dtype):
   loaded = weights.load('tiny_gemma3_wide', 'random:0', dtype)
   config = EngineConfig(mode=mode, rows_per_call=16, attention_tile=16, cache_len=128)
   engine = Engine(loaded, config)
-  made = drawn.place(0, loaded.config, dtype, engine.numerics, None, 'gather')
+  made = drawn.place(0, loaded.config, dtype, engine.layout, None, 'gather')
   from_tree = placement.place_weights(loaded.replace(params=loaded.params), loaded.config,
-                                      engine.numerics, None, 'gather')
+                                      engine.layout, None, 'gather')
   flat, want = tree.flatten(made), tree.flatten(from_tree)
   assert flat.keys() == want.keys()
   for name in want:

@@ -61,7 +61,7 @@ def test_graft_equals_fresh_for_any_split_chunking_and_query(name, split, query_
   # The library is itself fed in arbitrary chunks before being saved; the window (8) is crossed
   # many times over.
   eng = engine(block_size, name)
-  seq_tokens = tokens(split + query_len, seed, eng.config.vocab_size)
+  seq_tokens = tokens(split + query_len, seed, eng.model_config.vocab_size)
   library, query = seq_tokens[:split], seq_tokens[split:]
   _, fresh = eng.extend(eng.empty(), seq_tokens, logits=query_len)
   lib, start = eng.empty(), 0
@@ -88,7 +88,7 @@ def test_graft_is_byte_exact_on_every_family_and_dtype(name, dtype, block_size, 
       engine(block_size, name, dtype, kind)
     return
   eng = engine(block_size, name, dtype, kind)
-  vocab = eng.config.vocab_size
+  vocab = eng.model_config.vocab_size
   for library_len, query_len in [(1, 5), (7, 1), (8, 9), (9, 30), (100, 17)]:
     seq = tokens(library_len + query_len, library_len, vocab)
     fresh, grafted = fresh_and_graft(eng, seq[:library_len], seq[library_len:])
@@ -171,4 +171,36 @@ def test_bad_token_input_is_refused_with_the_reason(bad, message):
 def test_positions_past_the_model_context_are_refused():
   eng = engine(8)
   with pytest.raises(ValueError, match='exceed'):
-    eng.extend(eng.empty(start_position=eng.config.max_context - 2), [5, 6, 7])
+    eng.extend(eng.empty(start_position=eng.model_config.max_context - 2), [5, 6, 7])
+
+
+@functools.lru_cache(maxsize=None)
+def _long_rows():
+  """The rows of a 600-token context, computed where they fit (a 1,024-slot cache)."""
+  big = Engine(loaded(), EngineConfig(mode='pinned', rows_per_call=8, cache_len=1024,
+                                      attention_tile=16))
+  seq = tokens(600, 3)
+  ctx, _ = big.prefill(seq, logits='none')
+  return artifact.rows(big, artifact.capture(big, ctx)), seq
+
+
+@pytest.mark.parametrize('case, message', [
+    ('past cache_len', 'a context of 0 \\+ 600 tokens does not fit the cache of 512 slots; '
+                       'raise cache_len'),
+    ('outside the vocabulary', 'token id 512 at index 1 is outside the vocabulary \\[0, 512\\)'),
+    ('past max_context', 'positions up to 4096 exceed tiny_gemma3\'s context of 4096'),
+])
+def test_a_graft_that_does_not_fit_is_refused_when_it_is_made(case, message):
+  # With the words `extend` refuses the same tokens in, not at the graft's next call.
+  eng = engine(8)
+  rows, seq = _long_rows()
+  if case == 'past cache_len':
+    args = (rows, seq)
+  else:
+    short = [r.prefix(min(r.num_tokens, 5)) for r in rows[:1]]
+    args = (short, [7, 512, 9, 10, 11] if case == 'outside the vocabulary' else seq[:5])
+  start = eng.model_config.max_context - 5 + 1 if case == 'past max_context' else 0
+  with pytest.raises(ValueError, match=message):
+    eng.graft(*args, start_position=start)
+  with pytest.raises(ValueError, match=message):  # extend's words for the same tokens
+    eng.extend(eng.empty(start_position=start), args[1])

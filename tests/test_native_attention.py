@@ -4,7 +4,8 @@ projections' run-time row count (the light engine's fixed call shapes).
 The kernel must give the bits of the NumPy reference of the tiled algorithm
 (gemma_jax.spec.interpreter.tiled_attention) on every instruction-set path and work split, for
 every layout a cache has (slots filled in order, a ring whose positions wrap, empty slots,
-padding rows, a sliding window, a soft-cap, grouped query heads, two sequences), and tiles it
+padding rows, a sliding window, a soft-cap, grouped query heads, two sequences, a decode step
+whose work items transpose their own key tiles), and tiles it
 skips must move no bit: the same rows against a cache with more tiles, with garbage in every
 slot no row sees, give the same bits. Equality is of raw bits.
 """
@@ -34,9 +35,10 @@ def random(seed, shape, scale=1.0):
 
 
 def attend(dot, q, k, v, q_pos, k_pos, *, window, softcap, tile):
-  numerics = Spec(dot=dot)
-  return jax.jit(lambda *a: numerics.attention(*a, window=window, softcap=softcap,
-                                               tile=tile))(q, k, v, q_pos, k_pos)
+  # The tiled attention with a kernel that `attends`: the kernel computes it whole.
+  numerics = Spec(kernel=dot)
+  return jax.jit(lambda *a: tiled_attention.TiledAttention(tile)(
+      *a, window=window, softcap=softcap, numerics=numerics))(q, k, v, q_pos, k_pos)
 
 
 def reference(q, k, v, q_pos, k_pos, **kw):
@@ -66,6 +68,9 @@ CASES = {
     'ring that wraps': (12, 2, 1, 16, 64, 16, 40, 50.0, 'ring'),
     'a tile of odd size': (5, 2, 2, 8, 45, 15, None, None, 'fill'),
     'head dim over one chunk': (3, 2, 1, 320, 64, 32, None, None, 'fill'),
+    # One token's grouped heads: each work item transposes the key tiles it reads itself (a
+    # group's rows are one item); the cases above with more rows than an item share them.
+    'a decode step': (1, 4, 1, 64, 96, 32, None, None, 'fill'),
 }
 
 
@@ -122,7 +127,7 @@ def test_the_engines_two_attentions_agree():
   q_pos = np.arange(41, 50, dtype=np.int32)[None]
   dot = native_dot.make_native_dot()
   fused = attend(dot, q, k, v, q_pos, k_pos, window=16, softcap=20.0, tile=16)
-  numerics = Spec(dot=dot)
+  numerics = Spec(kernel=dot)
   tiled = jax.jit(lambda *a: tiled_attention.tiled_attend(
       *a[:5], window=16, softcap=20.0, tile=16, numerics=numerics.with_zero(a[5])))(
           q, k, v, q_pos, k_pos, jnp.uint32(0))
@@ -184,10 +189,10 @@ def test_the_kernel_turns_keys_as_the_relative_mode_does(path, case):
   want = bits(reference(q, k, v, q_pos, k_pos, k_chunk=256, window=window, softcap=softcap,
                         tile=tile, relative=table))
   dot = native_dot.make_native_dot(path)
-  numerics = Spec(dot=dot)
+  numerics = Spec(kernel=dot)
   scores = rope.RelativeScores(h, base, scale, fraction, numerics)
-  got = jax.jit(lambda *a: numerics.attention(*a, window=window, softcap=softcap, tile=tile,
-                                              relative=scores))(q, k, v, q_pos, k_pos)
+  got = jax.jit(lambda *a: tiled_attention.TiledAttention(tile)(
+      *a, window=window, softcap=softcap, scores=scores, numerics=numerics))(q, k, v, q_pos, k_pos)
   assert np.array_equal(bits(got), want), path
   tiled = jax.jit(lambda *a: tiled_attention.tiled_attend(
       *a[:5], window=window, softcap=softcap, tile=tile,

@@ -228,9 +228,15 @@ def cases() -> dict[str, tuple]:
     for rows, cols, chunk in ((7, 37, 12), (16, 70, 40), (3, 5, 8)):
       out[f'{name} {rows}x{cols}, chunk {chunk}'] = chain_case(kind, rows, cols, chunk,
                                                                rows + cols)
-  out['attention, edge outputs'] = attention_case(2, 1, 5, 6, 2, None, None)
-  out['attention, soft-cap'] = attention_case(4, 2, 20, 8, 3, 30.0, None)
-  out['attention, window'] = attention_case(2, 2, 9, 4, 4, None, 6)
+  attention = {'edge outputs': attention_case(2, 1, 5, 6, 2, None, None),
+               'soft-cap': attention_case(4, 2, 20, 8, 3, 30.0, None),
+               'window': attention_case(2, 2, 9, 4, 4, None, 6),
+               # Whole 16 x 16 blocks of keys and edges past them (the transposition's).
+               'wide keys': attention_case(2, 1, 36, 34, 2, None, None)}
+  for name, case in attention.items():
+    out[f'attention, {name}'] = case
+    # Kind 4: each work item transposes the tiles it reads itself (a decode step's way).
+    out[f'attention, {name}, keys transposed per tile'] = (4, *case[1:])
   return out
 
 
@@ -365,7 +371,7 @@ def test_the_self_checks_edge_probes_pass_on_glibcs_software_fmaf():
   host_compiler()
   code = ('import json; from gemma_jax import numerics; from gemma_jax.kernels import native_dot; '
           'from gemma_jax.spec import selfcheck; print(json.dumps(selfcheck.underflow_failures('
-          'numerics.Spec(dot=native_dot.make_native_dot("portable")), None)))')
+          'numerics.Spec(kernel=native_dot.make_native_dot("portable")), None)))')
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=repo,
                         timeout=600, env={**os.environ, 'PYTHONPATH': repo,

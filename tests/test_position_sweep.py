@@ -91,7 +91,7 @@ def test_relative_rope_caches_unrotated_keys_so_rerotate_moves_positions_only():
   std = engines('relative')['standard']
   seq, _ = std.prefill(tokens(LIBRARY), logits='none')
   rows = kvs.take_rows(seq.kv, 0, LIBRARY)
-  (moved,) = shift.rerotate(std.config, [rows], 7)
+  (moved,) = shift.rerotate(std.model_config, [rows], 7)
   for a, b in zip(rows.k, moved.k):
     assert compare.sha256_bytes(a) == compare.sha256_bytes(b)
   assert all(np.array_equal(p + 7, m) for p, m in zip(rows.positions, moved.positions))
@@ -224,7 +224,7 @@ def test_rerotate_by_zero_changes_at_most_the_sign_of_zeros():
   k0 = rows.k[0].copy()
   k0[0, 0, :2], k0[0, 0, 8] = -0.0, -1.0  # pair 0: (-0, -1)
   rows = kvs.KVRows(rows.start, (k0,) + rows.k[1:], rows.v, rows.positions)
-  (moved,) = shift.rerotate(std.config, [rows], 0)
+  (moved,) = shift.rerotate(std.model_config, [rows], 0)
   before, after = rows.k[0], moved.k[0]
   assert np.array_equal(before, after)  # as numbers
   flipped = np.signbit(before) != np.signbit(after)
@@ -234,7 +234,7 @@ def test_rerotate_by_zero_changes_at_most_the_sign_of_zeros():
 
 
 def test_shifts_refuse_the_wrong_engine_and_out_of_range_positions():
-  std, pre = engines()['standard'].config, engines()['pre_rope'].config
+  std, pre = engines()['standard'].model_config, engines()['pre_rope'].model_config
   seq, _ = engines()['standard'].prefill(tokens(LIBRARY), logits='none')
   rows = [kvs.take_rows(seq.kv, 0, LIBRARY)]
   with pytest.raises(shift.ShiftError, match='before RoPE'):

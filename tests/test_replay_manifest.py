@@ -78,7 +78,7 @@ def test_a_native_manifest_replays_on_eigen_where_no_compiler_is_found(tiny_mani
   done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
   assert done.returncode == 0 and 'all 1 records reproduce' in done.stdout, done.stderr[-3000:]
   said = [line for line in done.stderr.splitlines() if 'native' in line]
-  assert len(said) == 1 and 'C++17 compiler' in said[0] and "replaying on Eigen's" in said[0], (
+  assert len(said) == 1 and 'C++17 compiler' in said[0] and "on Eigen's dots" in said[0], (
       done.stderr[-3000:])
   assert 'Traceback' not in done.stderr
   asked = subprocess.run(command + ['--dot_library=native'], cwd=REPO, env=env,

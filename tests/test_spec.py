@@ -149,8 +149,8 @@ def test_a_global_layer_is_compared_from_its_first_token(monkeypatch):
   from gemma_jax.spec.interpreter import Interpreter
   engine = Engine(weights.load('tiny_gemma3', 'random:0', 'float32'), SMALL)
   tokens = [int(t) for t in np.random.default_rng(4).integers(3, 512, 3 * engine.local_slots)]
-  j, layer = next((j, layer) for j, layer in enumerate(engine.config.cache_layers)
-                  if engine.config.layer_spec(layer).window is None)
+  j, layer = next((j, layer) for j, layer in enumerate(engine.model_config.cache_layers)
+                  if engine.model_config.layer_spec(layer).window is None)
   original = Interpreter.run
 
   def planted(self, *args, **kwargs):
@@ -261,7 +261,7 @@ def test_a_spec_manifest_replays_on_this_machines_kernels_whatever_dots_made_it(
                            **{h: row[h] for h in replay.HASHES}}]}
   tile_scores = Spec.tile_scores
   monkeypatch.setattr(Spec, 'tile_scores', lambda self, q, k: tile_scores(
-      self, q[..., ::-1], k[..., ::-1]) if self.dot is None else tile_scores(self, q, k))
+      self, q[..., ::-1], k[..., ::-1]) if self.kernel is None else tile_scores(self, q, k))
   selfcheck._RESULTS.clear()
   engine, writer = replay._engine(manifest)
   assert engine.engine_config.dot_library == writer.engine_config.dot_library == 'native'

@@ -72,7 +72,7 @@ def test_the_engine_on_the_kernel_computes_what_the_interpreter_computes():
   # the kernel computes them too (chunked), not only attention's tile dots.
   loaded = weights.load('tiny_gemma3_wide', 'random:0', 'float32')
   engine = Engine(loaded, EngineConfig(dot_library='pallas', **SMALL))
-  assert engine.numerics.dot is not None and engine.projection_weights()
+  assert engine.numerics.kernel is not None and engine.projection_weights()
   tokens = [int(t) for t in np.random.default_rng(2).integers(3, 512, 40)]
   result = spec_check.run(engine, tokens, splits=[17])
   summary = result['summary']

@@ -104,7 +104,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_after_it(name):
   # engine the KV of rows 0..r-1 of a block, and their logits, are the same whatever tokens
   # fill the rest of the block (or whether it is filled at all).
   eng = engine(name)
-  vocab = eng.config.vocab_size
+  vocab = eng.model_config.vocab_size
   prefix = tokens(3 * B + 3, 1, vocab)  # ends 3 rows into block 3
   rest_a = tokens(B, 2, vocab)[1:]
   rest_b = tokens(B, 3, vocab)[1:]
@@ -128,7 +128,7 @@ def test_graft_from_the_store_equals_fresh(tmp_path, url_kind, name):
   eng = engine(name)
   url = 'memory://' if url_kind == 'memory' else f'file://{tmp_path}/store/'
   store = Store(url, eng)
-  vocab = eng.config.vocab_size
+  vocab = eng.model_config.vocab_size
   library = tokens(5 * B + 3, 4, vocab)  # a partial last block, crossing the window 5 times
   query = tokens(6, 5, vocab)[1:]
   report = store.put(library)

@@ -19,6 +19,7 @@ import pytest
 from experiments.fault_campaign.damage import forge  # a self-consistent forgery
 from gemma_jax import weights
 from gemma_jax.compare import sha256_bytes
+from gemma_jax.digest import canonical_json
 from graft.engine import Engine, EngineConfig
 from graft.store import Store, blocks, signing
 from graft.store.kvstore import KvStore
@@ -289,11 +290,11 @@ def test_gc_removes_a_dead_writers_objects_once_its_lease_expires(eng):
   store.put(library)
   leftover = f'objects/{"ab" * 32}.{"cd" * 16}'
   store.backing.write(leftover, b'written by a put that was killed')
-  store.backing.write(f'staging/{"ef" * 16}.json', blocks.canonical(
+  store.backing.write(f'staging/{"ef" * 16}.json', canonical_json(
       {'objects': [leftover], 'time': 1000.0}))  # long ago
   live = f'objects/{"12" * 32}.{"34" * 16}'
   store.backing.write(live, b'written by a put still running')
-  store.backing.write(f'staging/{"56" * 16}.json', blocks.canonical(
+  store.backing.write(f'staging/{"56" * 16}.json', canonical_json(
       {'objects': [live], 'time': time.time()}))
   assert store.gc() == {'objects': 1, 'entries': 0}
   assert store.backing.read(leftover) is None and store.backing.read(live) is not None

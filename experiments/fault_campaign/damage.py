@@ -11,7 +11,9 @@ import os
 import numpy as np
 
 from experiments.fault_campaign.world import World, path_keys
+from gemma_jax import kv_state as kvs
 from gemma_jax.config import AttentionType
+from gemma_jax.digest import canonical_json
 from graft.store import Store, blocks
 from graft.store.kvstore import KvStore
 
@@ -123,7 +125,7 @@ def huge_header(kv: KvStore, place: Place, rng) -> tuple[set, str]:
   header = json.loads(data[offset:offset + length])
   leaf = header['leaves'][int(rng.integers(len(header['leaves'])))]
   leaf['shape'] = [int(10 ** rng.integers(6, 13)), 1 << 20, leaf['shape'][-1]]
-  header_bytes = blocks.canonical(header)
+  header_bytes = canonical_json(header)
   kv.write(name, blocks.MAGIC + len(header_bytes).to_bytes(4, 'little') + header_bytes
            + data[offset + length:])
   key = header['key']
@@ -131,7 +133,7 @@ def huge_header(kv: KvStore, place: Place, rng) -> tuple[set, str]:
   entry = json.loads(kv.read(entry_name))
   entry['header_sha256'] = hashlib.sha256(header_bytes).hexdigest()
   entry['object_bytes'] = len(header_bytes) + offset + len(data) - offset - length
-  kv.write(entry_name, blocks.canonical(entry))
+  kv.write(entry_name, canonical_json(entry))
   return {name, entry_name}, f'{name} claims shape {leaf["shape"]}'
 
 
@@ -178,12 +180,12 @@ def forge(store: Store, entry: dict, rng=None) -> set[str]:
   header = json.loads(data[offset:offset + length])
   leaves = blocks.decode_leaves(header, data[offset + length:], offset + length,
                                 global_only=False, layout=store.block_layout)
-  cfg = store.engine.config
+  cfg = store.engine.model_config
   layer = next(i for i in cfg.cache_layers
                if cfg.layer_spec(i).attention_type is AttentionType.GLOBAL)
   leaves = {k: v.copy() for k, v in leaves.items()}
   row = 0 if rng is None else int(rng.integers(len(header['tokens'])))
-  leaves[f'layer_{layer}/k'][row, 0, 0] += np.float32(1e-3)
+  leaves[kvs.leaf_names(layer)[0]][row, 0, 0] += np.float32(1e-3)
   hashed = blocks.hash_leaves(leaves, len(header['tokens']), store.block_layout)
   _, forged, new_header = blocks.encode_block(
       store.namespace, header['parent'], header['parent_header_sha256'], header['start'],

@@ -26,7 +26,7 @@ def process_trial(kind: str, world: World, rng, scratch: str) -> Outcome:
   `scratch`."""
   directory = tempfile.mkdtemp(dir=scratch)
   url, kv = _file_store(world, directory)
-  draw = lambda n: [int(t) for t in rng.integers(3, world.engine.config.vocab_size, n)]
+  draw = lambda n: [int(t) for t in rng.integers(3, world.engine.model_config.vocab_size, n)]
   trial = _kill_put if kind == 'kill_put' else _concurrent_put
   done = trial(world, rng, scratch, directory, url, kv, draw)
   if isinstance(done, Outcome):  # the trial could not run as asked (its store is removed)

@@ -88,7 +88,7 @@ def _huge_header(t: Trial) -> None:
 def _failing_write(t: Trial) -> None:
   # A new context (a composition with a new document) put through a kvstore that fills up
   # part way; then a reader answers it.
-  vocab = t.engine.config.vocab_size
+  vocab = t.engine.model_config.vocab_size
   base = t.context
   if isinstance(base, Composed):
     t.context = extended(base, t.rng, vocab)
@@ -188,7 +188,7 @@ def _repair(t: Trial, context) -> None:
 
 
 def _extended(t: Trial):
-  return extended(t.context, t.rng, t.world.engine.config.vocab_size)
+  return extended(t.context, t.rng, t.world.engine.model_config.vocab_size)
 
 
 def _forgery(t: Trial) -> None:

@@ -125,7 +125,7 @@ def make_world(engine: Engine, rng: np.random.Generator, model_args: list[str],
   with every recompute strategy."""
   if block_kind not in BLOCK_KINDS:
     raise ValueError(f'unknown block kind {block_kind!r}; expected one of {BLOCK_KINDS}')
-  vocab = engine.config.vocab_size
+  vocab = engine.model_config.vocab_size
   B = engine.engine_config.rows_per_call
   draw = lambda n: [int(t) for t in rng.integers(3, vocab, n)]
   contexts = []

@@ -14,8 +14,10 @@ from the config.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from gemma_jax.checkpoints import hf
 from gemma_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Family, TransformerConfig
@@ -67,7 +69,7 @@ def _norm_offset(hf_name: str, config: TransformerConfig) -> float:
   return 1.0 if is_norm and config.family is not Family.GEMMA4 else 0.0
 
 
-def expected_metadata(config: TransformerConfig) -> dict[str, object]:
+def expected_metadata(config: TransformerConfig) -> dict[str, str | int]:
   """The GGUF metadata keys and values a file of `config` must hold (architecture, layer count,
   widths, heads, window)."""
   arch = _ARCH[config.family]
@@ -83,7 +85,7 @@ def expected_metadata(config: TransformerConfig) -> dict[str, object]:
   }
 
 
-def open_reader(path: str):
+def open_reader(path: str) -> Any:
   """A gguf.GGUFReader of `path` (FileNotFoundError, or ValueError naming the file where it is
   not a GGUF)."""
   import gguf  # heavy: only where a GGUF file is read or written
@@ -95,7 +97,7 @@ def open_reader(path: str):
     raise ValueError(f'{path} is not a readable GGUF file ({type(e).__name__}: {e})') from e
 
 
-def check_metadata(reader, config: TransformerConfig, path: str) -> None:
+def check_metadata(reader: Any, config: TransformerConfig, path: str) -> None:
   """Raises ValueError naming every metadata field of the file at `path` that differs from
   `expected_metadata(config)`."""
   for key, want in expected_metadata(config).items():
@@ -109,9 +111,10 @@ def check_metadata(reader, config: TransformerConfig, path: str) -> None:
 
 
 def _dequantize(tensor, rows: int = 8192) -> np.ndarray:
-  """A GGUF tensor as float32, dequantized `rows` rows at a time into one array: gguf's
-  dequantizers hold several temporaries of their input's size, which for the whole 671 MB
-  embedding at once raised the build's peak by about 0.9 GB."""
+  """A GGUF tensor as float32 [rows of the tensor, ...], dequantized `rows` rows at a time into
+  one array: gguf's dequantizers hold several temporaries of their input's size, which for the
+  whole embedding at once raised the build's peak (docs/performance.md, "The build holds one
+  copy")."""
   import gguf  # heavy: only where a GGUF file is read or written
   data = tensor.data
   if tensor.tensor_type == gguf.GGMLQuantizationType.F32 or data.ndim < 2:
@@ -124,7 +127,8 @@ def _dequantize(tensor, rows: int = 8192) -> np.ndarray:
   return out
 
 
-def load_gguf(path: str, config: TransformerConfig, *, dtype=np.float32):
+def load_gguf(path: str, config: TransformerConfig, *,
+              dtype: DTypeLike = np.float32) -> tuple[dict, Tokenizer]:
   """Returns (params, tokenizer) from a GGUF file, dequantized and checked against `config`."""
   import gguf  # heavy: only where a GGUF file is read or written
   reader = open_reader(path)
@@ -141,11 +145,13 @@ def load_gguf(path: str, config: TransformerConfig, *, dtype=np.float32):
       value = value - np.float32(offset)
     tensors[entry.hf_name] = value
   tokenizer = Tokenizer.from_gguf(reader)
-  del reader, by_name  # gguf's reader holds objects per vocabulary entry: ~0.7 GB for Gemma 3
+  # gguf's reader holds objects per vocabulary entry (docs/performance.md: the build's peak)
+  del reader, by_name
   return hf.params_from_hf(tensors, config, source=path, dtype=dtype), tokenizer
 
 
-def save_gguf(params, config: TransformerConfig, path: str, *, tokenizer: Tokenizer) -> None:
+def save_gguf(params: dict, config: TransformerConfig, path: str, *,
+              tokenizer: Tokenizer) -> None:
   """Writes float32 params as a GGUF file the way llama.cpp's converter lays it out (norm
   offsets included), with the tokenizer's vocabulary. Used by the tests and for export."""
   import gguf  # heavy: only where a GGUF file is read or written
@@ -166,9 +172,9 @@ def save_gguf(params, config: TransformerConfig, path: str, *, tokenizer: Tokeni
   writer.add_eos_token_id(EOS_ID)
   writer.add_unk_token_id(UNK_ID)
   writer.add_pad_token_id(PAD_ID)
-  for hf_name, value in hf.params_to_hf(params, config).items():
-    value = np.asarray(value, np.float32) + _norm_offset(hf_name, config)
-    writer.add_tensor(gguf_name(hf_name), value)
+  for hf_name, tensor in hf.params_to_hf(params, config).items():
+    writer.add_tensor(gguf_name(hf_name),
+                      np.asarray(tensor, np.float32) + _norm_offset(hf_name, config))
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()

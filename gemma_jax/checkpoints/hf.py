@@ -13,6 +13,7 @@ import dataclasses
 from typing import Callable, Mapping
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from gemma_jax.checkpoints import tree
 from gemma_jax.config import TransformerConfig
@@ -117,7 +118,7 @@ def entries(config: TransformerConfig) -> list[Entry]:
   return out
 
 
-def params_to_hf(params, config: TransformerConfig) -> dict[str, np.ndarray]:
+def params_to_hf(params: dict, config: TransformerConfig) -> dict[str, np.ndarray]:
   """Every parameter under its HF name, in HF's layout (projections [out, in]; each tensor any
   shape its HF name has)."""
   return {e.hf_name: np.ascontiguousarray(e.to_hf(tree.get(params, e.path, e.part)))
@@ -125,7 +126,7 @@ def params_to_hf(params, config: TransformerConfig) -> dict[str, np.ndarray]:
 
 
 def params_from_hf(tensors: Mapping[str, np.ndarray], config: TransformerConfig, *,
-                   source: str, dtype=np.float32) -> dict:
+                   source: str, dtype: DTypeLike = np.float32) -> dict:
   """Params from HF-named tensors (each any shape its HF name has, converted to the params
   tree's layout, e.g. q_proj [D, N, H]); missing or misshapen tensors raise ValueError naming
   them."""

@@ -27,6 +27,7 @@ import os
 
 import jax
 import numpy as np
+from numpy.typing import DTypeLike
 
 from gemma_jax import model
 from gemma_jax.checkpoints import tree
@@ -76,7 +77,7 @@ def _permutation(internal: str) -> tuple[int, ...] | None:
   return _MODULES.get(module, (None, None))[1]
 
 
-def to_official(params, config: TransformerConfig) -> dict[str, dict[str, np.ndarray]]:
+def to_official(params: dict, config: TransformerConfig) -> dict[str, dict[str, np.ndarray]]:
   """The official flat tree {module key: {leaf name: array}} of `params` (each leaf any shape
   the official layout gives it, e.g. attn/q_einsum/w [N, D, H])."""
   out: dict[str, dict[str, np.ndarray]] = {}
@@ -136,7 +137,8 @@ def _unused_kv_weight(name: str, config: TransformerConfig) -> bool:
           and any(f'/attn/{m}/' in name for m in kv_modules))
 
 
-def from_official(modules: dict, config: TransformerConfig, *, source: str, dtype=np.float32):
+def from_official(modules: dict, config: TransformerConfig, *, source: str,
+                  dtype: DTypeLike = np.float32) -> dict:
   """Params of `config` from the official flat tree; missing, misshapen or surplus weights raise
   ValueError naming them."""
   if any(k == _STACKED or k.startswith(_STACKED + '/') for k in modules):
@@ -184,7 +186,7 @@ def _numpy_restore_args(checkpointer, path: str):
                       is_leaf=lambda x: not isinstance(x, dict))
 
 
-def load_orbax(path: str, config: TransformerConfig, dtype=np.float32):
+def load_orbax(path: str, config: TransformerConfig, dtype: DTypeLike = np.float32) -> dict:
   """Params (a numpy tree in `dtype`) from an official-layout Orbax checkpoint directory."""
   if not os.path.isdir(path):
     raise FileNotFoundError(f'Orbax checkpoint directory not found: {path}')
@@ -200,6 +202,6 @@ def load_orbax(path: str, config: TransformerConfig, dtype=np.float32):
   return from_official(restored, config, source=path, dtype=dtype)
 
 
-def save_orbax_official(params, config: TransformerConfig, path: str) -> None:
+def save_orbax_official(params: dict, config: TransformerConfig, path: str) -> None:
   """Writes params as an Orbax checkpoint in the official layout (`path` must not exist)."""
   _ocp().PyTreeCheckpointer().save(os.path.abspath(path), to_official(params, config))

@@ -8,12 +8,13 @@ drowns an experiment's own progress lines, so calls run at WARNING verbosity.
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Iterator
 
 from absl import logging
 
 
 @contextlib.contextmanager
-def quiet(level=logging.WARNING):
+def quiet(level: int = logging.WARNING) -> Iterator[None]:
   """A context in which absl logs at `level` and above only (Orbax's INFO lines hidden)."""
   previous = logging.get_verbosity()
   logging.set_verbosity(level)
@@ -23,13 +24,13 @@ def quiet(level=logging.WARNING):
     logging.set_verbosity(previous)
 
 
-def raw_checkpointer():
+def raw_checkpointer() -> Any:
   """A PyTree checkpointer that stores arrays uncompressed, in their own dtype."""
   import orbax.checkpoint as ocp  # imported lazily: it is slow to import
   return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
 
-def save(path: str, tree) -> None:
+def save(path: str, tree: Any) -> None:
   """Saves a PyTree of arrays at `path`, uncompressed (`raw_checkpointer`), quietly."""
   with quiet():
     raw_checkpointer().save(path, tree)
@@ -58,7 +59,7 @@ def leaf_file(name: str, ndim: int) -> str:
   return f'{name}/' + '.'.join(['0'] * max(ndim, 1))
 
 
-def restore(path: str):
+def restore(path: str) -> Any:
   """Restores to NumPy arrays (no device placement, any device count)."""
   with quiet():
     return raw_checkpointer().restore(path)

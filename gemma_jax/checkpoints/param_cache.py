@@ -6,16 +6,16 @@ milliseconds. An entry holds each parameter's raw C-order bytes, one file per pa
 column panels, gemma_jax.weights), or as it is; the tokenizer model; and `hashes.json`: the
 format, the BLAKE3 of every stored parameter's bytes, the layout (which parameters are stored in
 panels, and their canonical shapes), the SHA-256 of the canonical parameters (what the model
-fingerprint binds: recorded once, when the entry is built, so that no process hashes 1 GB to
-name its model) and the tokenizer's SHA-256.
+fingerprint binds: recorded once, when the entry is built, so that no process hashes every
+weight to name its model) and the tokenizer's SHA-256.
 
 Writes. An entry is written one parameter at a time, packed, hashed and written before the next
 is packed (the build holds the canonical parameters and one stored copy of one of them), and
 each file in one write: the page cache then holds it in large folios (on a kernel and file
 system that have them, e.g. ext4 since Linux 6.16), which a mapping maps with 2 MB pages. A
 decode step streams every weight once, and with 4 KB pages that is one TLB miss per 4 KB: the
-embedded model decoded about 20% slower from files written in small pieces (by Orbax, before
-this) than from the same weights in anonymous memory (docs/performance.md).
+embedded model decoded slower from files written in small pieces (by Orbax, before this) than
+from the same weights in anonymous memory (docs/performance.md measures both).
 
 Reads. `mapped` maps every parameter file read-only (the OS pages it in as it is used, asked
 for 2 MB pages with MADV_HUGEPAGE, and jax.device_put of a mapped array on a CPU aliases it, so
@@ -41,7 +41,7 @@ import os
 import shutil
 import threading
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 from absl import logging
 import numpy as np
@@ -102,7 +102,7 @@ class Entry:
     return tree.unflatten(flat)
 
 
-def unpack(panels: np.ndarray, shape, name: str) -> np.ndarray:
+def unpack(panels: np.ndarray, shape: tuple[int, ...] | list[int], name: str) -> np.ndarray:
   """A parameter of canonical `shape` from its column panels [O / P, I, P] (see Entry)."""
   if name == OUTPUT_TABLE:  # the panels of the table's transpose [D, V]
     return np.ascontiguousarray(panels.transpose(0, 2, 1)).reshape(shape)
@@ -115,7 +115,7 @@ def unpack(panels: np.ndarray, shape, name: str) -> np.ndarray:
 OUTPUT_TABLE = 'embedder/input_embedding'
 
 
-def save_entry(directory: str, params, tokenizer: Tokenizer,
+def save_entry(directory: str, params: dict, tokenizer: Tokenizer,
                pack: Callable[[dict], tuple[dict, Callable[[str], np.ndarray]]] | None = None
                ) -> None:
   """Writes params (float32, canonical), in the form `pack` stores them, the tokenizer and their
@@ -125,15 +125,15 @@ def save_entry(directory: str, params, tokenizer: Tokenizer,
   every parameter as it is)."""
   flat = {name: np.asarray(leaf, np.float32) for name, leaf in tree.flatten(params).items()}
   layout, stored = pack(flat) if pack else ({}, flat.__getitem__)
-  record = {'format': FORMAT, 'params': {}, 'layout': layout,
-            'params_sha256': tree.params_digest(flat),
-            'tokenizer_sha256': sha256_bytes(np.frombuffer(tokenizer.model_proto, np.uint8))}
+  record: dict[str, Any] = {
+      'format': FORMAT, 'params': {}, 'layout': layout, 'params_sha256': tree.params_digest(flat),
+      'tokenizer_sha256': sha256_bytes(np.frombuffer(tokenizer.model_proto, np.uint8))}
   with files.atomic_directory(directory) as staging:
     os.mkdir(os.path.join(staging, _PARAMS_DIR))
     for name in sorted(flat):
       leaf = np.ascontiguousarray(stored(name))
       with open(os.path.join(staging, _leaf_file(name)), 'wb') as f:
-        f.write(leaf.reshape(-1).view(np.uint8))  # one write: see the module's docstring
+        f.write(leaf.reshape(-1).view(np.uint8).data)  # one write: see the module's docstring
       record['params'][name] = {'dtype': leaf.dtype.name, 'shape': list(leaf.shape),
                                 'blake3': digest.hexdigest('blake3', leaf)}
       del leaf  # the next parameter's stored form is made after this one's is released
@@ -210,7 +210,7 @@ def _map(path: str, dtype: np.dtype, shape: tuple) -> np.ndarray:
   return np.frombuffer(mapping, dtype).reshape(shape)
 
 
-def load_entry(directory: str):
+def load_entry(directory: str) -> tuple[dict, Tokenizer]:
   """(params as a float32 NumPy tree in the canonical layout, tokenizer) from an entry written
   by `save_entry`, verified against its hashes before it returns; raises CacheEntryError naming
   what does not match."""
@@ -265,7 +265,7 @@ def mapped(key: str, build: Callable[[], tuple], root: str | None = None,
   return map_entry(final)
 
 
-def cached(key: str, build: Callable[[], tuple], root: str | None = None):
+def cached(key: str, build: Callable[[], tuple], root: str | None = None) -> tuple[dict, Tokenizer]:
   """Returns (params, tokenizer) for `key` in the canonical layout, verified, building and
   caching them on a miss or when the cached entry fails verification."""
   entry = mapped(key, build, root)

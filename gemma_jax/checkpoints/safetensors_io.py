@@ -21,6 +21,7 @@ from typing import Mapping
 
 import ml_dtypes
 import numpy as np
+from numpy.typing import DTypeLike
 import safetensors.numpy  # the library's own writer, so files are what HF tools expect
 
 from gemma_jax.checkpoints import hf
@@ -183,7 +184,8 @@ def _unused_kv_weight(name: str, config: TransformerConfig) -> bool:
   return parts[3] == 'self_attn' and parts[4] in ('k_proj', 'v_proj', 'k_norm', 'v_norm')
 
 
-def load_safetensors(path: str, config: TransformerConfig, dtype=np.float32):
+def load_safetensors(path: str, config: TransformerConfig,
+                     dtype: DTypeLike = np.float32) -> dict:
   """Params (a numpy tree in `dtype`) from a .safetensors file or a directory of shards.
 
   Raises ValueError naming the problem: a config.json of another architecture, a missing tensor,
@@ -204,7 +206,8 @@ def load_safetensors(path: str, config: TransformerConfig, dtype=np.float32):
   return hf.params_from_hf(tensors, config, source=path, dtype=dtype)
 
 
-def save_safetensors(params, config: TransformerConfig, path: str, *, dtype=None) -> None:
+def save_safetensors(params: dict, config: TransformerConfig, path: str, *,
+                     dtype: DTypeLike | None = None) -> None:
   """Writes params under HF names to one .safetensors file with the safetensors library, in
   `dtype` (default: as they are; `ml_dtypes.bfloat16` arrays are written as BF16)."""
   tensors = {}

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping
+from typing import Any, Iterable, Mapping
 
 import jax
 import numpy as np
+from numpy.typing import DTypeLike
 
 from gemma_jax import model
+from gemma_jax.config import TransformerConfig
 
 
 def _key(entry) -> str:
   return str(getattr(entry, 'key', getattr(entry, 'idx', entry)))
 
 
-def flatten(params) -> dict[str, np.ndarray]:
+def flatten(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
   """{'layers/0/attn/q_einsum/w': array, ...}, sorted by name (each leaf any shape: the
   parameter's own)."""
   flat = {'/'.join(_key(k) for k in path): leaf
@@ -23,24 +25,24 @@ def flatten(params) -> dict[str, np.ndarray]:
   return dict(sorted(flat.items()))
 
 
-def params_digest(params) -> str:
+def params_digest(params: Mapping[str, Any]) -> str:
   """SHA-256 over every parameter: name, dtype, shape and raw bytes, in sorted name order (a
   tree or a flat {name: array}). What the model fingerprint binds."""
   return digest_of(flatten(params).items())  # a flat tree's '/' names are its own
 
 
-def digest_of(named) -> str:
+def digest_of(named: Iterable[tuple[str, Any]]) -> str:
   """`params_digest` of (name, array) pairs given in sorted name order, one at a time (so that
   they need not all be held at once: graft.engine.drawn)."""
   h = hashlib.sha256()
   for name, leaf in named:
     array = np.ascontiguousarray(np.asarray(leaf))
     h.update(f'{name}|{array.dtype.name}|{array.shape}|'.encode())
-    h.update(array.reshape(-1).view(np.uint8))  # the bytes in place, not a copy
+    h.update(array.reshape(-1).view(np.uint8).data)  # the bytes in place, not a copy
   return h.hexdigest()
 
 
-def unflatten(flat: Mapping[str, np.ndarray]) -> dict:
+def unflatten(flat: Mapping[str, Any]) -> dict:
   """The nested params tree of a flat {'layers/0/...': array} (`flatten`'s inverse; numeric
   parts become int keys, as the NNX state has them; leaves of any shape, unchanged)."""
   out: dict = {}
@@ -53,7 +55,7 @@ def unflatten(flat: Mapping[str, np.ndarray]) -> dict:
   return out
 
 
-def get(params, path: tuple, part: tuple[int, int] | None = None) -> np.ndarray:
+def get(params: Mapping[str, Any], path: tuple, part: tuple[int, int] | None = None) -> np.ndarray:
   """The leaf at `path` (any shape), or its slice `index` along `axis` when
   part = (axis, index)."""
   node = params
@@ -63,7 +65,8 @@ def get(params, path: tuple, part: tuple[int, int] | None = None) -> np.ndarray:
   return leaf if part is None else np.take(leaf, part[1], axis=part[0])
 
 
-def assemble(leaves: Mapping[tuple, np.ndarray], config, *, source: str, dtype) -> dict:
+def assemble(leaves: Mapping[tuple, np.ndarray], config: TransformerConfig, *, source: str,
+             dtype: DTypeLike) -> dict:
   """Builds the params tree of `config` from leaves keyed by (path, part): part None for a whole
   leaf, (axis, index) for slices that are stacked along `axis` (e.g. the gate and up halves of
   gate_up_proj); each leaf of any shape, checked against `abstract_params(config)`. Missing

@@ -48,7 +48,7 @@ COMMON_FLAGS = ('-O3', '-std=c++17', '-fPIC', '-ffp-contract=off', '-fno-fast-ma
 # and isa.cc compiles them (tests/test_architecture.py checks the C++ against this).
 ISAS = ('auto', 'portable', 'avx2', 'avx512', 'neon')
 # path name (of ISAS) -> its compiler flags, per machine architecture.
-PATHS = {
+PATHS: dict[str, dict[str, tuple[str, ...]]] = {
     'x86_64': {'portable': (), 'avx2': ('-mavx2', '-mfma'), 'avx512': ('-mavx512f', '-mfma')},
     'aarch64': {'portable': (), 'neon': ()},
 }
@@ -112,7 +112,7 @@ def constants_header() -> str:
   cos's), generated from gemma_jax/spec/functions.py, their one home. Each is written as the
   exact decimal of the binary64 that Python holds; the kernels round it to binary32 as NumPy
   does (attention.h `C`)."""
-  values = {'kExpLo': fn.EXP_LO, 'kExpHi': fn.EXP_HI, 'kLog2e': fn.LOG2E, 'kLn2Hi': fn.LN2_HI,
+  values: dict[str, float | tuple[float, ...]] = {'kExpLo': fn.EXP_LO, 'kExpHi': fn.EXP_HI, 'kLog2e': fn.LOG2E, 'kLn2Hi': fn.LN2_HI,
             'kLn2Lo': fn.LN2_LO, 'kExpP': fn.EXP_P, 'kTanhSmall': fn.TANH_SMALL,
             'kTanhP': fn.TANH_P, 'kTwoOverPi': fn.TWO_OVER_PI, 'kPio2Parts': fn.PIO2_PARTS,
             'kSinP': fn.SIN_P, 'kCosP': fn.COS_P}

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gemma_jax import sharding
 from gemma_jax.kernels import native_build
@@ -145,6 +145,10 @@ class NativeDot:
     """Whether `attend` computes attention whole here (not on a mesh: its calls stay whole)."""
     return not self.partitioned
 
+  def on_mesh(self, mesh: Mesh | None) -> 'NativeDot':
+    """This kernel partitioned by XLA's partitioner where it runs on a mesh (`partitioned`)."""
+    return dataclasses.replace(self, partitioned=mesh is not None)
+
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
              k_pos: jax.Array, *, window: int | None, softcap: float | None, tile: int,
              chunk: int, relative: tuple | None = None) -> jax.Array:
@@ -207,8 +211,8 @@ def _partitioned(call, rule: str, keep: str):
   names = [part.split() for part in operands.split(',')]
   out_names = result.split()
 
-  def shardings(mesh, arg_shapes):
-    axes = {}
+  def shardings(mesh: Mesh, arg_shapes: tuple) -> tuple[tuple[NamedSharding, ...], NamedSharding]:
+    axes: dict[str, str] = {}
     for factors, shape in zip(names, arg_shapes):
       spec = tuple(shape.sharding.spec) + (None,) * (len(factors) - len(shape.sharding.spec))
       for factor, axis in zip(factors, spec):

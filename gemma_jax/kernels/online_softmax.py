@@ -16,6 +16,7 @@ from jax import lax
 
 # The initial running max is gemma_jax.numerics.MASKED: being finite keeps exp(m_old - m_new)
 # finite for rows that have seen nothing.
+from gemma_jax import kv_state as kvs
 from gemma_jax.numerics import MASKED
 
 # q [bq, H] . k [tile, H] contracting H; p [bq, tile] . v [tile, H] contracting the slots.
@@ -27,18 +28,15 @@ _PRECISION = lax.Precision.HIGHEST
 
 
 def visible_slots(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
-  """[bq, tile] bool from q_pos [bq, 1] (or [bq, tile]) and k_pos [1, tile] (or [tile... 2-D]).
-
-  The reference mask (gemma_jax.attention.attention_mask): a slot is visible iff it holds a token
-  (k_pos >= 0) at or before the query's position and, on sliding-window layers, less than
-  `window` positions before it. A padding row (q_pos = -1) sees nothing."""
-  visible = (k_pos >= 0) & (k_pos <= q_pos)
-  if window is not None:
-    visible = visible & ((q_pos - k_pos) < window)
-  return visible
+  """[bq, tile] bool from q_pos [bq, 1] (or [bq, tile]) and k_pos [1, tile] (or [tile... 2-D]):
+  the visibility rule (gemma_jax.kv_state.visible)."""
+  return kvs.visible(q_pos, k_pos, window)
 
 
-def initial_state(block_q: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+State = tuple[jax.Array, jax.Array, jax.Array]  # (m [bq, 1], l [bq, 1], acc [bq, H])
+
+
+def initial_state(block_q: int, head_dim: int) -> State:
   """The state before any tile: running max m [bq, 1] (MASKED), row sum l [bq, 1] and
   accumulator acc [bq, H], float32 (bq = block_q, H = head_dim)."""
   return (jnp.full((block_q, 1), MASKED, jnp.float32),
@@ -58,8 +56,8 @@ def any_visible(visible: jax.Array) -> jax.Array:
   return jnp.max(jnp.max(jnp.where(visible, 1.0, 0.0), axis=1), axis=0) > 0.0
 
 
-def fold_tile(state, q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
-              softcap: float | None):
+def fold_tile(state: State, q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
+              softcap: float | None) -> State:
   """Folds one tile into the running state. q [bq, H], k, v [tile, H], visible [bq, tile].
 
   Masked entries contribute exactly 0 (`where(visible, exp(s - m), 0)`, not exp(MASKED - m)),
@@ -82,7 +80,7 @@ def fold_tile(state, q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
   return (jnp.where(seen, m_next, m), jnp.where(seen, l_next, l), jnp.where(seen, acc_next, acc))
 
 
-def finish(state) -> jax.Array:
+def finish(state: State) -> jax.Array:
   """acc / l, float32 [bq, H]. A row that saw nothing (a padding row) has l = 0 and acc = 0 and
   yields 0, finite. A row that saw something has l >= 1 (its max contributes exp(0))."""
   _, l, acc = state

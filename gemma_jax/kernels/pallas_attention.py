@@ -68,10 +68,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.typing import DTypeLike
 
 from gemma_jax.kernels import online_softmax as osm
 from gemma_jax.sizes import round_up
@@ -101,7 +103,7 @@ class BlockConfig:
       raise ValueError(f'block sizes must be positive: {self}')
 
 
-def default_block_config(platform: str, head_dim: int, dtype, *, tile_size: int | None = None,
+def default_block_config(platform: str, head_dim: int, dtype: DTypeLike, *, tile_size: int | None = None,
                          block_q: int | None = None) -> BlockConfig:
   """The block shapes for a backend, head dim and dtype (see the module docstring)."""
   itemsize = jnp.dtype(dtype).itemsize
@@ -309,22 +311,32 @@ class PallasAttention:
   tile_size: int | None = None
   block_q: int | None = None
 
-  def block_config(self, head_dim: int, dtype) -> BlockConfig:
+  def block_config(self, head_dim: int, dtype: DTypeLike) -> BlockConfig:
     """The resolved blocks for a layer: what an engine fingerprint should record."""
     return default_block_config(self.platform, head_dim, dtype, tile_size=self.tile_size,
                                 block_q=self.block_q)
 
-  def blocks(self, head_dims, dtype) -> dict:
+  def blocks(self, head_dims: tuple[int, ...], dtype: DTypeLike) -> dict:
     """{head dim: resolved BlockConfig as a dict} (an engine fingerprints these)."""
     return {str(h): dataclasses.asdict(self.block_config(h, dtype)) for h in sorted(head_dims)}
 
-  def slot_multiple(self, head_dims, dtype) -> int:
+  def slot_multiple(self, head_dims: tuple[int, ...], dtype: DTypeLike) -> int:
     """The largest KV tile: caches that are a multiple of it are never padded by a copy."""
     return max(self.block_config(h, dtype).tile_size for h in head_dims)
 
+  @property
+  def tile(self) -> int | None:
+    """None: the kernel walks every tile of the cache, skipping what no row sees itself."""
+    return None
+
+  def reading(self, max_tiles: int | None) -> 'PallasAttention':
+    """Itself: the kernel skips unseen tiles on its own."""
+    del max_tiles
+    return self
+
   def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                k_pos: jax.Array, *, window: int | None, softcap: float | None,
-               scores=None, numerics=None) -> jax.Array:
+               scores: Callable | None = None, numerics: object = None) -> jax.Array:
     del numerics  # the kernel's own fixed order (gemma_jax/kernels/online_softmax.py)
     if scores is not None:
       raise ValueError('the Pallas kernel computes plain q . k scores; a RoPE mode with its own '

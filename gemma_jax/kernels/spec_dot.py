@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import Mesh
 
 from gemma_jax import numerics
 from gemma_jax.sizes import next_power_of_two, round_up
@@ -91,14 +93,36 @@ class SpecDot:
     """Weights stay [I, O] (no panel layout)."""
     return False
 
+  @property
+  def attends(self) -> bool:
+    """False: attention runs as the tiled XLA ops, its dots through this kernel."""
+    return False
+
+  def on_mesh(self, mesh: Mesh | None) -> 'SpecDot':
+    """Itself: XLA partitions a Pallas call as it does any custom call."""
+    del mesh
+    return self
+
+  def matmul_packed(self, x: jax.Array, panels: jax.Array, chunk: int,
+                    rows: jax.Array | None = None) -> jax.Array:
+    """x [M, I] @ panels [O / P, I, P]: never called, this kernel packs no weight (`packs`)."""
+    raise NotImplementedError('the spec dot kernel keeps weights [I, O]')
+
+  def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+             k_pos: jax.Array, *, window: int | None, softcap: float | None, tile: int,
+             chunk: int, relative: tuple | None = None) -> jax.Array:
+    """q [B, T, N, H] over k, v [B, S, K, H]: never called, this kernel does not compute
+    attention whole (`attends`)."""
+    raise NotImplementedError('the spec dot kernel computes the tiled attention\'s dots only')
+
   def tile_scores(self, q: jax.Array, k: jax.Array, chunk: int) -> jax.Array:
     """q [B, K, R, H] . k [B, K, n, S, H] -> [B, K, n, R, S], over H in chunks added in order."""
     q = jnp.broadcast_to(q[:, :, None], k.shape[:3] + q.shape[-2:])
-    acc = None
-    for j in range(q.shape[-1] // chunk):
-      qj, kj = q[..., j * chunk:(j + 1) * chunk], k[..., j * chunk:(j + 1) * chunk]
-      part = self._batched(qj, jnp.swapaxes(kj, -1, -2))
-      acc = part if acc is None else acc + part
+    part = lambda j: self._batched(q[..., j * chunk:(j + 1) * chunk],
+                                   jnp.swapaxes(k[..., j * chunk:(j + 1) * chunk], -1, -2))
+    acc = part(0)
+    for j in range(1, q.shape[-1] // chunk):
+      acc = acc + part(j)
     return acc
 
   def tile_values(self, p: jax.Array, v: jax.Array) -> jax.Array:
@@ -110,6 +134,9 @@ class SpecDot:
     lead = a.shape[:-2]
     out = self(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
     return out.reshape(*lead, *out.shape[-2:])
+
+
+Fma = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (a, b, c) -> a * b + c, once rounded
 
 
 def fma_emulated(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
@@ -156,7 +183,7 @@ def fma_ptx(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
   return out
 
 
-def fma_flushed_in_code(fma):
+def fma_flushed_in_code(fma: Fma) -> Fma:
   """`fma` (an FMA that flushes tiny results and reads subnormal inputs as zero, by tininess
   before or after rounding) giving the spec's result under either rule: s = fma(a 2^24, b,
   c 2^24) rounds the exact result times 2^24 at 24 bits in the normal range, so where
@@ -202,7 +229,7 @@ def spec_dot(a: jax.Array, b: jax.Array, *, config: SpecDot) -> jax.Array:
   b = jnp.pad(b, ((0, 0), (cp - c, 0), (0, np_ - n)))
   compiler_params = None
   if config.interpret:
-    fma = fma_emulated
+    fma: Fma = fma_emulated
   else:
     from jax.experimental.pallas import triton as pltriton  # Pallas's GPU backend: only on a GPU
     fma = fma_ptx

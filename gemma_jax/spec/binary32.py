@@ -22,6 +22,7 @@ import functools
 import os
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from gemma_jax.sizes import chunk_size
 
@@ -61,23 +62,26 @@ class Ops:
   """The operations of gemma_jax.spec.functions, on NumPy binary32 arrays."""
 
   @staticmethod
-  def const(x) -> np.ndarray:
-    """x as a binary32 value. Elementwise over arrays of any shape."""
-    return F32(x)
+  def const(x: ArrayLike) -> np.ndarray | np.float32:
+    """x as a binary32 value (a scalar stays a scalar). Elementwise over arrays of any
+    shape."""
+    values = np.asarray(x, F32)
+    return values[()] if values.ndim == 0 else values
+
 
   @staticmethod
-  def add(a, b):
+  def add(a: ArrayLike, b: ArrayLike) -> np.ndarray:
     """a + b, rounded to binary32, flushed. Elementwise over arrays of any shape."""
     with np.errstate(over='ignore', invalid='ignore'):
       return flush(np.add(a, b, dtype=F32))
 
   @staticmethod
-  def sub(a, b):
+  def sub(a: ArrayLike, b: ArrayLike) -> np.ndarray:
     """a - b, rounded to binary32, flushed. Elementwise over arrays of any shape."""
     return flush(np.subtract(a, b, dtype=F32))
 
   @staticmethod
-  def mul(a, b):
+  def mul(a: ArrayLike, b: ArrayLike) -> np.ndarray:
     """a * b, rounded once to binary32 (also below 2^-126), flushed. Elementwise over arrays of any shape."""
     with np.errstate(over='ignore'):
       r = flush(np.multiply(a, b, dtype=F32))
@@ -85,7 +89,7 @@ class Ops:
     return _tiny(r, lambda: (np.multiply(a, b, dtype=F64) * _SCALE).astype(F32))
 
   @staticmethod
-  def div(a, b):
+  def div(a: ArrayLike, b: ArrayLike) -> np.ndarray:
     """a / b, rounded to binary32, flushed. Elementwise over arrays of any shape."""
     with np.errstate(divide='ignore', invalid='ignore', over='ignore'):
       r = flush(np.divide(a, b, dtype=F32))
@@ -94,53 +98,53 @@ class Ops:
       return _tiny(r, lambda: (np.divide(a, b, dtype=F64) * _SCALE).astype(F32))
 
   @staticmethod
-  def sqrt(a):
+  def sqrt(a: ArrayLike) -> np.ndarray:
     """The square root of a, correctly rounded to binary32, flushed. Elementwise over arrays of any shape."""
     return flush(np.sqrt(a, dtype=F32))
 
   @staticmethod
-  def neg(a):
+  def neg(a: ArrayLike) -> np.ndarray:
     """-a (exact). Elementwise over arrays of any shape."""
     return np.negative(a, dtype=F32)
 
   @staticmethod
-  def abs(a):
+  def abs(a: ArrayLike) -> np.ndarray:
     """|a| (exact). Elementwise over arrays of any shape."""
     return np.abs(a).astype(F32)
 
   @staticmethod
-  def min(a, b):
+  def min(a: ArrayLike, b: ArrayLike) -> np.ndarray:
     """The smaller of a and b (exact). Elementwise over arrays of any shape."""
     return np.minimum(a, b, dtype=F32)
 
   @staticmethod
-  def max(a, b):
+  def max(a: ArrayLike, b: ArrayLike) -> np.ndarray:
     """The larger of a and b (exact). Elementwise over arrays of any shape."""
     return np.maximum(a, b, dtype=F32)
 
   @staticmethod
-  def floor(a):
+  def floor(a: ArrayLike) -> np.ndarray:
     """The largest integer <= a, as binary32 (exact). Elementwise over arrays of any shape."""
     return np.floor(a).astype(F32)
 
   @staticmethod
-  def lt(a, b):
+  def lt(a: ArrayLike, b: ArrayLike) -> np.ndarray:
     """a < b (bool). Elementwise over arrays of any shape."""
     return np.less(a, b)
 
   @staticmethod
-  def where(mask, a, b):
+  def where(mask: ArrayLike, a: ArrayLike, b: ArrayLike) -> np.ndarray:
     """a where mask holds, else b. Elementwise over arrays of any shape."""
     return np.where(mask, a, b).astype(F32)
 
   @staticmethod
-  def ldexp(y, n):
+  def ldexp(y: ArrayLike, n: ArrayLike) -> np.ndarray:
     """y * 2^n for integer n, built from the exponent bits (flushed). Elementwise over arrays of any shape."""
     scale = ((np.asarray(n).astype(np.int32) + 127) << 23).astype(np.int32).view(F32)
     return flush(np.multiply(y, scale, dtype=F32))
 
   @staticmethod
-  def quadrant(k):
+  def quadrant(k: ArrayLike) -> np.ndarray:
     """k mod 4 of integer-valued k (the quadrant of a reduced angle), as integers. Elementwise over arrays of any shape."""
     return np.asarray(k).astype(np.int64) & 3
 
@@ -148,7 +152,7 @@ class Ops:
 OPS = Ops()
 
 
-def fma(a, b, c) -> np.ndarray:
+def fma(a: ArrayLike, b: ArrayLike, c: ArrayLike) -> np.ndarray:
   """a * b + c, rounded once (binary32 arrays of any shape, broadcast), then flushed."""
   p = np.multiply(np.asarray(a, F64), np.asarray(b, F64))
   return _round_sum(p, np.asarray(c, F64))
@@ -224,10 +228,9 @@ def chunked_dot(x: np.ndarray, w: np.ndarray, k_chunk: int) -> np.ndarray:
   I <= k_chunk), each a `dot` chain, the chunk results added in chunk order."""
   k = x.shape[1]
   c = chunk_size(k, k_chunk) if k > k_chunk else k
-  acc = None
-  for j in range(k // c):
-    part = dot(x[:, j * c:(j + 1) * c], w[j * c:(j + 1) * c])
-    acc = part if acc is None else OPS.add(acc, part)
+  acc = dot(x[:, :c], w[:c])
+  for j in range(1, k // c):
+    acc = OPS.add(acc, dot(x[:, j * c:(j + 1) * c], w[j * c:(j + 1) * c]))
   return acc
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import decimal
 import functools
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -53,7 +54,61 @@ SIN_P = (-1.9515295891e-4, 8.3321608736e-3, -1.6666654611e-1)
 COS_P = (2.443315711809948e-5, -1.388731625493765e-3, 4.166664568298827e-2)
 
 
-def _horner(o, coefficients, x):
+# A binary32 array of the backend's kind: NumPy's (gemma_jax.spec.binary32) or XLA's
+# (gemma_jax.numerics); the functions below are written over either.
+Value = Any
+
+
+class Backend(Protocol):
+  """The operations a backend provides (see the module's docstring)."""
+
+  def const(self, x: Any) -> Value:
+    """x rounded to binary32. Elementwise (any shape)."""
+
+  def add(self, a: Value, b: Value) -> Value:
+    """a + b. Elementwise (any shape)."""
+
+  def sub(self, a: Value, b: Value) -> Value:
+    """a - b. Elementwise (any shape)."""
+
+  def mul(self, a: Value, b: Value) -> Value:
+    """a * b, never contracted with a later add. Elementwise (any shape)."""
+
+  def div(self, a: Value, b: Value) -> Value:
+    """a / b. Elementwise (any shape)."""
+
+  def sqrt(self, a: Value) -> Value:
+    """The square root of a. Elementwise (any shape)."""
+
+  def neg(self, a: Value) -> Value:
+    """-a (exact). Elementwise (any shape)."""
+
+  def abs(self, a: Value) -> Value:
+    """|a| (exact). Elementwise (any shape)."""
+
+  def min(self, a: Value, b: Value) -> Value:
+    """The smaller of a and b. Elementwise (any shape)."""
+
+  def max(self, a: Value, b: Value) -> Value:
+    """The larger of a and b. Elementwise (any shape)."""
+
+  def floor(self, a: Value) -> Value:
+    """The largest integer <= a (exact). Elementwise (any shape)."""
+
+  def lt(self, a: Value, b: Value) -> Value:
+    """a < b, a mask. Elementwise (any shape)."""
+
+  def where(self, mask: Value, a: Value, b: Value) -> Value:
+    """a where mask holds, else b. Elementwise (any shape)."""
+
+  def ldexp(self, y: Value, n: Value) -> Value:
+    """y * 2^n for integral n (exact). Elementwise (any shape)."""
+
+  def quadrant(self, k: Value) -> Value:
+    """Integral k mod 4, as integers. Elementwise (any shape)."""
+
+
+def _horner(o: Backend, coefficients: Sequence[float], x: Value) -> Value:
   """((c0 x + c1) x + c2) ...: a multiply, then an add, per coefficient after the first."""
   p = o.const(coefficients[0])
   for c in coefficients[1:]:
@@ -61,7 +116,7 @@ def _horner(o, coefficients, x):
   return p
 
 
-def exp(o, x):
+def exp(o: Backend, x: Value) -> Value:
   """e^x over backend `o`: Cody-Waite reduction by ln 2, Cephes expf's polynomial, then
   scaling by 2^n (x of any shape, clamped to [EXP_LO, EXP_HI])."""
   x = o.max(o.min(x, o.const(EXP_HI)), o.const(EXP_LO))
@@ -73,7 +128,7 @@ def exp(o, x):
   return o.ldexp(y, n)
 
 
-def tanh(o, x):
+def tanh(o: Backend, x: Value) -> Value:
   """tanh x over backend `o`: an odd polynomial for |x| < TANH_SMALL, else
   1 - 2 / (e^(2|x|) + 1) with x's sign (any shape)."""
   z = o.mul(x, x)
@@ -84,7 +139,7 @@ def tanh(o, x):
   return o.where(o.lt(o.abs(x), o.const(TANH_SMALL)), small, big)
 
 
-def gelu(o, x):
+def gelu(o: Backend, x: Value) -> Value:
   """GELU's tanh approximation, x * 0.5 * (1 + tanh(GELU_C (x + GELU_A x^3))), over backend
   `o` (any shape)."""
   cube = o.mul(o.mul(x, x), x)
@@ -92,7 +147,7 @@ def gelu(o, x):
   return o.mul(x, o.mul(o.const(0.5), o.add(o.const(1.0), tanh(o, inner))))
 
 
-def sin_cos(o, angle):
+def sin_cos(o: Backend, angle: Value) -> tuple[Value, Value]:
   """(sin, cos) of float32 angles over backend `o`: reduction by pi/2 in PIO2_PARTS, Cephes
   sinf / cosf polynomials, the quadrant's signs (any shape; exact reduction for
   |angle| < 2^19 pi/2)."""
@@ -111,18 +166,18 @@ def sin_cos(o, angle):
   return sin, cos
 
 
-def reciprocal(o, d):
+def reciprocal(o: Backend, d: Value) -> Value:
   """1 / d, correctly rounded: a division by a value shared across a row (a constant, a row's
   sum) is a multiplication by this (XLA rewrites such divisions so; the spec says it)."""
   return o.div(o.const(1.0), d)
 
 
-def softcap(o, x, cap: float):
+def softcap(o: Backend, x: Value, cap: float) -> Value:
   """tanh(x * (1 / cap)) * cap."""
   return o.mul(tanh(o, o.mul(x, reciprocal(o, o.const(cap)))), o.const(cap))
 
 
-def rsqrt(o, x):
+def rsqrt(o: Backend, x: Value) -> Value:
   """1 / sqrt(x): two correctly rounded operations (no reciprocal-square-root estimate, whose
   bits each CPU vendor defines its own way)."""
   return o.div(o.const(1.0), o.sqrt(x))

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable, Sequence
 
 import numpy as np
 
-from gemma_jax.config import AttentionType, TransformerConfig
+from gemma_jax import kv_state as kvs
+from gemma_jax.config import LayerSpec, TransformerConfig
 from gemma_jax.numerics import MASKED
 from gemma_jax.sizes import round_up
 from gemma_jax.spec import binary32 as b32
@@ -56,9 +58,9 @@ class Interpreter:
   """The reference for one model and the engine geometry that decides the order of sums:
   k_chunk and small (contractions), tile and rows_per_call (attention's slot layout)."""
 
-  def __init__(self, config: TransformerConfig, params, *, k_chunk: int = 256,
+  def __init__(self, config: TransformerConfig, params: dict, *, k_chunk: int = 256,
                small: int = 65536, tile: int = 256, rows_per_call: int = 256,
-               progress=None):
+               progress: Callable[[str], None] | None = None):
     if config.rope_mode not in ROPE_MODES:
       raise ValueError("the interpreter computes RoPE 'float' (rotated keys cached, or raw keys "
                        "rotated at every read: kv_cache_pre_rope) and 'relative' (unrotated "
@@ -72,7 +74,7 @@ class Interpreter:
     self.k_chunk, self.small, self.tile = k_chunk, small, tile
     self.rows_per_call = rows_per_call
     self.progress = progress or (lambda message: None)
-    self._table_t = None
+    self._table_t: np.ndarray | None = None
 
   # Contractions and norms -----------------------------------------------------------------------
 
@@ -122,15 +124,15 @@ class Interpreter:
 
   # Attention --------------------------------------------------------------------------------------
 
-  def slots(self, spec, num_tokens: int) -> int:
+  def slots(self, spec: LayerSpec, num_tokens: int) -> int:
     """The slots a layer of LayerSpec `spec` has for `num_tokens` tokens, in whole tiles: the
     ring a call of rows_per_call rows needs on a local layer, every token on a global one."""
-    if spec.attention_type is AttentionType.LOCAL:
+    if spec.window is not None:  # a local layer (global ones have none)
       return round_up(spec.window + self.rows_per_call - 1, self.tile)
     return round_up(num_tokens, self.tile)
 
-  def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, spec,
-             offset_table=None) -> np.ndarray:
+  def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, spec: LayerSpec,
+             offset_table: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """q [T, N, H] (scaled), k, v [T, K, H] -> [T, N, H] (gemma_jax.tiled_attention under the
     spec). q and k are rotated by their positions, or, with `offset_table` (sin, cos [T, H/2]
     of offsets 0 .. T - 1), unrotated and scored from offsets (the relative mode)."""
@@ -142,13 +144,11 @@ class Interpreter:
     t = np.arange(t_len)[:, None]
     s = np.arange(slots)[None, :]
     index = s + slots * ((t - s) // slots)  # the latest index <= t held in slot s
-    visible = (index >= 0) & (index <= t)
-    if spec.window is not None:
-      visible &= (t - index) < spec.window
+    visible: np.ndarray = kvs.visible(t, index, spec.window)  # the rule over sequence indices
     index = np.where(visible, index, 0)
     cap = self.config.attn_logits_softcap
     tiles = slots // self.tile
-    saw = visible.reshape(t_len, tiles, self.tile).any(axis=2)  # [T, tiles]
+    saw = np.asarray(visible.reshape(t_len, tiles, self.tile).any(axis=2))  # [T, tiles]
     out = np.zeros((t_len, num_kv, groups, head_dim), F32)
     for kh in range(num_kv):
       rows = q[:, kh * groups:(kh + 1) * groups]
@@ -199,19 +199,19 @@ class Interpreter:
 
   # The model --------------------------------------------------------------------------------------
 
-  def run(self, tokens, logit_rows=()) -> Output:
+  def run(self, tokens: Sequence[int], logit_rows: Sequence[int] = ()) -> Output:
     """The KV state and logits of `tokens` (T ids from position 0), computed whole: an Output
     with every cache layer's k, v [T, K, H] float32 and the float32 logits [V] of each row in
     `logit_rows`."""
     cfg, p = self.config, self.p
-    tokens = np.asarray(tokens, np.int64)
-    positions = np.arange(len(tokens))
+    ids = np.asarray(tokens, np.int64)
+    positions = np.arange(len(ids))
     table = p['embedder']['input_embedding']
-    x = O.mul(table[tokens], F32(math.sqrt(cfg.embed_dim)))
+    x = O.mul(table[ids], F32(math.sqrt(cfg.embed_dim)))
     per_layer = None
     if cfg.per_layer_embed_dim:
       e = p['embedder']
-      by_token = O.mul(e['per_layer_embeddings'][tokens], F32(math.sqrt(cfg.per_layer_embed_dim)))
+      by_token = O.mul(e['per_layer_embeddings'][ids], F32(math.sqrt(cfg.per_layer_embed_dim)))
       by_context = O.mul(self.dense(x, e['per_layer_model_projection']['w']),
                          F32(cfg.embed_dim ** -0.5))
       by_context = self.norm(by_context, e['per_layer_projection_norm']['scale'])
@@ -278,14 +278,16 @@ class Interpreter:
     family does."""
     if self._table_t is None:
       self._table_t = np.ascontiguousarray(self.p['embedder']['input_embedding'].T)
-    logits = self.matmul(rows, self._table_t)
+    table = self._table_t
+    logits = self.matmul(rows, table)
     cap = self.config.final_logit_softcap
     return fn.softcap(O, logits, cap) if cap is not None else logits
 
 
 def tiled_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
                     k_pos: np.ndarray, *, window: int | None, softcap: float | None, tile: int,
-                    k_chunk: int = 256, relative=None) -> np.ndarray:
+                    k_chunk: int = 256,
+                    relative: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
   """The spec's tiled attention for slots at any positions (gemma_jax.tiled_attention, and the
   native kernel that computes it whole): q [T, N, H] (scaled), k, v [S, K, H], q_pos [T], k_pos
   [S] (int; -1: a padding row, an empty slot) -> [T, N, H] float32. Slot s is visible to a row
@@ -301,9 +303,7 @@ def tiled_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarr
   groups, n = num_heads // num_kv, num_slots // tile
   row_pos = np.repeat(np.asarray(q_pos), groups)[:, None]  # row r = token r // G, head r % G
   k_pos = np.asarray(k_pos)[None]
-  visible = (k_pos >= 0) & (k_pos <= row_pos)
-  if window is not None:
-    visible &= (row_pos - k_pos) < window
+  visible = kvs.visible(row_pos, k_pos, window)
   out = np.zeros((t_len, num_kv, groups, head_dim), F32)
   for kh in range(num_kv):
     rows = q[:, kh * groups:(kh + 1) * groups].reshape(t_len * groups, head_dim)

@@ -21,11 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma_jax import host, rope, sharding, verdicts
-from gemma_jax.numerics import flush_in_code
+from gemma_jax.numerics import FixedOrder, Numerics, Spec, flush_in_code
 from gemma_jax.sharding import to_host
 from gemma_jax.spec import binary32 as b32
 from gemma_jax.spec import functions as fn
 from gemma_jax.spec.interpreter import Interpreter, tiled_attention
+from gemma_jax.stored import Panels, Weight, WeightLayout
+from gemma_jax.tiled_attention import TiledAttention
 
 
 class SpecError(ValueError):
@@ -74,7 +76,7 @@ def _differ(name: str, got, want, against: str = 'the spec') -> str | None:
   return f'{name}: {np.mean(got != want):.1%} of the checked outputs differ from {against}'
 
 
-def elementwise_failures(numerics, compiler_options) -> list[str]:
+def elementwise_failures(numerics: Spec, compiler_options: dict | None) -> list[str]:
   """The spec's functions through the engine's numerics against binary32."""
   x = np.concatenate([_inputs(1, (4096,), s) for s in (0.05, 1.0, 6.0, 40.0)]
                      + [np.asarray([0.624, 0.625, -0.625, 87.5, -87.5, 89.0, -89.0], np.float32)])
@@ -111,7 +113,7 @@ UNDERFLOW_EDGE = (np.float32(1 - 2 ** -23), np.float32((1 + 2 ** -23) * 2 ** -12
 SKIP_UNDERFLOW_ENV = 'GEMMA_JAX_SELFCHECK_EMULATED'
 
 
-def underflow_failures(numerics, compiler_options) -> list[str]:
+def underflow_failures(numerics: Spec, compiler_options: dict | None) -> list[str]:
   """The product at UNDERFLOW_EDGE through the engine's multiply and as the first term of a
   contraction chain (a weight above the pairwise threshold, as the engine stores it), against
   binary32: a machine that flushes by tininess before rounding is refused here, by name."""
@@ -123,9 +125,12 @@ def underflow_failures(numerics, compiler_options) -> list[str]:
   w = np.zeros((2, n), np.float32)
   w[0] = b
 
+  # The weight as a spec engine of this kernel stores it (gemma_jax.stored).
+  layout = WeightLayout(numerics.kernel, numerics.small)
+
   def probe(zero, x, w):
     ops = numerics.with_zero(zero)
-    return ops._ops().mul(x[0, :1], w[0, :1]), ops.dense(x, ops.stored(w), 2, n)
+    return ops._ops().mul(x[0, :1], w[0, :1]), ops.dense(x, layout.stored(w), 2, n)
 
   product, chain = jax.jit(probe, compiler_options=compiler_options)(jnp.uint32(0), x, w)
   want = b32.OPS.mul(x[0, :1], w[0, :1])
@@ -135,22 +140,27 @@ def underflow_failures(numerics, compiler_options) -> list[str]:
               b32.matmul(x, w, k_chunk=numerics.k_chunk, small=numerics.small))) if f]
 
 
-def _logical(w) -> tuple[int, int]:
-  """(I, O) of a weight stored [I, O] or in the native kernels' panels [O / P, I, P]."""
-  return (w.shape[1], w.shape[0] * w.shape[2]) if w.ndim == 3 else tuple(w.shape)
+def _logical(w: Weight) -> tuple[int, int]:
+  """(I, O) of a weight stored [I, O] or as a kernel's Panels [O / P, I, P]."""
+  if isinstance(w, Panels):
+    return w.data.shape[1], w.data.shape[0] * w.data.shape[2]
+  return w.shape[0], w.shape[1]
 
 
-def _weight_columns(w: np.ndarray, cols: np.ndarray) -> np.ndarray:
-  """Columns `cols` [I, len(cols)] of a weight stored [I, O] or in panels [O / P, I, P]."""
-  if w.ndim == 3:
-    return w[cols // w.shape[2], :, cols % w.shape[2]].T
-  return w[:, cols]
+def _weight_columns(w: Weight, cols: np.ndarray) -> np.ndarray:
+  """Columns `cols` [I, len(cols)] of a weight stored [I, O] or as Panels [O / P, I, P], on
+  the host."""
+  if isinstance(w, Panels):
+    panels = to_host(w.data)
+    return panels[cols // panels.shape[2], :, cols % panels.shape[2]].T
+  return to_host(w)[:, cols]
 
 
-def matmul_failures(numerics, compiler_options, weights: dict[str, np.ndarray],
+def matmul_failures(numerics: FixedOrder, compiler_options: dict | None,
+                    weights: dict[str, Weight],
                     rows: tuple[int, ...], head_rows: tuple[int, ...]) -> list[str]:
-  """numerics.dense of rows x [M, I] against each named weight (as the engine stores it:
-  `numerics.stored`), for every M in rows (head_rows for the 'output_table'), against the
+  """numerics.dense of rows x [M, I] against each named weight (in the form the engine stores
+  it: gemma_jax.stored), for every M in rows (head_rows for the 'output_table'), against the
   spec's contraction (on a sample of columns)."""
   xs = {(name, m): _inputs(m * 7 + len(name), (m, _logical(w)[0]))
         for name, w in weights.items()
@@ -162,7 +172,7 @@ def matmul_failures(numerics, compiler_options, weights: dict[str, np.ndarray],
     out = {}
     for i, (key, x) in enumerate(xs.items()):
       n, w = numerics.with_zero(zeros[i]), ws[key[0]]
-      out[key] = n.dense(x, n.materialize(w) if key[0] != 'output_table' else w,
+      out[key] = n.dense(x, jax.tree.map(n.materialize, w) if key[0] != 'output_table' else w,
                          *_logical(w))
     return out
 
@@ -172,7 +182,7 @@ def matmul_failures(numerics, compiler_options, weights: dict[str, np.ndarray],
   for name in weights:
     # The spec computes each output row on its own, so one reference call per weight holds
     # the sampled rows of every row count (a chain per row and column either way).
-    w = to_host(weights[name])
+    w = weights[name]
     k, n = _logical(w)
     cols, keys = _columns(n), [key for key in xs if key[0] == name]
     samples = [_rows(m) for _, m in keys]
@@ -188,7 +198,8 @@ def matmul_failures(numerics, compiler_options, weights: dict[str, np.ndarray],
   return failures
 
 
-def attention_failures(numerics, compiler_options, *, head_dims, rows, tile: int,
+def attention_failures(numerics: FixedOrder, compiler_options: dict | None, *,
+                       head_dims: tuple[int, ...], rows: tuple[int, ...], tile: int,
                        kv_heads: int) -> list[str]:
   """Attention's per-tile dots (scores over H, p . v over a tile's slots) for every row count
   against sequential FMA chains (on a sample of rows), in the engine's layout [B, K, n, R, H]
@@ -223,12 +234,13 @@ def attention_failures(numerics, compiler_options, *, head_dims, rows, tile: int
   return failures
 
 
-def fused_attention_failures(numerics, compiler_options, *, head_dims, tile: int,
+def fused_attention_failures(numerics: FixedOrder, compiler_options: dict | None, *,
+                             head_dims: tuple[int, ...], tile: int,
                              kv_heads: int, groups: int, softcap: float | None,
-                             relative=None) -> list[str]:
-  """Attention computed whole by the numerics' kernel (`numerics.attention`, the engine's path
-  where its call shapes follow the run-time length) against the spec's tiled algorithm
-  (gemma_jax.spec.interpreter.tiled_attention): rows at the end of a context that fills a tile
+                             relative: tuple[float, float, float] | None = None) -> list[str]:
+  """Attention computed whole by the numerics' kernel (the tiled attention where its kernel
+  `attends`: the engine's path where its call shapes follow the run-time length) against the
+  spec's tiled algorithm (gemma_jax.spec.interpreter.tiled_attention): rows at the end of a context that fills a tile
   and a half of a two-tile cache, with and without a sliding window of half a tile, the model's
   soft-cap, every head compared. relative: the model's RoPE (base, scale, rotary fraction) where
   it runs the relative mode, whose scores the kernel then computes (turning every key)."""
@@ -239,13 +251,14 @@ def fused_attention_failures(numerics, compiler_options, *, head_dims, tile: int
     fill = tile + tile // 2
     k_pos = np.where(np.arange(2 * tile) < fill, np.arange(2 * tile), -1).astype(np.int32)[None]
     q_pos = np.arange(fill - 5, fill, dtype=np.int32)[None]
-    scores = table = None
+    scores, table = None, None
     if relative is not None:
-      scores = rope.RelativeScores(h, *relative, numerics)
-      table = Interpreter.angles(np.arange(2 * tile), h, *relative)
+      base, scale, fraction = relative
+      scores = rope.RelativeScores(h, base, scale, fraction, numerics)
+      table = Interpreter.angles(np.arange(2 * tile), h, base, scale, fraction)
     for window in (None, max(tile // 2, 1)):
-      got = jax.jit(lambda *a, w=window: numerics.with_zero(a[5]).attention(
-          *a[:5], window=w, softcap=softcap, tile=tile, relative=scores),
+      got = jax.jit(lambda *a, w=window: TiledAttention(tile)(
+          *a[:5], window=w, softcap=softcap, scores=scores, numerics=numerics.with_zero(a[5])),
           compiler_options=compiler_options)(q, k, v, q_pos, k_pos, jnp.uint32(0))
       want = tiled_attention(q[0], k[0], v[0], q_pos[0], k_pos[0], window=window,
                              softcap=softcap, tile=tile, k_chunk=numerics.k_chunk,
@@ -257,7 +270,8 @@ def fused_attention_failures(numerics, compiler_options, *, head_dims, tile: int
   return failures
 
 
-def row_dependence_failures(numerics, compiler_options, weights: dict[str, np.ndarray],
+def row_dependence_failures(numerics: Numerics, compiler_options: dict | None,
+                            weights: dict[str, np.ndarray],
                             rows: tuple[int, ...]) -> list[str]:
   """The pinned engine's premise, without the spec: a row's numerics.matmul against each weight
   is the same whatever the number of rows in the call. For every M in rows, an M-row call's first
@@ -303,11 +317,12 @@ def row_dependence_failures(numerics, compiler_options, weights: dict[str, np.nd
   return failures
 
 
-def run_rows(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...]) -> None:
+def run_rows(numerics: Numerics, compiler_options: dict | None, *, weights: dict,
+             rows: tuple[int, ...]) -> None:
   """Raises RowDependenceError naming every probe where a row's bits follow its call's row
   count in this process's configuration."""
   key = ('rows', numerics, tuple(sorted((compiler_options or {}).items())),
-         tuple((n, tuple(w.shape)) for n, w in sorted(weights.items())), rows,
+         tuple((n, _logical(w)) for n, w in sorted(weights.items())), rows,
          jax.device_count(), _xla_flags(), host.intra_op_threads())
   failures = _cached(key, lambda: row_dependence_failures(numerics, compiler_options, weights,
                                                           rows))
@@ -324,16 +339,18 @@ def _rows(m: int) -> np.ndarray:
   return np.unique(np.r_[0:min(4, m), max(m - 4, 0):m])
 
 
-def run(numerics, compiler_options, *, weights: dict, rows: tuple[int, ...],
+def run(numerics: Spec, compiler_options: dict | None, *, weights: dict,
+        rows: tuple[int, ...],
         head_rows: tuple[int, ...], attention_rows: tuple[int, ...], head_dims: tuple[int, ...],
         tile: int, kv_heads: int, groups: int = 1, softcap: float | None = None,
-        relative=None) -> None:
+        relative: tuple[float, float, float] | None = None) -> None:
   """Raises SpecError naming every probe whose bits differ from the spec's. Attention is probed
   as the engine computes it: its per-tile dots for every row count in attention_rows and, where
-  the numerics' kernel computes it whole (`runs_by_length`), that too."""
-  whole = numerics.runs_by_length
-  key = (numerics, getattr(numerics, 'dot', None), tuple(sorted((compiler_options or {}).items())),
-         tuple((n, tuple(w.shape)) for n, w in sorted(weights.items())), rows, head_rows,
+  the numerics' kernel computes it whole (its kernel `attends`), that too."""
+  whole = numerics.kernel is not None and numerics.kernel.attends
+  key = (numerics, tuple(sorted((compiler_options or {}).items())),
+         tuple((n, _logical(w), isinstance(w, Panels)) for n, w in sorted(weights.items())),
+         rows, head_rows,
          attention_rows, head_dims, tile, kv_heads,
          (groups, softcap, relative) if whole else (),
          jax.device_count(), _xla_flags(), host.intra_op_threads(),

@@ -16,106 +16,128 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gemma_jax import attention as attention_lib
-from gemma_jax import executables
+from gemma_jax import compilation_cache, executables
 from gemma_jax import kv_state as kvs
 from gemma_jax import model
-from gemma_jax import rope
 from gemma_jax import sampling
 from gemma_jax import sharding
 from gemma_jax.config import EOS_ID
-from gemma_jax.sizes import next_power_of_two
+from gemma_jax.model import Params
+from gemma_jax.stored import Weight
 from gemma_jax.weights import LoadedModel
 from graft.engine import fingerprint, placement, plans
 from graft.engine.batch import Batch
-from graft.engine.config import EngineConfig
-from graft.engine.context import Context, Decoded, call_inputs, sample
+from graft.engine.config import EngineConfig, resolve_engine_config
+from graft.engine.context import Context, Decoded, Place, call_inputs, sample
 from graft.engine.shared import shared
 
 
-# A cache of at most this many slots is read whole by every call of a tiled attention (one
-# executable per call shape, not one per tile count: the tiny models of the tests); a larger one
-# reads the tiles that hold the context. Neither changes a bit (`Engine._tiles_for`).
-WHOLE_CACHE_SLOTS = 1024
+class Compiled(Protocol):
+  """An engine's jitted function (`jitted`, the jax.jit function): called like it, lowered like
+  it, and asked to start obtaining its executable for some argument shapes ahead of the call."""
+
+  jitted: Any
+
+  def __call__(self, *args: Any) -> Any: ...
+
+  def lower(self, *args: Any) -> Any:
+    """The jitted function's lowering for these arguments (graft/engine/lowering.py)."""
+    ...
+
+  def preload(self, *args: Any, compile: bool = False) -> None:
+    """Starts obtaining the executable for arguments of these shapes, in the background (with
+    `compile`, compiling it where none is saved)."""
+    ...
+
+
+class Unsaved:
+  """A jitted function as it is (no saved executables: `Compiled.preload` does nothing)."""
+
+  def __init__(self, jitted: Any):
+    self.jitted = jitted  # a jax.jit function
+
+  def __call__(self, *args: Any) -> Any:
+    return self.jitted(*args)
+
+  def lower(self, *args: Any) -> Any:
+    """The jitted function's lowering."""
+    return self.jitted.lower(*args)
+
+  def preload(self, *args: Any, compile: bool = False) -> None:
+    """Nothing to obtain ahead: the call compiles."""
+    del args, compile
 
 
 class Engine:
   """Runs a loaded model under an EngineConfig, through its plan (graft.engine.plans)."""
 
-  def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, *,
-               kernel_platform: str | None = None, canary: bool = True):
-    """kernel_platform: the platform the attention kernel is built for ('cpu', 'gpu', 'tpu';
-    None: the default backend's). Naming one this host does not have gives an engine whose
-    functions lower for that platform (graft/engine/lowering.py) but do not run. canary: whether
-    a spec engine's build runs its checks, the self-check and the canary (graft/engine/canary.py;
-    False only for the canary's own engine, whose digest is its check)."""
-    config = config or EngineConfig()
+  def __init__(self, loaded: LoadedModel, engine_config: EngineConfig | None = None, *,
+               kernel_platform: str | None = None, checks: bool = True):
+    """engine_config: what is asked for (None: the defaults), resolved here
+    (`resolve_engine_config`: a resolved config resolves to itself). kernel_platform: the
+    platform the attention kernel is built for ('cpu', 'gpu', 'tpu'; None: the default
+    backend's). Naming one this host does not have gives an engine whose functions lower for
+    that platform (graft/engine/lowering.py) but do not run. checks: whether the plan's checks
+    run when the engine is built (the spec engine's self-check and canary,
+    graft/engine/canary.py; False only for the canary's own engine, whose digest is its
+    check)."""
+    compilation_cache.use_default()  # before the engine compiles anything
+    config = resolve_engine_config(loaded.config, engine_config)
     if sharding.xla_flags() != config.xla_flags:
       raise ValueError(f'the engine config needs XLA_FLAGS={config.xla_flags!r} but the process '
                        f'has {sharding.xla_flags()!r}; set it before starting Python')
-    plan_class = plans.plan_class(config.mode)
-    if config.attention is None:
-      supported = rope.get_mode(loaded.config.rope_mode).attention
-      preferred = plan_class.default_attention
-      config = dataclasses.replace(config, attention=preferred if preferred in supported
-                                   else 'xla')
-    if config.dot_library is None:
-      config = dataclasses.replace(config, dot_library=plan_class.default_dot_library())
-    rope.check_attention(loaded.config.rope_mode, config.attention)
     self.loaded = loaded
-    self.config = loaded.config
+    self.model_config = loaded.config
     self.engine_config = config
-    self.runs_canary = canary
-    self.plan = plan_class(config)
-    self._attention_fn = attention_lib.build(config.attention, config.attention_tile,
-                                             kernel_platform)
-    head_dims = tuple(sorted({self.config.layer_spec(i).head_dim
-                              for i in range(self.config.num_layers)}))
-    self._kernel_blocks = self._attention_fn.blocks(head_dims, self.dtype)
-    multiple = self._attention_fn.slot_multiple(head_dims, self.dtype)
-    self._cache_slots = self.plan.cache_slots(multiple)
-    self._local_slots = self.plan.local_slots(self.config, multiple)
-    # (tiles read or None, with logits) -> jitted call, shared by the engines of this model and
-    # config (an XLA:CPU executable of the 270M holds ~160 MB: docs/performance.md).
-    self._held = []  # what this engine shares with others of its model (`shared`)
-    self._steps = shared(self._held, loaded, ('steps', config, kernel_platform), dict)
+    self.runs_checks = checks
     # On a mesh: parameters placed by the layout, the KV state over KV heads and sequences,
     # and (layout 'gather') every row-parallel projection's input gathered whole.
     self.mesh = sharding.make_mesh(sharding.parse_mesh(config.mesh)) if config.mesh else None
-    self.numerics = self.plan.numerics_on(kernel_platform).on_mesh(
-        self.mesh if config.mesh_layout == 'gather' else None)
-    # Whether the numerics' kernels do only a call's run-time length of work: then a byte-exact
-    # plan's calls have one of two shapes (a decode step, or rows_per_call rows) and attention
-    # reads the whole cache, whatever the lengths met (a fixed set of executables).
-    self.by_length = self.plan.byte_exact and self.numerics.runs_by_length
-    # Weights placed on the mesh and in the form the numerics read them (the native kernels'
-    # panels; else as loaded), shared with every other engine of this model that places and
-    # stores them alike.
-    held_as = (config.mesh, config.mesh_layout, self.numerics.storage)
+    self.plan = plans.plan_class(config.mode)(config, kernel_platform, self.mesh)
+    self._attention_fn = attention_lib.build(plans.decided(config.attention),
+                                             config.attention_tile, kernel_platform)
+    head_dims = tuple(sorted({self.model_config.layer_spec(i).head_dim
+                              for i in range(self.model_config.num_layers)}))
+    self._kernel_blocks = self._attention_fn.blocks(head_dims, self.dtype)
+    multiple = self._attention_fn.slot_multiple(head_dims, self.dtype)
+    self._cache_slots = self.plan.cache_slots(multiple)
+    self._local_slots = self.plan.local_slots(self.model_config, multiple)
+    # (tiles read or None, with logits) -> jitted call, shared by the engines of this model and
+    # config (an executable holds much memory once loaded: docs/performance.md, "The light
+    # engine").
+    self._held: list[Any] = []  # what this engine shares with others of its model (`shared`)
+    self._steps: dict[tuple[int | None, bool], Compiled] = shared(
+        self._held, loaded, ('steps', config, kernel_platform), dict)
+    # The arithmetic with its kernel (on the mesh), and the form the weights are stored in.
+    self.numerics = self.plan.running_numerics
+    self.layout = self.plan.layout
+    # Weights placed on the mesh and in their stored form (gemma_jax.stored: the native
+    # kernels' panels, the output table; else as loaded), shared with every other engine of
+    # this model that places and stores them alike.
+    held_as = (config.mesh, config.mesh_layout, self.layout.storage)
     self._params = shared(self._held, loaded, ('params', held_as), lambda: placement.place_weights(
-        loaded, self.config, self.numerics, self.mesh, config.mesh_layout))
-    # The numerics' output table where they read one ('transposed'): the embedding itself,
-    # stored as the [D, V] table or its panels (graft.engine.placement), one array for both.
-    table = self._params['embedder']['input_embedding']
-    abstract = isinstance(table, jax.ShapeDtypeStruct)  # an engine that lowers, never runs
-    self._output_table = table if self.numerics.output_table == 'transposed' else None
+        loaded, self.model_config, self.layout, self.mesh, config.mesh_layout))
+    abstract = isinstance(jax.tree.leaves(self._params)[0], jax.ShapeDtypeStruct)  # lowers only
 
-    def head(params, output_table, hidden, rows, count):
+    def head(params: Params, hidden: jax.Array, rows: jax.Array,
+             count: jax.Array) -> jax.Array:
       # hidden [B, T, D], rows [R] -> logits [1, R, V] of those rows of the B x T rows (row
       # b * T + t: slot b's row t; gathered inside the jit, before the output table); count:
       # how many of the rows are wanted (the rest are padding, which a kernel may skip).
       # The run-time zero of the numerics' barriers: row indices are never negative.
-      numerics = self.numerics.with_zero((rows[0] < 0).astype(jnp.uint32)).with_rows(count)
+      numerics = self.numerics.bind(dataclasses.replace(
+          self.numerics.call, zero=(rows[0] < 0).astype(jnp.uint32), rows=count))
       with jax.default_matmul_precision(config.matmul_precision):
         flat = hidden.reshape(1, -1, hidden.shape[-1])
-        return model.compute_logits(params, self.config, jnp.take(flat, rows, axis=1),
-                                    numerics, output_table)
+        return model.compute_logits(params, self.model_config, jnp.take(flat, rows, axis=1),
+                                    numerics)
 
     self._weights_checked = False
     self._head_fn = head
@@ -133,39 +155,38 @@ class Engine:
       self.loaded.check()
       self._weights_checked = True
 
-  def head_function(self):
-    """The jitted logits call (params, output table, hidden [B, T, D], rows [R] of the B x T,
-    count: the first rows wanted, int32) -> logits [1, R, V] (the output table:
-    `output_table`)."""
+  def head_function(self) -> Compiled:
+    """The jitted logits call (params, hidden [B, T, D], rows [R] of the B x T, count: the
+    first rows wanted, int32) -> logits [1, R, V], against the embedding as stored (the tied
+    table or the output table: `params`)."""
     return self._head
 
   @property
-  def output_table(self) -> jax.Array | None:
-    """The numerics' [D, V] output table when it is not the tied embedding (None)."""
-    return self._output_table
+  def params(self) -> Params:
+    """The engine's weights, placed and in their stored form (gemma_jax.stored): what its
+    functions take first."""
+    return self._params
 
-  def step_function(self, tiles: int | None = None, with_logits: bool = False):
-    """The jitted transformer call (params, output table, tokens [B, T], positions [B, T], kv)
-    -> (hidden [B, T, D], kv[, logits [1, B T, V]]) whose attention reads the first `tiles` KV
-    tiles (None: the whole cache). with_logits: a call that also returns the logits of all its
-    rows (a decode step of one row per slot: the same ops as the call then the head, one
-    dispatch instead of two).
-    The output table (`output_table`) is an argument, never a closed-over constant: a constant
-    would be compiled into the executable (hundreds of MB in the persistent cache, slower to
-    load than to compile). The KV state is donated: XLA updates the cache in place; callers'
-    contexts stay valid because a context that may be used again is copied first (see extend's
-    `consume`)."""
+  def step_function(self, tiles: int | None = None, with_logits: bool = False) -> Compiled:
+    """The jitted transformer call (params, tokens [B, T], positions [B, T], kv) -> (hidden
+    [B, T, D], kv[, logits [1, B T, V]]) whose attention reads the first `tiles` KV tiles (None:
+    the whole cache). with_logits: a call that also returns the logits of all its rows (a
+    decode step of one row per slot: the same ops as the call then the head, one dispatch
+    instead of two).
+    The weights (`params`) are an argument, never closed-over constants: a constant would be
+    compiled into the executable (docs/performance.md says what that costs). The KV state is
+    donated: XLA updates the cache in place; callers' contexts stay valid because a context that
+    may be used again is copied first (see extend's `consume`)."""
     key = (tiles, with_logits)
     if key not in self._steps:
-      attention_fn = self._attention_fn
-      if tiles is not None:
-        attention_fn = attention_fn.reading(tiles)
+      attention_fn = self._attention_fn.reading(tiles)
       precision, numerics = self.engine_config.matmul_precision, self.numerics
 
-      def step(params, output_table, tokens, positions, kv):
+      def step(params: Params, tokens: jax.Array, positions: jax.Array,
+               kv: kvs.KVState) -> tuple:
         with jax.default_matmul_precision(precision):
-          hidden, kv = model.forward(params, self.config, tokens, positions, kv, attention_fn,
-                                     numerics)
+          hidden, kv = model.forward(params, self.model_config, tokens, positions, kv,
+                                     attention_fn, numerics)
         if not with_logits:
           return hidden, kv
         # Every row, from a value the compiler cannot know (fill is never negative, so the
@@ -173,65 +194,61 @@ class Engine:
         # head's run-time zero, and with it every barrier of the head).
         count = tokens.size
         rows = jnp.minimum(kv.fill[:1], 0) + jnp.arange(count, dtype=jnp.int32)
-        return hidden, kv, self._head_fn(params, output_table, hidden, rows, jnp.int32(count))
+        return hidden, kv, self._head_fn(params, hidden, rows, jnp.int32(count))
 
       self._steps[key] = self._compiled(
-          'step', jax.jit(step, donate_argnums=(4,), compiler_options=self.plan.compiler_options),
+          'step', jax.jit(step, donate_argnums=(3,), compiler_options=self.plan.compiler_options),
           tiles=tiles, with_logits=with_logits)
     return self._steps[key]
 
   def _preload(self) -> None:
-    """By length, starts obtaining the executables of the calls every use of an engine makes in
-    the background, while the engine is checked and its caller gets on
-    (gemma_jax.executables.Saved.preload): a block and a logits call, loaded or compiled, and a
-    decode step, loaded where saved."""
-    if not self.by_length:
-      return
+    """Starts obtaining, in the background, the executables the plan names
+    (`Plan.preloads`: by length, the calls every use of an engine makes), while the engine is
+    checked and its caller gets on (gemma_jax.executables.Saved.preload)."""
     rows, i32 = self.max_rows, jnp.int32
     kv = jax.eval_shape(self.empty_kv)
-    weights = (self._params, self._output_table)
     block, decode = (jax.ShapeDtypeStruct((1, t), i32) for t in (rows, 1))
-    functions = [(self.step_function(None), (*weights, block, block, kv), True),
-                 (self._head, (*weights, jax.ShapeDtypeStruct((1, rows, self.config.embed_dim),
-                                                              self.dtype),
-                               jax.ShapeDtypeStruct((plans.HEAD_ROWS,), i32),
-                               jax.ShapeDtypeStruct((), i32)), True),
-                 (self.step_function(None, with_logits=True), (*weights, decode, decode, kv),
-                  False)]
-    for function, args, compile in functions:
-      if hasattr(function, 'preload'):
-        function.preload(*args, compile=compile)
+    head_rows = self.plan.logits_calls(1)[0][1]
+    calls = {
+        'block': lambda: (self.step_function(None), (self._params, block, block, kv)),
+        'head': lambda: (self._head, (
+            self._params, jax.ShapeDtypeStruct((1, rows, self.model_config.embed_dim),
+                                               self.dtype),
+            jax.ShapeDtypeStruct((head_rows,), i32), jax.ShapeDtypeStruct((), i32))),
+        'decode': lambda: (self.step_function(None, with_logits=True),
+                           (self._params, decode, decode, kv)),
+    }
+    for name, compile in self.plan.preloads:
+      function, args = calls[name]()
+      function.preload(*args, compile=compile)
 
-  def _compiled(self, name: str, jitted, **variant):
+  def _compiled(self, name: str, jitted, **variant) -> Compiled:
     """`jitted`, its executables saved ahead of time and loaded by later processes
-    (gemma_jax.executables), keyed by everything it closes over; as it is on a mesh (its
-    partitioned kernels hold Python callbacks, which XLA cannot serialize) and for another
+    (gemma_jax.executables), keyed by everything it closes over; as it is (`Unsaved`) on a mesh
+    (its partitioned kernels hold Python callbacks, which XLA cannot serialize) and for another
     platform (graft/engine/lowering.py only lowers it)."""
     if self.mesh is not None or self._kernel_platform is not None:
-      return jitted
-    key = {'engine': self.engine_config, 'model': self.config, 'dtype': self.loaded.dtype,
-           'numerics': self.numerics, 'dot': self.numerics.__dict__.get('dot'),
-           'attention': self._attention_fn, 'compiler_options': self.plan.compiler_options,
-           'output_table': None if self._output_table is None else self._output_table.shape,
-           **variant}
-    return executables.Saved(name, jitted, key, fixed=2)
+      return Unsaved(jitted)
+    key = {'engine': self.engine_config, 'model': self.model_config, 'dtype': self.loaded.dtype,
+           'numerics': self.numerics, 'layout': self.layout, 'attention': self._attention_fn,
+           'compiler_options': self.plan.compiler_options, **variant}
+    return executables.Saved(name, jitted, key, fixed=1)
 
   @property
   def max_rows(self) -> int:
     """The most token rows one transformer call has."""
     return self.plan.max_rows
 
+  @property
+  def by_length(self) -> bool:
+    """Whether the plan's calls have a fixed set of shapes whatever the lengths
+    (`Plan.by_length`)."""
+    return self.plan.by_length
+
   def _tiles_for(self, end: int) -> int | None:
-    """Tiles the tiled attention reads for a call whose last token has sequence index end - 1:
-    the tiles holding slots 0 .. end - 1, rounded up to a power of two (fewer compiled shapes);
-    reading more tiles than a row sees does not change its bits (gemma_jax.tiled_attention).
-    None (the whole cache) by length, and in a cache of at most WHOLE_CACHE_SLOTS slots, where
-    reading all of it costs less than an executable per tile count."""
-    if (self.by_length or self._cache_slots <= WHOLE_CACHE_SLOTS
-        or not (self.plan.reads_tiles and hasattr(self._attention_fn, 'reading'))):
-      return None
-    tile = self._attention_fn.tile
-    return min(next_power_of_two(-(-end // tile)), self._cache_slots // tile)
+    """Tiles the attention reads for a call whose last token has sequence index end - 1 (None:
+    the whole cache), as the plan says (`Plan.tiles_read`)."""
+    return self.plan.tiles_read(end, self._attention_fn.tile, self._cache_slots)
 
   @functools.cached_property
   def model_fingerprint(self) -> dict:
@@ -251,21 +268,21 @@ class Engine:
   @property
   def attention_tile(self) -> int | None:
     """The KV tile of a tiled attention (None for the others)."""
-    return getattr(self._attention_fn, 'tile', None)
+    return self._attention_fn.tile
 
-  def projection_weights(self) -> dict[str, jax.Array]:
+  def projection_weights(self) -> dict[str, Weight]:
     """What a self-check probes: one weight per distinct projection shape contracted through a
     dot, and the output table, each as this engine stores it.
 
     Returns:
-      As graft.engine.placement.projection_weights: {'<I>x<O>': [I, O] or its panels
-      [O / P, I, P], 'output_table': [D, V] or its panels [V / P, D, P]}.
+      As graft.engine.placement.projection_weights: {'<I>x<O>': [I, O] or its Panels
+      [O / P, I, P], 'output_table': [D, V] or its Panels [V / P, D, P]}.
     """
-    return placement.projection_weights(self.loaded, self.config, self.numerics, self.mesh,
-                                        self._params, self._output_table)
+    return placement.projection_weights(self.loaded, self.model_config, self.layout, self.mesh,
+                                        self._params)
 
   @property
-  def dtype(self):
+  def dtype(self) -> np.dtype:
     """The KV state's and activations' dtype: the loaded model's."""
     return jnp.dtype(self.loaded.dtype)
 
@@ -281,7 +298,7 @@ class Engine:
       A KVState: per cache layer k, v [1, S, K, H] in the model's dtype (S: the engine's slots,
       a local ring's on local layers) and positions int32 [1, S], all EMPTY; fill [1] = 0.
     """
-    kv = kvs.init_kv_state(self.config, batch_size=1, cache_len=self._cache_slots,
+    kv = kvs.init_kv_state(self.model_config, batch_size=1, cache_len=self._cache_slots,
                            dtype=self.dtype, local_cache_len=self._local_slots)
     return kv if self.mesh is None else jax.device_put(kv, sharding.kv_shardings(kv, self.mesh))
 
@@ -294,9 +311,11 @@ class Engine:
     """A fresh context holding verified rows: `rows` cover sequence indices [0, len(tokens)) of
     `tokens`, at positions start_position + index (their own), in this engine's one fixed
     cache. Every way of grafting (artifacts, the store, shifted grafts) ends here. Raises
-    ValueError when the rows do not fit the engine or do not cover the tokens."""
-    tokens, rows = tuple(int(t) for t in tokens), list(rows)
-    first = int(rows[0].positions[0][0]) - rows[0].start if rows else start_position
+    ValueError, in the one-line words of `extend`, when the tokens do not fit the engine (the
+    vocabulary, cache_len, the model's context), and when the rows do not cover the tokens."""
+    rows = list(rows)
+    tokens = tuple(self._check_fit(0, start_position, tokens))
+    first = kvs.first_position(rows, start_position)
     if first != start_position:
       raise ValueError(f'the rows start at position {first}, not {start_position}')
     kv = kvs.assemble(jax.eval_shape(self.empty_kv), rows, len(tokens))
@@ -304,47 +323,40 @@ class Engine:
       kv = jax.device_put(kv, sharding.kv_shardings(kv, self.mesh))
     return Context(kv=kv, tokens=tokens, next_position=start_position + len(tokens))
 
-  def _check_tokens(self, ctx: Context, tokens: Sequence[int]) -> list[int]:
-    tokens = [int(t) for t in tokens]
-    if not tokens:
+  def _check_tokens(self, ctx: Place, tokens: Sequence[int]) -> list[int]:
+    """`tokens` as ints, checked to extend `ctx` (`_check_fit`) and not empty."""
+    if not len(tokens):
       raise ValueError('nothing to process: the token list is empty')
-    vocab = self.config.vocab_size
+    return self._check_fit(len(ctx.tokens), ctx.next_position, tokens)
+
+  def _check_fit(self, held: int, next_position: int, tokens: Sequence[int]) -> list[int]:
+    """`tokens` as ints, after a context of `held` tokens whose next position is
+    `next_position`; ValueError, in one line, for an id outside the vocabulary, a context past
+    cache_len or positions past the model's context."""
+    tokens = [int(t) for t in tokens]
+    vocab = self.model_config.vocab_size
     for i, t in enumerate(tokens):
       if not 0 <= t < vocab:
         raise ValueError(f'token id {t} at index {i} is outside the vocabulary [0, {vocab})')
-    if len(ctx.tokens) + len(tokens) > self.engine_config.cache_len:
+    if held + len(tokens) > self.engine_config.cache_len:
       raise ValueError(
-          f'a context of {len(ctx.tokens)} + {len(tokens)} tokens does not fit the cache of '
+          f'a context of {held} + {len(tokens)} tokens does not fit the cache of '
           f'{self.engine_config.cache_len} slots; raise cache_len')
-    if ctx.next_position + len(tokens) > self.config.max_context:
-      raise ValueError(f'positions up to {ctx.next_position + len(tokens) - 1} exceed '
-                       f'{self.config.name}\'s context of {self.config.max_context}')
+    if next_position + len(tokens) > self.model_config.max_context:
+      raise ValueError(f'positions up to {next_position + len(tokens) - 1} exceed '
+                       f'{self.model_config.name}\'s context of {self.model_config.max_context}')
     return tokens
-
-  def _call(self, kv, tokens: list[int], first_position: int, rows: int, lead: int, end: int,
-            with_logits: bool = False):
-    """One transformer call of `rows` rows: `lead` padding rows, the tokens, padding; `end`:
-    the context's length after the call."""
-    ids, positions = call_inputs([tokens], [first_position], rows, lead)
-    step = self.step_function(self._tiles_for(end), with_logits)
-    return step(self._params, self._output_table, ids, positions, kv)
 
   def _logits(self, hidden: jax.Array, rows: list[int]) -> list[np.ndarray]:
     """float32 logits [V] of the given rows of one call's hidden states [B, T, D] (row
-    b * T + t: slot b's row t), in calls of the plan's head row counts (by length: one count,
-    plans.HEAD_ROWS, whatever the number wanted)."""
-    buckets = (plans.HEAD_ROWS,) if self.by_length else self.plan.head_rows
-    if buckets is None:
-      return list(sharding.to_host(self._head(self._params, self._output_table, hidden,
-                                              np.asarray(rows, np.int32),
-                                              np.int32(len(rows))))[0])
-    out = []
-    while len(out) < len(rows):
-      chunk = rows[len(out):len(out) + buckets[-1]]
-      padded = np.zeros(next(r for r in buckets if r >= len(chunk)), np.int32)
-      padded[:len(chunk)] = chunk
-      out.extend(sharding.to_host(self._head(self._params, self._output_table, hidden,
-                                             padded, np.int32(len(chunk))))[0, :len(chunk)])
+    b * T + t: slot b's row t), in the logits calls the plan cuts them into
+    (`Plan.logits_calls`), each padded to its row count."""
+    out: list[np.ndarray] = []
+    for count, padded_rows in self.plan.logits_calls(len(rows)):
+      padded = np.zeros(padded_rows, np.int32)
+      padded[:count] = rows[len(out):len(out) + count]
+      out.extend(sharding.to_host(self._head(self._params, hidden, padded,
+                                             np.int32(count)))[0, :count])
     return out
 
   def extend(self, ctx: Context, tokens: Sequence[int], *, logits: str | int = 'none',
@@ -364,31 +376,28 @@ class Engine:
       [T, V] for 'all', None for 'none').
     """
     tokens = self._check_tokens(ctx, tokens)
-    wanted = {'none': 0, 'last': 1, 'all': len(tokens)}.get(logits, logits)
+    named = {'none': 0, 'last': 1, 'all': len(tokens)}
+    wanted = named.get(logits, logits) if isinstance(logits, str) else logits
     if not isinstance(wanted, int) or not 0 <= wanted <= len(tokens):
       raise ValueError(f"logits must be 'none', 'last', 'all' or a row count in "
                        f'[0, {len(tokens)}], not {logits!r}')
     first_wanted = len(tokens) - wanted
     kv = ctx.kv if consume else jax.tree.map(jnp.copy, ctx.kv)
-    logit_rows = []
-    for call in self.plan.calls(len(ctx.tokens), len(tokens), self.by_length):
-      chunk = tokens[call.first:call.first + call.count]
+    logit_rows: list[np.ndarray] = []
+    for call in self.plan.calls(len(ctx.tokens), len(tokens), first_wanted):
+      # One transformer call as the plan cut it: `lead` padding rows, the tokens, padding.
+      ids, positions = call_inputs([tokens[call.first:call.first + call.count]],
+                                   [ctx.next_position + call.first], call.rows, call.lead)
       wanted_rows = [j - call.first + call.lead
                      for j in range(max(call.first, first_wanted), call.first + call.count)]
-      end = len(ctx.tokens) + call.first + call.count
-      # (By length every one-row call is the decode step: one executable, logits or not.)
-      fused = (self.plan.fuses_decode and call.rows == 1
-               and (bool(wanted_rows) or self.by_length))
-      out = self._call(kv, chunk, ctx.next_position + call.first, call.rows, call.lead, end,
-                       with_logits=fused)
-      if fused:
-        _, kv, row_logits = out
-        if wanted_rows:
-          logit_rows.append(sharding.to_host(row_logits)[0, 0])
-        continue
-      hidden, kv = out
-      if wanted_rows:
-        logit_rows.extend(self._logits(hidden, wanted_rows))
+      end = len(ctx.tokens) + call.first + call.count  # the context's length after it
+      out = self.step_function(self._tiles_for(end), call.with_logits)(
+          self._params, ids, positions, kv)
+      kv = out[1]
+      if call.with_logits:  # one row, its logits computed by the step itself
+        logit_rows.extend(sharding.to_host(out[2])[0, :len(wanted_rows)])
+      else:
+        logit_rows.extend(self._logits(out[0], wanted_rows))
     result = np.stack(logit_rows) if wanted else None
     self._check_weights()
     new = Context(kv=kv, tokens=ctx.tokens + tuple(tokens),
@@ -416,9 +425,7 @@ class Engine:
     return new, [np.stack(o) if o else None for o in out]
 
   def _check_batch(self, ctxs, tokens, logits) -> tuple[list[list[int]], list[int]]:
-    if not self.plan.batch_slots:
-      raise ValueError(f'batch slots need a plan whose bits do not see the other slots (pinned); '
-                       f'this engine is {self.engine_config.mode!r}')
+    self.plan.check_batch()
     if len(ctxs) != len(tokens) or not ctxs:
       raise ValueError(f'{len(ctxs)} contexts and {len(tokens)} token lists: need one each')
     tokens = [self._check_tokens(c, t) if len(t) else [] for c, t in zip(ctxs, tokens)]
@@ -444,51 +451,50 @@ class Engine:
     parts = [jnp.split(x, n, axis=0) for x in leaves]
     return [jax.tree.unflatten(tree, [p[i] for p in parts]) for i in range(n)]
 
-  def _extend_stacked(self, kv, ctxs: Sequence[Context], tokens: list[list[int]],
-                      wanted: list[int]):
-    """extend_batch on a stacked state (donated): -> (the new stacked state, each slot's list
-    of logits rows). Only the contexts' lengths and positions are read."""
-    if self.by_length:
-      return self._extend_stacked_by_length(kv, ctxs, tokens, wanted)
-    b = self.max_rows
-    out = [[] for _ in ctxs]
-    for first in range(0, max(len(t) for t in tokens), b):
-      chunks = [t[first:first + b] for t in tokens]
-      # Rows per slot: a row bucket that holds every slot's chunk and gives the call at least
-      # min_rows rows in all (one row per slot when there are min_rows slots or more).
-      rows = self.plan.rows_for(max(max(len(c) for c in chunks),
-                                    -(-self.engine_config.min_rows // len(ctxs))))
-      ids, positions = call_inputs(chunks, [c.next_position + first for c in ctxs], rows)
-      end = max(len(c.tokens) + min(first + b, len(t)) for c, t in zip(ctxs, tokens))
-      hidden, kv = self.step_function(self._tiles_for(end))(self._params, self._output_table,
-                                                             ids, positions, kv)
-      # Every slot's wanted rows in shared logits calls (row i * rows + j: slot i's row j).
-      flat = [(i, i * rows + j - first) for i, chunk in enumerate(chunks)
-              for j in range(max(first, len(tokens[i]) - wanted[i]), first + len(chunk))]
-      for (i, _), row in zip(flat, self._logits(hidden, [r for _, r in flat])):
+  def _extend_stacked(self, kv: kvs.KVState, ctxs: Sequence[Place], tokens: list[list[int]],
+                      wanted: list[int]) -> tuple[kvs.KVState, list[list[np.ndarray]]]:
+    """extend_batch on a stacked state (donated), in the batch calls the plan cuts the request
+    into (`Plan.batch_calls`): -> (the new stacked state, each slot's list of logits rows).
+    Only the contexts' lengths and positions are read."""
+    out: list[list[np.ndarray]] = [[] for _ in ctxs]
+    for call in self.plan.batch_calls([len(t) for t in tokens]):
+      if call.alone:
+        return self._extend_slots_alone(kv, ctxs, tokens, wanted)
+      chunks = [t[call.first:call.first + call.count] for t in tokens]
+      ids, positions = call_inputs(chunks, [c.next_position + call.first for c in ctxs],
+                                   call.rows)
+      end = max(len(c.tokens) + min(call.first + call.count, len(t))
+                for c, t in zip(ctxs, tokens))
+      step = self.step_function(self._tiles_for(end), call.with_logits)
+      result = step(self._params, ids, positions, kv)
+      kv = result[1]
+      # Every slot's wanted rows (row i * rows + j: slot i's row j).
+      flat = [(i, i * call.rows + j - call.first) for i, chunk in enumerate(chunks)
+              for j in range(max(call.first, len(tokens[i]) - wanted[i]),
+                             call.first + len(chunk))]
+      if call.with_logits:  # one row per slot, its logits computed by the step itself
+        logits = sharding.to_host(result[2])[0]
+        rows = [logits[r] for _, r in flat]
+      else:
+        rows = self._logits(result[0], [r for _, r in flat])
+      for (i, _), row in zip(flat, rows):
         out[i].append(row)
     return kv, out
 
-  def _extend_stacked_by_length(self, kv, ctxs: Sequence[Context], tokens: list[list[int]],
-                                wanted: list[int]):
-    """`_extend_stacked` by length: a step of one token per slot is one call of the decode
-    step with a row per slot and its logits (one executable per slot count); longer requests
-    run slot by slot through `extend` on the slot's part of the stacked state (the
-    single-stream calls: no executable of their own)."""
-    if max(len(t) for t in tokens) == 1:
-      ids, positions = call_inputs(tokens, [c.next_position for c in ctxs], 1)
-      _, kv, logits = self.step_function(None, with_logits=True)(
-          self._params, self._output_table, ids, positions, kv)
-      logits = sharding.to_host(logits)[0]
-      return kv, [[logits[i]] if wanted[i] else [] for i in range(len(ctxs))]
+  def _extend_slots_alone(self, kv: kvs.KVState, ctxs: Sequence[Place], tokens: list[list[int]],
+                          wanted: list[int]) -> tuple[kvs.KVState, list[list[np.ndarray]]]:
+    """`_extend_stacked` slot by slot through `extend` on the slot's part of the stacked state
+    (the single-stream calls: no executable of their own)."""
     parts, out = [], []
     for i, (ctx, t, part) in enumerate(zip(ctxs, tokens, self._unstack(kv, len(ctxs)))):
+      rows: list[np.ndarray] = []
       if t:
         alone = Context(kv=part, tokens=ctx.tokens, next_position=ctx.next_position)
         new, logits = self.extend(alone, t, logits=wanted[i], consume=True)
         part = new.kv
+        rows = [] if logits is None else list(logits)
       parts.append(part)
-      out.append(list(logits) if t and wanted[i] else [])
+      out.append(rows)
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts), out
 
   def batch(self, ctxs: Sequence[Context]) -> Batch:
@@ -529,7 +535,7 @@ class Engine:
     batch = self.batch(ctxs)
     drawn = batch.decode(max_new_tokens, temperatures=temperatures, seeds=seeds, stop=stop,
                          sampler=sampler)
-    return [Decoded(context=c, tokens=t, logits_sha256=h)
+    return [Decoded(context=c, tokens=t, logits_sha256=h or '')  # (digests: every h is made)
             for c, (t, h) in zip(batch.contexts(), drawn)]
 
   def generate(self, ctx: Context, max_new_tokens: int, *, temperature: float = 0.0,
@@ -548,16 +554,16 @@ class Engine:
     the float32 logits every token was drawn from (the evidence a replay compares). `sampler`:
     how a temperature's draws are made (gemma_jax.sampling; LEGACY to replay an older
     manifest)."""
-    if ctx.last_logits is None:
-      raise ValueError('the context has no logits at its last token; extend it with '
-                       "logits='last' first")
+    last = _last_logits(ctx)
     draws = sampling.Draws(seed, sampler)
-    new_tokens, digest = [], hashlib.sha256()
+    new_tokens: list[int] = []
+    digest = hashlib.sha256()
     while len(new_tokens) < max_new_tokens:
       if new_tokens:  # after the first step the context is this loop's own: update in place
         ctx, _ = self.extend(ctx, new_tokens[-1:], logits='last', consume=len(new_tokens) > 1)
-      digest.update(np.ascontiguousarray(ctx.last_logits, np.float32).tobytes())
-      new_tokens.append(sample(ctx.last_logits, temperature, draws))
+        last = _last_logits(ctx)
+      digest.update(np.ascontiguousarray(last, np.float32).tobytes())
+      new_tokens.append(sample(last, temperature, draws))
       if stop is not None and stop(new_tokens):
         break
     return Decoded(context=ctx, tokens=new_tokens, logits_sha256=digest.hexdigest())
@@ -575,3 +581,11 @@ class Engine:
       (the context, float32 logits [1, V] for 'last', [T, V] for 'all', None for 'none').
     """
     return self.extend(self.empty(start_position), tokens, logits=logits, consume=True)
+
+
+def _last_logits(ctx: Context) -> np.ndarray:
+  """The context's logits at its last token: float32 [V]; ValueError where it has none."""
+  if ctx.last_logits is None:
+    raise ValueError("the context has no logits at its last token; extend it with logits='last' "
+                     'first')
+  return ctx.last_logits

@@ -14,8 +14,9 @@ gets exactly the bits it gets alone (Engine.extend_batch's slot invariance; test
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import jax
 import numpy as np
@@ -23,23 +24,34 @@ import numpy as np
 from gemma_jax import sampling
 from graft.engine.context import Context, sample
 
+if TYPE_CHECKING:  # _engine.py imports this module: a name only
+  from graft.engine._engine import Engine
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+  """A batch slot: its context's tokens, where its next token goes and its last logits (float32
+  [V]); its KV state is its row of the batch's stacked state (a graft.engine.context.Place)."""
+
+  tokens: tuple[int, ...]
+  next_position: int
+  last_logits: np.ndarray
+
 
 class Batch:
   """Contexts of one engine on one stacked KV state, a batch slot each."""
 
-  def __init__(self, engine, ctxs: Sequence[Context]):
+  def __init__(self, engine: Engine, ctxs: Sequence[Context]):
     """engine: an Engine whose plan has batch slots; ctxs: the slots' contexts, each with its
     last logits (they stay valid: the stacked state is a copy)."""
     if not ctxs:
       raise ValueError('a batch needs at least one context')
-    if any(c.last_logits is None for c in ctxs):
-      raise ValueError('every context needs logits at its last token')
     engine._check_batch(ctxs, [[] for _ in ctxs], None)
     self._engine = engine
     self._kv = engine._stack(ctxs)
     # Each slot's context without its state (the stacked state holds it), and its last logits.
-    self._slots = [Context(kv=None, tokens=c.tokens, next_position=c.next_position,
-                           last_logits=c.last_logits) for c in ctxs]
+    self._slots = [Slot(tokens=c.tokens, next_position=c.next_position,
+                        last_logits=_last_logits(c)) for c in ctxs]
     self._pending: list[int | None] = [None] * len(ctxs)  # drawn, not yet in the state
 
   def __len__(self) -> int:
@@ -57,14 +69,14 @@ class Batch:
     not in its state until the next decode steps it in first; so each slot's `context` holds
     every token drawn but the last, as decode leaves it, and decoding a batch in pieces gives
     the tokens of one decode (the pieces' digests each of their own logits)."""
-    engine, n = self._engine, len(self._slots)
+    n = len(self._slots)
     temperatures = list(temperatures) if temperatures is not None else [0.0] * n
     seeds = list(seeds) if seeds is not None else [0] * n
     if not len(max_new_tokens) == len(temperatures) == len(seeds) == n:
       raise ValueError(f'{n} slots need {n} token limits, temperatures and seeds')
     draws = [sampling.Draws(s, sampler) for s in seeds]
     hashes = [hashlib.sha256() if digests else None for _ in range(n)]
-    new = [[] for _ in range(n)]
+    new: list[list[int]] = [[] for _ in range(n)]
     done = [m < 1 for m in max_new_tokens]
     # The tokens the last decode drew last, stepped in first by the slots that go on.
     step = [[] if d or p is None else [p] for d, p in zip(done, self._pending)]
@@ -74,8 +86,9 @@ class Batch:
       for i in range(n):
         if not done[i]:
           logits = self._slots[i].last_logits
-          if digests:
-            hashes[i].update(np.ascontiguousarray(logits, np.float32))
+          digest = hashes[i]
+          if digest is not None:
+            digest.update(np.ascontiguousarray(logits, np.float32).tobytes())
           new[i].append(sample(logits, temperatures[i], draws[i]))
           done[i] = len(new[i]) >= max_new_tokens[i] or (stop is not None and stop(new[i]))
       if all(done):
@@ -90,9 +103,8 @@ class Batch:
     step = [engine._check_tokens(c, t) if t else [] for c, t in zip(self._slots, step)]
     self._kv, rows = engine._extend_stacked(self._kv, self._slots, step, [len(t) for t in step])
     engine._check_weights()
-    self._slots = [Context(kv=None, tokens=c.tokens + tuple(t),
-                           next_position=c.next_position + len(t),
-                           last_logits=r[-1] if r else c.last_logits)
+    self._slots = [Slot(tokens=c.tokens + tuple(t), next_position=c.next_position + len(t),
+                        last_logits=r[-1] if r else c.last_logits)
                    for c, t, r in zip(self._slots, step, rows)]
 
   def context(self, i: int) -> Context:
@@ -106,3 +118,9 @@ class Batch:
     return [Context(kv=kv, tokens=c.tokens, next_position=c.next_position,
                     last_logits=c.last_logits)
             for c, kv in zip(self._slots, self._engine._unstack(self._kv, len(self._slots)))]
+
+
+def _last_logits(ctx: Context) -> np.ndarray:
+  if ctx.last_logits is None:
+    raise ValueError('every context needs logits at its last token')
+  return ctx.last_logits

@@ -20,7 +20,6 @@ without bumping `SPEC_VERSION` (gemma_jax/spec/__init__.py):
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,7 @@ import numpy as np
 
 from gemma_jax import model as gmodel
 from gemma_jax import verdicts, weights
-from gemma_jax.config import Family, get_config
+from gemma_jax.config import Family, TransformerConfig, get_config
 from graft.engine import spec_check
 
 # The family's tiny model (gemma_jax.config), with weights of its own (`_loaded`).
@@ -54,7 +53,7 @@ class CanaryError(ValueError):
   """This build computes other bits than its spec version defines."""
 
 
-def model_for(config) -> str:
+def model_for(config: TransformerConfig) -> str:
   """The canary model of a model config's family."""
   return MODELS[config.family]
 
@@ -69,7 +68,10 @@ def expected(version: int, model: str) -> str:
   return digest
 
 
-@functools.lru_cache(maxsize=None)
+# (version, model, dot library) -> the digest a check of this process found as it should be.
+_CHECKED: dict[tuple[int, str, str], str] = {}
+
+
 def check(version: int, model: str, dot_library: str, engine_class: type,
           config_class: type) -> str:
   """Runs `model`'s canary in a spec engine of `dot_library` and returns its digest; CanaryError
@@ -78,9 +80,12 @@ def check(version: int, model: str, dot_library: str, engine_class: type,
   engine_class, config_class: `Engine` and `EngineConfig`, passed by the engine being built
   (graft.engine.plans): the canary runs in an engine of its own while one is built, and this
   module sits below both classes' modules."""
+  if (version, model, dot_library) in _CHECKED:
+    return _CHECKED[(version, model, dot_library)]
   want = expected(version, model)
   key = f'spec version {version}, {model}, {dot_library}'
   if verdicts.passed('canary', key):
+    _CHECKED[(version, model, dot_library)] = want
     return want
   got = computed(model, engine_class, config_class, dot_library)
   if got != want:
@@ -90,6 +95,7 @@ def check(version: int, model: str, dot_library: str, engine_class: type,
         '(gemma_jax/spec/__init__.py); bump it (stores and artifacts of the old version are then '
         'refused, with the versions named) or undo the change')
   verdicts.record('canary', key)
+  _CHECKED[(version, model, dot_library)] = got
   return got
 
 
@@ -110,7 +116,7 @@ def _loaded(model: str):
 
 def _engine(model: str, engine_class: type, config_class: type, dot_library: str | None):
   return engine_class(_loaded(model), config_class(**ENGINE, dot_library=dot_library),
-                      canary=False)
+                      checks=False)
 
 
 def computed(model: str, engine_class: type, config_class: type,

@@ -5,7 +5,7 @@ logits (`sample`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -21,6 +21,21 @@ class Context:
   tokens: tuple[int, ...]
   next_position: int
   last_logits: np.ndarray | None = None  # float32 [V] at the last token, when computed
+
+
+class Place(Protocol):
+  """Where a context's tokens end, all a call needs of it besides its KV state: a `Context`,
+  or a batch slot (graft.engine.batch.Slot) whose state lives in a stacked one."""
+
+  @property
+  def tokens(self) -> tuple[int, ...]:
+    """The tokens in it."""
+    ...
+
+  @property
+  def next_position(self) -> int:
+    """Where its next token goes."""
+    ...
 
 
 @dataclasses.dataclass(frozen=True)

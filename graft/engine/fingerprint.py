@@ -12,42 +12,30 @@ different core counts.
 from __future__ import annotations
 
 import ast
-import dataclasses
-import enum
 import functools
 import hashlib
 import json
 import os
 import platform
+from typing import Any
 
 import jax
 import jaxlib
 
 from gemma_jax import host as host_lib
 from gemma_jax import sharding
+from gemma_jax.digest import canonical_json
 
 # CPU flags that can change which kernels XLA emits; the rest of /proc/cpuinfo does not matter.
 _ISA_PREFIXES = ('sse', 'ssse', 'avx', 'fma', 'f16c', 'amx', 'bmi', 'vnni', 'neon', 'asimd', 'sve')
 
 
-def canonical_json(value) -> str:
-  """`value` as JSON with sorted keys and no spaces (dataclasses as their fields, enums as their
-  values): the one text a digest is taken of."""
-  def default(obj):
-    if dataclasses.is_dataclass(obj):
-      return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    if isinstance(obj, enum.Enum):
-      return obj.value
-    raise TypeError(f'cannot fingerprint {type(obj).__name__}')
-  return json.dumps(value, sort_keys=True, separators=(',', ':'), default=default)
+def digest(value: Any) -> str:
+  """The SHA-256 (hex) of `value` as canonical JSON (gemma_jax.digest.canonical_json)."""
+  return hashlib.sha256(canonical_json(value)).hexdigest()
 
 
-def digest(value) -> str:
-  """The SHA-256 (hex) of `canonical_json(value)`."""
-  return hashlib.sha256(canonical_json(value).encode()).hexdigest()
-
-
-def model_fingerprint(loaded) -> dict:
+def model_fingerprint(loaded: Any) -> dict:
   """Fingerprint of a `gemma_jax.weights.LoadedModel`: {'sha256', what went into it, and the
   model's name and weights spec (not hashed: two names of the same bytes are one model)}."""
   parts = {
@@ -64,7 +52,7 @@ def model_fingerprint(loaded) -> dict:
 _UNHASHED = ('sha256', 'model', 'weights', 'made_on')
 
 
-def hashes_to_its_fields(record) -> bool:
+def hashes_to_its_fields(record: Any) -> bool:
   """Whether a recorded fingerprint's sha256 is the digest of the fields recorded beside it
   (a record whose fields were changed and whose sha256 was kept, or resealed under the old
   one, does not)."""
@@ -82,7 +70,8 @@ _SPEC_BITS = {'mode': None, 'numerics': None, 'attention': None, 'attention_tile
               'rows_per_call': None, 'dtype': None, 'slot_layout_version': None, 'rope': 'float'}
 
 
-def engine_differences(mine: dict, theirs: dict, labels=('the record has', 'expected')) -> list[str]:
+def engine_differences(mine: dict, theirs: Any,
+                       labels: tuple[str, str] = ('the record has', 'expected')) -> list[str]:
   """How KV computed under the recorded engine fingerprint `theirs` may differ from what the
   engine of fingerprint `mine` computes: [] when it is the same. Spec fingerprints compare what
   decides a spec engine's bits (a record made before a field existed is read with the value it
@@ -107,7 +96,8 @@ def engine_differences(mine: dict, theirs: dict, labels=('the record has', 'expe
           ] or ['the fingerprints differ']
 
 
-def differences(expected, actual, prefix='', labels=('the artifact has', 'expected')) -> list[str]:
+def differences(expected: Any, actual: Any, prefix: str = '',
+                labels: tuple[str, str] = ('the artifact has', 'expected')) -> list[str]:
   """Readable differences between two JSON-like values, e.g.
   ['engine_config.rows_per_call: the artifact has 8, expected 16']; `labels` name the actual
   and the expected side."""
@@ -140,11 +130,19 @@ def _code_only(source: str) -> str:
   editing prose does not change the digest."""
   tree = ast.parse(source)
   for node in ast.walk(tree):
-    body = getattr(node, 'body', None)
-    if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
-        and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+    if not isinstance(node, _BLOCKS):
+      continue
+    body = node.body
+    if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)):
       node.body = body[1:] or [ast.Pass()]
   return ast.dump(tree, annotate_fields=False)
+
+
+# The nodes whose `body` is a list of statements (a string first in one is prose).
+_BLOCKS = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.For, ast.AsyncFor,
+           ast.While, ast.If, ast.With, ast.AsyncWith, ast.Try, ast.TryStar, ast.ExceptHandler,
+           ast.match_case)
 
 
 _SOURCES = tuple(f'gemma_jax/{m}.py' for m in (
@@ -201,7 +199,7 @@ def environment() -> dict:
   }
 
 
-def engine_fingerprint(engine_config, dtype: str, *, slot_layout_version: int,
+def engine_fingerprint(engine_config: Any, dtype: str, *, slot_layout_version: int,
                        kernel_blocks: dict | None = None, plan: dict | None = None) -> dict:
   """Fingerprint of an engine: its config, dtype, slot layout version, kernel blocks, what its
   plan records (numerics) and the environment: {'sha256', and what went into it}."""

@@ -30,6 +30,7 @@ import base64
 import dataclasses
 import json
 import re
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,7 @@ from jaxlib.mlir.passmanager import PassManager
 from gemma_jax import config as gcfg
 from gemma_jax import model as gmodel
 from gemma_jax.config import TransformerConfig
+from gemma_jax.tokenizer import synthetic_tokenizer
 from gemma_jax.weights import LoadedModel
 from graft.engine import Engine, EngineConfig
 
@@ -97,30 +99,31 @@ def _classify(error: BaseException, platform: str) -> MissingComponent | None:
 
 
 def abstract_engine(config: TransformerConfig, engine_config: EngineConfig, platform: str, *,
-                    dtype='float32') -> Engine:
+                    dtype: str = 'float32') -> Engine:
   """An Engine over abstract parameters whose Pallas kernel (if any) is built for `platform`
   (a lowering platform: 'cuda', 'rocm', 'tpu', 'cpu'). Its functions lower; they do not run."""
   if platform not in PLATFORMS:
     raise ValueError(f'unknown platform {platform!r}; expected one of {sorted(PLATFORMS)}')
   dtype = jnp.dtype(dtype).name
+  # (a synthetic tokenizer: lowering reads no token, and builds no model fingerprint)
   loaded = LoadedModel(config=config, params=gmodel.abstract_params(config, dtype),
-                       tokenizer=None, weights='abstract', dtype=dtype)
+                       tokenizer=synthetic_tokenizer(max(config.vocab_size, 260)),
+                       weights='abstract', dtype=dtype)
   return Engine(loaded, engine_config, kernel_platform=PLATFORMS[platform])
 
 
 def abstract_inputs(engine: Engine) -> dict[str, tuple]:
   """The abstract arguments of the step and logits functions for one call of each with the most
   rows a call has."""
-  config, engine_config = engine.config, engine.engine_config
+  config, engine_config = engine.model_config, engine.engine_config
   i32 = jnp.int32
   kv = jax.eval_shape(engine.empty_kv)
   rows = engine.max_rows
-  params = engine.loaded.params
+  params = engine.params
   return {
-      'step': (params, engine.output_table, jax.ShapeDtypeStruct((1, rows), i32),
+      'step': (params, jax.ShapeDtypeStruct((1, rows), i32),
                jax.ShapeDtypeStruct((1, rows), i32), kv),
-      'logits': (params, engine.output_table,
-                 jax.ShapeDtypeStruct((1, rows, config.embed_dim), engine.dtype),
+      'logits': (params, jax.ShapeDtypeStruct((1, rows, config.embed_dim), engine.dtype),
                  jax.ShapeDtypeStruct((engine_config.logits_rows,), i32),
                  jax.ShapeDtypeStruct((), i32)),
   }
@@ -132,7 +135,7 @@ def _functions(engine: Engine) -> dict:
 
 def lower_engine_functions(config: TransformerConfig, engine_config: EngineConfig, platform: str,
                            attention: str | None = None, *,
-                           dtype='float32') -> dict[str, jax.stages.Lowered]:
+                           dtype: str = 'float32') -> dict[str, jax.stages.Lowered]:
   """{'step', 'logits'} -> jax.stages.Lowered for `platform`. `attention` ('xla', 'pallas')
   overrides engine_config.attention. Raises MissingComponent when this install cannot lower it."""
   if attention is not None:
@@ -142,7 +145,7 @@ def lower_engine_functions(config: TransformerConfig, engine_config: EngineConfi
   lowered = {}
   for name, fn in _functions(engine).items():
     try:
-      lowered[name] = fn.trace(*args[name]).lower(lowering_platforms=(platform,))
+      lowered[name] = fn.jitted.trace(*args[name]).lower(lowering_platforms=(platform,))
     except (ValueError, RuntimeError, ImportError, NotImplementedError) as e:
       missing = _classify(e, platform)
       if missing is not None:
@@ -152,7 +155,7 @@ def lower_engine_functions(config: TransformerConfig, engine_config: EngineConfi
 
 
 def lower_engine(config: TransformerConfig, engine_config: EngineConfig, platform: str,
-                 attention: str | None = None, *, dtype='float32') -> dict[str, str]:
+                 attention: str | None = None, *, dtype: str = 'float32') -> dict[str, str]:
   """{'step', 'logits'} -> the StableHLO text of the engine's function lowered for `platform`."""
   return {name: low.as_text() for name, low in
           lower_engine_functions(config, engine_config, platform, attention,
@@ -160,15 +163,15 @@ def lower_engine(config: TransformerConfig, engine_config: EngineConfig, platfor
 
 
 def export_engine(config: TransformerConfig, engine_config: EngineConfig, platform: str,
-                  attention: str | None = None, *, dtype='float32',
-                  disabled_checks=()) -> dict[str, jax.export.Exported]:
+                  attention: str | None = None, *, dtype: str = 'float32',
+                  disabled_checks: Sequence[Any] = ()) -> dict[str, jax.export.Exported]:
   """The same functions through jax.export (serializable; stricter: custom calls without a
   compatibility guarantee, such as the Triton one, need `disabled_checks`)."""
   if attention is not None:
     engine_config = dataclasses.replace(engine_config, attention=attention)
   engine = abstract_engine(config, engine_config, platform, dtype=dtype)
   args = abstract_inputs(engine)
-  return {name: jax.export.export(fn, platforms=[platform],
+  return {name: jax.export.export(fn.jitted, platforms=[platform],
                                   disabled_checks=list(disabled_checks))(*args[name])
           for name, fn in _functions(engine).items()}
 
@@ -232,8 +235,8 @@ def kernel_ir(lowered: jax.stages.Lowered) -> list[tuple[str, str]]:
   return out
 
 
-def summary(config_names=('tiny_gemma3', 'gemma3_270m'), platforms=('cuda', 'tpu'),
-            dtype='float32') -> list[dict]:
+def summary(config_names: Sequence[str] = ('tiny_gemma3', 'gemma3_270m'),
+            platforms: Sequence[str] = ('cuda', 'tpu'), dtype: str = 'float32') -> list[dict]:
   """One row per (config, platform, attention, function): the custom-call targets of the
   lowered module, or the error / missing component. For a device check: compare with the
   host's own compile of the same functions."""
@@ -242,7 +245,8 @@ def summary(config_names=('tiny_gemma3', 'gemma3_270m'), platforms=('cuda', 'tpu
   for name in config_names:
     for platform in platforms:
       for attention in ('xla', 'pallas'):
-        row = dict(config=name, platform=platform, attention=attention, dtype=dtype)
+        row: dict[str, Any] = dict(config=name, platform=platform, attention=attention,
+                                   dtype=dtype)
         try:
           texts = lower_engine(gcfg.get_config(name), engine_config, platform, attention,
                                dtype=dtype)

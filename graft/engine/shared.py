@@ -5,6 +5,9 @@ the last engine that holds it."""
 from __future__ import annotations
 
 import weakref
+from typing import Callable, Hashable, TypeVar
+
+T = TypeVar('T')
 
 # id(loaded model) -> {key: a weak reference to what engines of that model share under key}.
 _SHARED: dict[int, dict] = {}
@@ -19,7 +22,7 @@ class _Held:
     self.value = value
 
 
-def shared(holder: list, loaded, key, make):
+def shared(holder: list, loaded: object, key: Hashable, make: Callable[[], T]) -> T:
   """make(), shared by the live engines of `loaded` (a LoadedModel) that ask for the same key;
   `holder`, the asking engine's list of what it holds, keeps the value alive as long as that
   engine lives."""

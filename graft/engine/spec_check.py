@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
 from gemma_jax import kv_state as kvs
-from gemma_jax.spec.interpreter import Interpreter
+from gemma_jax.spec.interpreter import Interpreter, Output
 
 if TYPE_CHECKING:  # the engine's canary runs these while an Engine is built: a name, no import
-  from graft.engine import Engine
+  from graft.engine import Context, Engine
 
 
-def logit_rows(num_tokens: int, splits) -> list[int]:
+def logit_rows(num_tokens: int, splits: Iterable[int]) -> list[int]:
   """The rows whose logits are compared: the last token of every piece."""
   return sorted({s - 1 for s in splits} | {num_tokens - 1})
 
@@ -38,37 +38,41 @@ def compared_rows(engine: Engine, num_tokens: int) -> dict[int, tuple[int, int]]
   """Cache layer -> the sequence indices [lo, n) its K and V are compared over: every token on a
   global layer, the last ring-length on a local one (the rest were overwritten)."""
   local = max(0, num_tokens - engine.local_slots)
-  return {layer: (0 if engine.config.layer_spec(layer).window is None else local, num_tokens)
-          for layer in engine.config.cache_layers}
+  return {layer: (0 if engine.model_config.layer_spec(layer).window is None else local, num_tokens)
+          for layer in engine.model_config.cache_layers}
 
 
-def engine_rows(engine: Engine, ctx) -> list[tuple[np.ndarray, np.ndarray]]:
+def engine_rows(engine: Engine, ctx: Context) -> list[tuple[np.ndarray, np.ndarray]]:
   """Per cache layer, the K and V rows [n - lo, K, H] of `compared_rows` the context holds, in
   sequence order."""
   n = len(ctx.tokens)
   spans = compared_rows(engine, n)
   recent = kvs.take_rows(ctx.kv, max(lo for lo, _ in spans.values()), n)
   out = []
-  for j, layer in enumerate(engine.config.cache_layers):
+  for j, layer in enumerate(engine.model_config.cache_layers):
     lo, _ = spans[layer]
     if lo == recent.start:
       out.append((np.asarray(recent.k[j]), np.asarray(recent.v[j])))
     else:  # a global layer: token i sits in slot i
-      out.append(tuple(np.asarray(a[0, lo:n]) for a in (ctx.kv.layers[j].k, ctx.kv.layers[j].v)))
+      layer_kv = ctx.kv.layers[j]
+      out.append((np.asarray(layer_kv.k[0, lo:n]), np.asarray(layer_kv.v[0, lo:n])))
   return out
 
 
-def reference_rows(engine: Engine, reference, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def reference_rows(engine: Engine, reference: Output,
+                   n: int) -> list[tuple[np.ndarray, np.ndarray]]:
   """The interpreter's K and V rows of `compared_rows`, as `engine_rows` gives the engine's:
   per cache layer (k, v) [n - lo, K, H]."""
   spans = compared_rows(engine, n)
   return [(reference.k[j][spans[layer][0]:n], reference.v[j][spans[layer][0]:n])
-          for j, layer in enumerate(engine.config.cache_layers)]
+          for j, layer in enumerate(engine.model_config.cache_layers)]
 
 
-def rows_digest(kv_rows, logits: dict, rows) -> str:
-  """SHA-256 of K and V rows (as `engine_rows` or `reference_rows` give them) and the logits of
-  `rows`: equal for the engine and the interpreter exactly when their bits are."""
+def rows_digest(kv_rows: list[tuple[np.ndarray, np.ndarray]], logits: dict,
+                rows: Iterable[int]) -> str:
+  """SHA-256 of K and V rows (as `engine_rows` or `reference_rows` give them: per cache layer
+  k, v [T, K, H]) and the logits [V] of `rows`: equal for the engine and the interpreter
+  exactly when their bits are."""
   h = hashlib.sha256()
   for k, v in kv_rows:
     h.update(_bits(k).tobytes())
@@ -85,11 +89,11 @@ def _first_kv_difference(engine: Engine, ctx, reference, run: str) -> dict | Non
   spans = compared_rows(engine, n)
   for j, ((k, v), (want_k, want_v)) in enumerate(zip(engine_rows(engine, ctx),
                                                      reference_rows(engine, reference, n))):
-    lo = spans[engine.config.cache_layers[j]][0]
+    lo = spans[engine.model_config.cache_layers[j]][0]
     for op, got, want in (('k', k, want_k), ('v', v, want_v)):
       differs = np.any(_bits(got) != _bits(want), axis=tuple(range(1, np.ndim(got))))
       if differs.any():
-        return {'run': run, 'layer': int(engine.config.cache_layers[j]), 'op': op,
+        return {'run': run, 'layer': int(engine.model_config.cache_layers[j]), 'op': op,
                 'position': int(lo + differs.argmax())}
   return None
 
@@ -106,14 +110,18 @@ def _digest(ctx, logits: dict, rows: list[int]) -> str:
   return h.hexdigest()
 
 
-def interpreter(engine: Engine, progress=None) -> Interpreter:
+def interpreter(engine: Engine, progress: Callable[[str], None] | None = None) -> Interpreter:
   """The NumPy interpreter of the spec engine's model and geometry."""
-  return Interpreter(engine.config, engine.loaded.params, k_chunk=engine.engine_config.k_chunk,
-                     small=engine.numerics.small, tile=engine.attention_tile,
+  tile = engine.attention_tile
+  if tile is None:
+    raise ValueError('the spec engine attends in tiles; this engine has none')
+  return Interpreter(engine.model_config, engine.loaded.params,
+                     k_chunk=engine.engine_config.k_chunk, small=engine.layout.small, tile=tile,
                      rows_per_call=engine.max_rows, progress=progress)
 
 
-def run(engine: Engine, tokens, splits=(), *, progress=None) -> dict:
+def run(engine: Engine, tokens: Sequence[int], splits: Sequence[int] = (), *,
+        progress: Callable[[str], None] | None = None) -> dict:
   """{'summary': {tokens, kv_equal, logits_equal, first_difference}, 'runs': per run, the
   logits rows compared, 'reference_seconds', 'engine_seconds'}."""
   if engine.engine_config.mode != 'spec':
@@ -133,11 +141,13 @@ def run(engine: Engine, tokens, splits=(), *, progress=None) -> dict:
 
   start = time.perf_counter()
   one_shot, logits = engine.extend(engine.empty(), tokens, logits=n - rows[0])
+  assert logits is not None  # n - rows[0] >= 1 rows asked for
   engine_logits = {'one-shot': {r: logits[r - rows[0]] for r in rows}}
   log('engine: one-shot')
   ctx, pieces = engine.empty(), {}
   for lo, hi in zip([0] + splits, splits + [n]):
     ctx, piece = engine.extend(ctx, tokens[lo:hi], logits='last')
+    assert piece is not None  # logits='last'
     pieces[hi - 1] = piece[0]
   engine_logits['split'] = pieces
   log(f'engine: split at {splits}')

@@ -11,15 +11,18 @@ import dataclasses
 import glob
 import hashlib
 import time
+from typing import Callable, Sequence
 
 from absl import logging
 import numpy as np
 
 from gemma_jax import compare, cost, sampling
-from gemma_jax.config import EOS_ID
+from gemma_jax.config import EOS_ID, TransformerConfig
+from graft.engine import Context, Engine
 from graft.knowledge import tasks as tasks_lib
 from graft.knowledge import paired, verifiers
 from graft.knowledge.library import Entry, Library, LibraryError, question_tokens, worked
+from graft.knowledge.tasks import Task
 
 
 @dataclasses.dataclass
@@ -87,11 +90,11 @@ class Asker:
   answer is X`, `\\boxed{X}`, `#### X`: graft/knowledge/verifiers.py), at a blank line, or at
   EOS. An answer the token limit ended instead is unfinished, and its verdict knows it."""
 
-  def __init__(self, engine):
+  def __init__(self, engine: Engine):
     self.engine = engine
     self.tokenizer = engine.loaded.tokenizer
 
-  def stopper(self, cue: str = ''):
+  def stopper(self, cue: str = '') -> Callable[[list[int]], bool]:
     """The stop rule of an answer that continues `cue` (text its prompt ends with)."""
     def stop(tokens: list[int]) -> bool:
       if tokens[-1] == EOS_ID:
@@ -100,8 +103,8 @@ class Asker:
       return '\n\n' in text or verifiers.ends_statement(text)
     return stop
 
-  def ask(self, ctx, prompt, grafted, task, meter: Meter, *, max_tokens, temperature,
-          seed, cue: str = '') -> Asked:
+  def ask(self, ctx: Context, prompt: Sequence[int], grafted: int, task: Task, meter: Meter, *,
+          max_tokens: int, temperature: float, seed: int, cue: str = '') -> Asked:
     """Answers from `ctx`, a context holding `prompt` with its last logits (it is not consumed);
     `meter` was started before the prompt was grafted or computed; `cue`: the text the prompt
     ends with that the answer continues."""
@@ -111,8 +114,8 @@ class Asker:
     return self._asked(prompt, grafted, task, decoded, temperature, seed, max_tokens, first,
                        meter, 1.0, cue)
 
-  def ask_batch(self, ctx, prompt, task, meter: Meter, *, max_tokens, temperature,
-                seeds) -> list[Asked]:
+  def ask_batch(self, ctx: Context, prompt: Sequence[int], task: Task, meter: Meter, *,
+                max_tokens: int, temperature: float, seeds: Sequence[int]) -> list[Asked]:
     """`ask` for several sampled attempts at once, one engine batch slot each
     (`Engine.decode_batch`: each gets exactly what it gets alone). The meter's span is shared
     equally among them."""
@@ -136,8 +139,8 @@ class Asker:
                  cpu_seconds=meter.cpu_seconds() * share,
                  joules=None if joules is None else joules * share)
 
-  def ask_fresh(self, prompt, task, *, max_tokens, temperature=0.0, seed=0,
-                cue: str = '') -> Asked:
+  def ask_fresh(self, prompt: Sequence[int], task: Task, *, max_tokens: int,
+                temperature: float = 0.0, seed: int = 0, cue: str = '') -> Asked:
     """The same question with its whole prompt prefilled fresh (no graft): the text baseline,
     and the fresh computation a grafted answer must equal byte for byte."""
     meter = Meter()
@@ -151,7 +154,8 @@ def attempt_seed(seed: int, task_id: str, attempt: int) -> int:
   return int(hashlib.sha256(f'{seed}/{task_id}/{attempt}'.encode()).hexdigest()[:8], 16)
 
 
-def few_shot(engine, library: Library, examples: list[tasks_lib.Task]):
+def few_shot(engine: Engine, library: Library,
+             examples: list[tasks_lib.Task]) -> tuple[Context, list[int]]:
   """The base condition's header: solved examples in the library's format (computed, not
   grafted: the model without a library)."""
   shots = [Entry(t.id, t.problem, worked(t.reference_solution or t.answer), t.answer, 'example')
@@ -161,7 +165,8 @@ def few_shot(engine, library: Library, examples: list[tasks_lib.Task]):
   return ctx, tokens
 
 
-def ask_base(asker: Asker, header, task, settings: 'Settings', *, greedy: bool = False):
+def ask_base(asker: Asker, header: tuple[Context, list[int]], task: Task, settings: 'Settings', *,
+             greedy: bool = False) -> tuple[list[Asked], int]:
   """Without a library, after the few-shot header. Attempts until one verifies or the
   problem's decode budget is spent: each at most `attempt_tokens` (the last one what is
   left), sampled at the settings' temperature with a seed per attempt; every decode token
@@ -181,7 +186,8 @@ def ask_base(asker: Asker, header, task, settings: 'Settings', *, greedy: bool =
   if greedy:
     return [asker.ask(ctx, prompt, 0, task, meter, max_tokens=budget, temperature=0.0,
                       seed=0)], 0
-  answers, spent, discarded = [], 0, 0
+  answers: list[Asked] = []
+  spent, discarded = 0, 0
   while spent < budget:
     limit = min(settings.attempt_tokens, budget - spent)
     seeds = [attempt_seed(settings.seed, task.id, len(answers) + j)
@@ -208,8 +214,8 @@ def ask_base(asker: Asker, header, task, settings: 'Settings', *, greedy: bool =
   return answers, discarded
 
 
-def ask_library(asker: Asker, library: Library, entries: list[Entry], task, max_tokens: int,
-                check: bool, recall: bool = False):
+def ask_library(asker: Asker, library: Library, entries: list[Entry], task: Task,
+                max_tokens: int, check: bool, recall: bool = False) -> Asked:
   """One greedy answer with the entries grafted from the store as one prefix; `check`: also
   decoded from a fresh prefill of the same prompt, and compared by SHA-256. `recall`: the
   problem is the one entry's own (a recurring one), so the prompt is that entry up to its
@@ -233,7 +239,7 @@ def ask_library(asker: Asker, library: Library, entries: list[Entry], task, max_
 # The loop
 
 
-def base_flops(config, asked: list[Asked]) -> int:
+def base_flops(config: TransformerConfig, asked: list[Asked]) -> int:
   """A base task: its prompt prefilled once, then every decode token of every attempt."""
   if not asked:
     return 0
@@ -242,7 +248,7 @@ def base_flops(config, asked: list[Asked]) -> int:
       cost.decode_flops(config, prompt + i) for a in asked for i in range(len(a.tokens))))
 
 
-def library_flops(config, asked: Asked) -> int:
+def library_flops(config: TransformerConfig, asked: Asked) -> int:
   """A library answer: only the prompt's tokens after the grafted prefix are prefilled."""
   prompt = len(asked.prompt)
   computed = prompt - asked.grafted
@@ -250,7 +256,8 @@ def library_flops(config, asked: Asked) -> int:
           + sum(cost.decode_flops(config, prompt + i) for i in range(len(asked.tokens))))
 
 
-def deposit(library: Library, task, base: list[Asked], solutions: dict, counts) -> str | None:
+def deposit(library: Library, task: Task, base: list[Asked], solutions: dict,
+            counts: dict[str, int]) -> str | None:
   """Puts the task in the library if a verified solution exists; returns its source."""
   solved = [a for a in base if a.verdict.correct]
   if solved:
@@ -273,7 +280,8 @@ def deposit(library: Library, task, base: list[Asked], solutions: dict, counts) 
   return entry.source
 
 
-def round_of_heldout(asker, library, header, heldout, settings, round_) -> list[dict]:
+def round_of_heldout(asker: Asker, library: Library, header: tuple[Context, list[int]],
+                     heldout: Sequence[Task], settings: Settings, round_: int) -> list[dict]:
   """Each held-out problem three ways: the base model (one greedy answer), its k retrieved
   entries grafted from the store, and the same entries' text prefilled fresh (the text
   baseline: a graft gives exactly its logits, so the answers must be token-for-token equal,
@@ -291,7 +299,8 @@ def round_of_heldout(asker, library, header, heldout, settings, round_) -> list[
                  'library': lib, 'text': text, 'retrieved': [e.id for e in entries]})
     logging.info('held-out (round %d) %d/%d: base %s, library %s, the same tokens as text %s',
                  round_, i + 1, len(heldout), base[0].verdict.correct,
-                 lib.verdict.correct if lib else None, text.tokens == lib.tokens if lib else None)
+                 lib.verdict.correct if lib else None,
+                 text.tokens == lib.tokens if lib and text else None)
   return rows
 
 
@@ -340,14 +349,15 @@ class Settings:
                        'at a time')
 
 
-def run(engine, library: Library, task_list, heldout_sets, solutions, examples,
+def run(engine: Engine, library: Library, task_list: Sequence[Task],
+        heldout_sets: Sequence[Sequence[Task]], solutions: dict, examples: list[Task],
         settings: Settings) -> dict:
   """The recurring phases, then one held-out round per set in `heldout_sets`; after each round
   but the last, the library grows by that round's verified answers. Rows of Asked."""
   asker = Asker(engine)
   header = few_shot(engine, library, examples)
   counts = {'solutions_rejected': 0, 'entries_refused': 0}
-  rows = []
+  rows: list[dict] = []
   for i, task in enumerate(task_list):  # (a) base within the budget, (b) deposit
     base, discarded = ask_base(asker, header, task, settings)
     source = deposit(library, task, base, solutions, counts)
@@ -395,7 +405,7 @@ def task_row(row: dict) -> dict:
       'graft_exact': None if lib is None else lib.graft_exact,
       'text_correct': None if text is None else text.verdict.correct,
       'text_decode_tokens': None if text is None else len(text.tokens),
-      'text_equal': None if text is None else text.tokens == lib.tokens,
+      'text_equal': None if text is None or lib is None else text.tokens == lib.tokens,
       'retrieved': row.get('retrieved'),
       'base_answer': base[-1].text, 'library_answer': None if lib is None else lib.text,
       'base_seconds': sum(a.seconds for a in base),
@@ -405,7 +415,7 @@ def task_row(row: dict) -> dict:
   }
 
 
-def summarize(config, results: dict, *, seed: int = 0) -> dict:
+def summarize(config: TransformerConfig, results: dict, *, seed: int = 0) -> dict:
   """The flywheel result (schema flywheel, analysis/results.py) of `run`'s results: per-task
   rows, the recurring and held-out phases' accuracies with Wilson intervals, and the decode
   tokens, FLOPs and energy the library saved."""
@@ -508,7 +518,7 @@ def summarize(config, results: dict, *, seed: int = 0) -> dict:
   }
 
 
-def manifest(config: dict, engine, results: dict) -> dict:
+def manifest(config: dict, engine: Engine, results: dict) -> dict:
   """The replayable record of a run: the config, the engine and model fingerprints, how sampled
   tokens were drawn (gemma_jax.sampling.SAMPLER), and every answer's prompt token ids, decoding
   settings, tokens and logits SHA-256 (graft.replay)."""

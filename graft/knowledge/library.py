@@ -16,7 +16,7 @@ cue ("...Solution: {solution}\\nAnswer:"), all but its last token grafted from t
 model states the answer after the verified trace that reached it, in a few decode tokens. A
 library prefix is BOS followed by the canonical texts of some entries in a fixed order,
 tokenized as one text. Every entry is deposited alone, as its own prefix, in the
-store (graft/store/_store.py), computed once by the pinned engine; a prefix of several entries
+store (graft/store/_store.py), computed once by the byte-exact engine; a prefix of several entries
 grafts its longest stored prefix and computes the rest.
 
 Lookup: `find` (the exact problem: the recurring case), or `retrieve`: the k entries most similar
@@ -27,9 +27,12 @@ to a problem by BM25 (the bm25s package) over the entries' problem texts, most s
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from gemma_jax.config import BOS_ID
+from gemma_jax.tokenizer import Tokenizer
 from graft.knowledge import verifiers
+from graft.knowledge.tasks import Task
 from graft.engine import Context
 from graft.store import Match, Store
 
@@ -40,7 +43,7 @@ RECALL_CUE = 'Answer:'
 RECALL = ENTRY.split(RECALL_CUE)[0] + RECALL_CUE
 
 
-def question_tokens(tokenizer, problem: str) -> list[int]:
+def question_tokens(tokenizer: Tokenizer, problem: str) -> list[int]:
   """A problem asked as `QUESTION`, tokenized to follow a prefix (no BOS): the one form the
   base, library and text conditions share."""
   return tokenizer.encode(QUESTION.format(problem=problem), add_bos=False)
@@ -83,9 +86,10 @@ class Library:
     self.tokenizer = store.engine.loaded.tokenizer
     self.entries: dict[str, Entry] = {}
     self._by_problem: dict[str, Entry] = {}
-    self._index = None  # (bm25s.BM25, ids in index order); rebuilt when entries change
+    # (bm25s.BM25, ids in index order); rebuilt when entries change
+    self._index: tuple[Any, list[str]] | None = None
 
-  def add(self, entry: Entry, task) -> dict:
+  def add(self, entry: Entry, task: Task) -> dict:
     """Deposits an entry for `task` (a graft/knowledge/tasks.Task) after the library has run the
     task's verifier on the entry's own text (its worked solution and answer line): what a
     caller says about the entry is not taken on trust. Returns the store's put report. An entry
@@ -110,7 +114,7 @@ class Library:
 
   def retrieve(self, problem: str, k: int) -> list[Entry]:
     """The k entries whose problems BM25 ranks closest to `problem`, closest first."""
-    import bm25s  # heavy (0.4 s to import): only when retrieval is first asked for
+    import bm25s  # heavy to import: only when retrieval is first asked for
     if not self.entries or k < 1:
       return []
     if self._index is None:

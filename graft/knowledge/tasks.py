@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from typing import Iterable
 
 import numpy as np
 
@@ -85,10 +86,10 @@ def _one(family: str, rng: np.random.Generator) -> tuple[str, str, str]:
   raise ValueError(f'unknown task set {family!r}; expected one of {FAMILIES}')
 
 
-def generate(family: str, count: int, *, seed: int, exclude=()) -> list[Task]:
+def generate(family: str, count: int, *, seed: int, exclude: Iterable[str] = ()) -> list[Task]:
   """`count` distinct tasks of `family` (none whose problem is in `exclude`)."""
   rng = np.random.default_rng([seed, FAMILIES.index(family) if family in FAMILIES else -1])
-  seen, tasks = set(exclude), []
+  seen, tasks = set(exclude), list[Task]()
   for _ in range(100 * count):
     if len(tasks) == count:
       break

@@ -1,17 +1,17 @@
 """The knowledge store: KV computed once, found again by its content, grafted byte-exactly.
 
-    store = Store('file:///data/kv/', engine)          # a pinned engine; any kvstore URL
+    store = Store('file:///data/kv/', engine)          # a byte-exact engine; any kvstore URL
     store.put(tokens)                                  # deposits the blocks not stored yet
     ctx, match = store.graft(tokens)                   # the longest stored prefix, grafted
     ctx, logits = engine.extend(ctx, tokens[match.tokens:] + query, logits=...)
 
-Content addressing (blocks.py). The unit is the pinned engine's block: B tokens at
+Content addressing (blocks.py). The unit is the engine's block (its rows_per_call): B tokens at
 sequence indices kB .. kB + B - 1, keyed by a SHA-256 chain over the namespace (model, engine,
 layout, machine), the parent block's key and the block's token ids. Contexts that share a
 prefix share its blocks; a context's last block may be partial. Lookup returns the longest
 stored prefix at token granularity: a query that diverges inside a block still reuses that
-block's first rows, since under the pinned engine a row's bits do not depend on the rows after
-it (tests/test_store.py proves it on every family).
+block's first rows, since under a byte-exact engine (spec, pinned, blocked) a row's bits do not
+depend on the rows after it (tests/test_store.py proves it on every family).
 
 Storage (kvstore.py): TensorStore's kvstore, so the same store runs on local disk, in
 memory or on object stores. Layout under the URL:
@@ -60,11 +60,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from gemma_jax import kv_state as kvs
+from gemma_jax.digest import canonical_json
 from graft.engine import Context, Engine, fingerprint
 from graft.engine.fingerprint import differences
 from graft.store import blocks, signing
@@ -96,12 +97,12 @@ class Composition:
 
 
 class Store:
-  """A store at `url` bound to one namespace: the pinned `engine`'s model and configuration.
+  """A store at `url` bound to one namespace: the byte-exact `engine`'s model and configuration.
 
   Args:
     url: a kvstore URL, or an open KvStore (another view of the same storage: a memory://
       store is private to the KvStore that opened it; a wrapper that injects faults).
-    engine: the pinned, byte-exact engine whose KV the store holds.
+    engine: the byte-exact engine (spec, pinned or blocked) whose KV the store holds.
     host_cache_bytes: the bound of the host tier (an LRU of verified blocks).
     create: whether a missing store is created (else StoreError).
     signing_key: this writer's key; every block it publishes or finds identical is signed.
@@ -132,9 +133,10 @@ class Store:
     self.namespace = _open(self.backing, self.description(), namespace_salt, create)
     self.signing_key, self.trusted_keys = signing_key, trusted_keys
     self.problems = Problems(self.url)  # every entry or object refused, in order
-    self.counters = collections.Counter()  # reads by tier, bytes, blocks written, conflicts
-    codec = Codec(self.namespace, self.block_layout, engine.config.vocab_size,
-                  self.block_tokens)
+    # reads by tier, bytes, blocks written, conflicts
+    self.counters: collections.Counter[str] = collections.Counter()
+    codec = Codec(self.namespace, self.block_layout, engine.model_config.vocab_size,
+                  self.block_layout.block_tokens)
     self._reads = Reads(self.backing, codec, HostCache(host_cache_bytes), self.counters)
     self._trust = Trust(self.backing, self.problems, signing_key, trusted_keys)
     self._index = Index(self.backing, codec, self.problems, self._reads)
@@ -162,13 +164,14 @@ class Store:
 
   # Reads ---------------------------------------------------------------------------------------
 
-  def lookup(self, tokens) -> Match:
+  def lookup(self, tokens: Sequence[int]) -> Match:
     """The longest stored prefix of `tokens` (token ids from position 0), at token
     granularity: a block that fails verification, is not signed by a trusted key or was
     computed on another version of its parent ends it (reported in `problems`)."""
     return self._lookup.match(tokens)
 
-  def graft(self, tokens, *, whole_blocks: bool = False) -> tuple[Context, Match]:
+  def graft(self, tokens: Sequence[int], *,
+            whole_blocks: bool = False) -> tuple[Context, Match]:
     """The longest stored prefix of `tokens`, grafted. A block that fails verification is
     quarantined and the prefix ends before it (the caller's engine computes the rest).
 
@@ -204,7 +207,7 @@ class Store:
 
   # Writes --------------------------------------------------------------------------------------
 
-  def put(self, tokens, *, recompute: bool = False) -> dict:
+  def put(self, tokens: Sequence[int], *, recompute: bool = False) -> dict:
     """Deposits `tokens` (a context from position 0): every block not stored yet is computed
     and published (graft/store/publish.py); `recompute` computes every block and compares it
     with what is stored (a stored block that differs is a conflict: replaced, quarantined,
@@ -219,7 +222,7 @@ class Store:
 
   def quarantine(self, key: str, name: str, reason: str, *, kind: Kind | None = None,
                  entry_name: str | None = None, data: bytes | None = None,
-                 judged=None) -> None:
+                 judged: Any = None) -> None:
     """Reports a bad entry or object `name` of block `key` (as `kind`; default: a bad object
     or entry, as `name` is one) and moves it aside: a copy and the reason go under quarantine/,
     the entry `entry_name` is removed if it still holds `judged` (its bytes or decoded entry),
@@ -228,7 +231,7 @@ class Store:
     self._index.quarantine(key, name, reason, kind=kind, entry_name=entry_name, data=data,
                            judged=judged)
 
-  def quarantine_object(self, entry: dict, reason: str, judged=None) -> None:
+  def quarantine_object(self, entry: dict, reason: str, judged: Any = None) -> None:
     """A published block that failed verification: its object, if not sound on its own, and
     its entry are moved aside; a sound object's entry is rebuilt from it
     (`Index.quarantine_object`)."""
@@ -236,7 +239,7 @@ class Store:
 
   # Documents -----------------------------------------------------------------------------------
 
-  def put_document(self, prefix, document, *, recompute: bool = False) -> dict:
+  def put_document(self, prefix: Sequence[int], document: Sequence[int], *, recompute: bool = False) -> dict:
     """Deposits `document` (token ids) computed after `prefix` (token ids from position 0, e.g.
     BOS and an instruction): the prefix's blocks, then the document's own chain, keyed by the
     namespace, the prefix and the document's tokens and not by where it will be placed
@@ -246,7 +249,7 @@ class Store:
     cache."""
     return self._documents.put(prefix, document, recompute=recompute)
 
-  def read_document(self, prefix, document) -> kvs.KVRows | None:
+  def read_document(self, prefix: Sequence[int], document: Sequence[int]) -> kvs.KVRows | None:
     """A stored document's rows, verified: every layer's K and V [L, K, H] at sequence indices
     and positions p .. p + L - 1 after the prefix (p = len(prefix)); None when it is not stored
     whole and usable (a block refused on the way is quarantined and reported in `problems`)."""
@@ -254,7 +257,8 @@ class Store:
     found = self._documents.read(prefix, document)
     return None if found is None else found[0]
 
-  def compose(self, prefix, documents, query=(), *, recompute: Recompute = Recompute(),
+  def compose(self, prefix: Sequence[int],
+              documents: Sequence[Document | Sequence[int]], query: Sequence[int] = (), *, recompute: Recompute = Recompute(),
               rerotate: bool = False) -> 'Composition':
     """The prefix followed by `documents` in the order given, each placed from its stored rows
     wherever it falls, then `query` (graft/store/compose.py).
@@ -284,7 +288,7 @@ class Store:
       document or context longer than the cache, a Document stored after another prefix, a
       float engine without rerotate (or a relative one with it).
     """
-    checked, handles = [], []
+    checked: list[Sequence[int]] = []
     for i, doc in enumerate(documents):
       tokens = doc.tokens if isinstance(doc, Document) else doc
       prefix, tokens = self._documents.check(prefix, tokens, f'document {i}')
@@ -366,10 +370,12 @@ def _open(backing: KvStore, mine: dict, salt: str, create: bool) -> str:
   if data is None:
     if not create:
       raise StoreError(f'no store at {url} (no {DESCRIPTION})')
-    if backing.write_if_absent(DESCRIPTION, blocks.canonical(mine)):
+    if backing.write_if_absent(DESCRIPTION, canonical_json(mine)):
       return mine['namespace']
     data = backing.read(DESCRIPTION)  # another process created it first
   try:
+    if data is None:
+      raise TypeError('it is gone')
     theirs = json.loads(data)
   except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
     raise StoreError(f'{url}{DESCRIPTION} is damaged ({e})') from None

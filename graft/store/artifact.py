@@ -103,7 +103,7 @@ def capture(engine: Engine, ctx: Context) -> Artifact:
   if not ctx.tokens:
     raise ArtifactError('an empty context has no KV state to save')
   leaves = {'tokens': np.asarray(ctx.tokens, np.int32),
-            **kvs.to_leaves(ctx.kv, engine.config.cache_layers)}
+            **kvs.to_leaves(ctx.kv, engine.model_config.cache_layers)}
   manifest = {
       'format': FORMAT,
       'num_tokens': len(ctx.tokens),
@@ -341,7 +341,7 @@ def _load(path: str, engine: Engine, timings: dict | None) -> Artifact:
 def rows(engine: Engine, artifact: Artifact) -> list[kvs.KVRows]:
   """The artifact's KV as rows (`Engine.graft`'s input)."""
   try:
-    return kvs.rows_from_leaves(artifact.leaves, engine.config.cache_layers,
+    return kvs.rows_from_leaves(artifact.leaves, engine.model_config.cache_layers,
                                 len(artifact.tokens), artifact.start_position)
   except ValueError as e:
     raise ArtifactError(f'the artifact does not fit this engine: {e}') from None

@@ -47,13 +47,16 @@ import hashlib
 import json
 import re
 import struct
+from typing import Sequence
 
 import ml_dtypes
 import numpy as np
 
 from gemma_jax import digest
+from gemma_jax import kv_state as kvs
+from gemma_jax.digest import canonical_json
 from gemma_jax.config import AttentionType
-from graft.engine import fingerprint
+from graft.engine import Engine, fingerprint
 
 STORE_FORMAT = 'kv-graft-store/2'
 BLOCK_FORMAT = 'kv-graft-block/3'
@@ -77,17 +80,17 @@ class BlockError(ValueError):
 
 def namespace(model_fp: dict, engine_fp: dict, salt: str = '') -> str:
   """The namespace of a model and an engine; a salt separates tenants who share a backing store
-  (a stored prefix answers ~20x faster than a miss, which would let one tenant probe another's
-  prefixes)."""
+  (a stored prefix answers much faster than a miss, which would let one tenant probe
+  another's prefixes: docs/security.md)."""
   parts = {'format': STORE_FORMAT, 'model': model_fp['sha256'], 'engine': engine_fp['sha256']}
   return fingerprint.digest({**parts, 'salt': salt} if salt else parts)
 
 
-def block_key(ns: str, parent: str, tokens) -> str:
+def block_key(ns: str, parent: str, tokens: Sequence[int]) -> str:
   """A block's key: the SHA-256 over the namespace, its parent's key and its token ids."""
-  tokens = np.asarray(tokens, '<i4')
+  ids = np.asarray(tokens, '<i4')
   payload = (KEY_DOMAIN + bytes.fromhex(ns) + bytes.fromhex(parent)
-             + struct.pack('<I', len(tokens)) + tokens.tobytes())
+             + struct.pack('<I', len(ids)) + ids.tobytes())
   return hashlib.sha256(payload).hexdigest()
 
 
@@ -99,14 +102,16 @@ def document_root(ns: str, prefix_key: str) -> str:
   return hashlib.sha256(DOCUMENT_DOMAIN + bytes.fromhex(ns) + bytes.fromhex(prefix_key)).hexdigest()
 
 
-def document_keys(ns: str, prefix, document, block_tokens: int) -> list[str]:
+def document_keys(ns: str, prefix: Sequence[int], document: Sequence[int],
+                  block_tokens: int) -> list[str]:
   """The keys of a document's blocks stored after `prefix` (graft/store/documents.py): its
   chain from the document root of the prefix's own last block."""
   root = document_root(ns, chain_keys(ns, prefix, block_tokens)[-1])
   return chain_keys(ns, document, block_tokens, root)
 
 
-def chain_keys(ns: str, tokens, block_tokens: int, root: str = ROOT) -> list[str]:
+def chain_keys(ns: str, tokens: Sequence[int], block_tokens: int,
+               root: str = ROOT) -> list[str]:
   """The keys of every block of a context (the last one partial when len(tokens) % B); `root`:
   the parent of its first block (ROOT for a context from position 0, a document root for a
   document, `document_root`)."""
@@ -127,15 +132,15 @@ class BlockLayout:
   layers: tuple[tuple[int, bool, int, int], ...]  # (layer index, is global, K, H), stored order
 
   @classmethod
-  def of(cls, engine) -> 'BlockLayout':
+  def of(cls, engine: Engine) -> 'BlockLayout':
     """The layout of `engine`'s blocks: its dtype, rows_per_call and cache-owning layers."""
     layers = []
-    for i in engine.config.cache_layers:
-      spec = engine.config.layer_spec(i)
+    for i in engine.model_config.cache_layers:
+      spec = engine.model_config.layer_spec(i)
       layers.append((i, spec.attention_type is AttentionType.GLOBAL, spec.num_kv_heads,
                      spec.head_dim))
     layers.sort(key=lambda layer: (not layer[1], layer[0]))
-    return cls(dtype=engine.loaded.dtype, block_tokens=engine.engine_config.rows_per_call,
+    return cls(dtype=engine.loaded.dtype, block_tokens=engine.plan.rows_per_call,
                layers=tuple(layers))
 
   def leaves(self, num_tokens: int) -> list[dict]:
@@ -143,8 +148,8 @@ class BlockLayout:
     itemsize = numpy_dtype(self.dtype).itemsize
     out, offset = [], 0
     for index, _, k, h in self.layers:
-      for part in ('k', 'v'):
-        out.append({'name': f'layer_{index}/{part}', 'dtype': self.dtype,
+      for name in kvs.leaf_names(index)[:2]:  # K, V
+        out.append({'name': name, 'dtype': self.dtype,
                     'shape': [num_tokens, k, h], 'offset': offset})
         offset += num_tokens * k * h * itemsize
     return out
@@ -169,11 +174,6 @@ def numpy_dtype(name: str) -> np.dtype:
     raise ValueError(f'unsupported array dtype {name!r} (stored arrays are '
                      f'{", ".join(_DTYPES)})')
   return _DTYPES[name]
-
-
-def canonical(value) -> bytes:
-  """`value` as canonical JSON bytes (sorted keys, no spaces): what is hashed and stored."""
-  return json.dumps(value, sort_keys=True, separators=(',', ':')).encode()
 
 
 def content_hash(header: dict) -> str:
@@ -208,8 +208,9 @@ def hash_leaves(leaves: dict[str, np.ndarray], num_tokens: int,
   return described, chunks
 
 
-def encode_block(ns: str, parent: str, parent_header_sha256: str, start: int, tokens,
-                 hashed: tuple[list[dict], list[bytes]],
+def encode_block(ns: str, parent: str, parent_header_sha256: str, start: int,
+                 tokens: Sequence[int],
+                 hashed: tuple[list[dict], list[memoryview]],
                  layout: BlockLayout) -> tuple[str, bytes, dict]:
   """(key, object bytes, header) of a block whose leaves `hash_leaves` described. The header
   records the SHA-256 of its parent's header (ROOT for block 0), which binds the parent's
@@ -222,7 +223,7 @@ def encode_block(ns: str, parent: str, parent_header_sha256: str, start: int, to
             'start': int(start), 'tokens': tokens, 'leaves': described,
             'global_bytes': layout.global_bytes(len(tokens)),
             'data_bytes': layout.data_bytes(len(tokens))}
-  header_bytes = canonical(header)
+  header_bytes = canonical_json(header)
   return key, b''.join([MAGIC, struct.pack('<I', len(header_bytes)), header_bytes, *chunks]), header
 
 
@@ -351,11 +352,11 @@ def _valid_parent_header(value, parent: str) -> bool:
 def encode_entry(header: dict, object_name: str, object_bytes: int, header_bytes: bytes) -> bytes:
   """The index entry that publishes object `object_name` (of `object_bytes` bytes) whose
   header is `header` (decoded) and `header_bytes` (as stored)."""
-  return canonical({'format': ENTRY_FORMAT, 'key': header['key'], 'parent': header['parent'],
-                    'parent_header_sha256': header['parent_header_sha256'],
-                    'start': header['start'], 'tokens': header['tokens'],
-                    'object': object_name, 'object_bytes': object_bytes,
-                    'header_sha256': hashlib.sha256(header_bytes).hexdigest()})
+  return canonical_json({'format': ENTRY_FORMAT, 'key': header['key'], 'parent': header['parent'],
+                         'parent_header_sha256': header['parent_header_sha256'],
+                         'start': header['start'], 'tokens': header['tokens'],
+                         'object': object_name, 'object_bytes': object_bytes,
+                         'header_sha256': hashlib.sha256(header_bytes).hexdigest()})
 
 
 @_malformed_is_refused('the index entry')

@@ -129,8 +129,8 @@ def _turner(engine: Engine) -> Callable:
       # The run-time zero of the numerics' barriers, as the model makes it: positions are
       # never below EMPTY, which the compiler cannot know.
       with_zero = numerics.with_zero((positions[0] < kvs.EMPTY).astype(jnp.uint32))
-      sin, cos = rope.sin_cos(positions[None], head_dim, base=base, scale=scale,
-                              rotary_fraction=fraction, mode='float', numerics=with_zero)
+      sin, cos = rope.float_sin_cos(positions[None], head_dim, with_zero, base=base, scale=scale,
+                                    rotary_fraction=fraction)
       return rope.rotate_heads(k[None], (-sin if back else sin, cos), with_zero)[0]
 
     _TURNS[engine] = jax.jit(turn_keys, static_argnames=('head_dim', 'base', 'scale',
@@ -144,7 +144,7 @@ def turn(engine: Engine, layer_index: int, k: np.ndarray, positions: np.ndarray,
   """Keys [n, K, H] of cache-owning layer `layer_index` turned by the float RoPE of that layer
   at integer `positions` [n] >= 0, computed as `engine`'s model rotates keys (its numerics);
   back=True turns them by minus those positions."""
-  spec = engine.config.layer_spec(layer_index)
+  spec = engine.model_config.layer_spec(layer_index)
   out = _turner(engine)(jnp.asarray(k), jnp.asarray(positions, jnp.int32),
                         head_dim=spec.head_dim, base=spec.rope_base, scale=spec.rope_scale,
                         fraction=spec.rotary_fraction, back=back)
@@ -167,7 +167,7 @@ def check_mode(engine: Engine, rerotate: bool) -> str:
   """The engine's RoPE mode when it can place documents elsewhere than where they were
   computed: 'relative' (position-free rows), or 'float' with rerotate=True (keys turned by Δ,
   not exact, recorded). ComposeError otherwise."""
-  config = engine.config
+  config = engine.model_config
   mode = config.rope_mode
   if mode not in MODES or config.kv_cache_pre_rope:
     raise ComposeError(f'composing documents needs RoPE {MODES[0]!r} (position-free rows) or '
@@ -194,8 +194,8 @@ def placed(engine: Engine, rows: kvs.KVRows, start: int, rerotate: bool) -> kvs.
   keys = rows.k
   if rerotate and delta:
     by = np.full(rows.num_tokens, delta, np.int32)
-    keys = tuple(turn(engine, layer, k, by)
-                 for layer, k in zip(engine.config.cache_layers, rows.k))
+    keys = tuple(turn(engine, layer, rows.layer(j)[0], by)
+                 for j, layer in enumerate(engine.model_config.cache_layers))
   return kvs.KVRows(start, keys, rows.v, positions)
 
 
@@ -217,7 +217,7 @@ def append_rows(engine: Engine, ctx: Context, rows: kvs.KVRows, tokens: Sequence
   tokens = tuple(int(t) for t in tokens)
   n = rows.num_tokens
   if n != len(tokens) or rows.start != len(ctx.tokens) or (
-      n and int(rows.positions[0][0]) != ctx.next_position):
+      n and kvs.first_position([rows]) + rows.start != ctx.next_position):
     raise ComposeError(f'rows of {n} tokens at sequence index {rows.start} do not follow a '
                        f'context of {len(ctx.tokens)} tokens ({len(tokens)} tokens given)')
   if len(ctx.tokens) + n > engine.engine_config.cache_len:
@@ -228,7 +228,8 @@ def append_rows(engine: Engine, ctx: Context, rows: kvs.KVRows, tokens: Sequence
   for lo in range(0, n, chunk):
     hi = min(n, lo + chunk)
     k, v = [], []
-    for layer, k_rows, v_rows in zip(kv.layers, rows.k, rows.v):
+    for j, layer in enumerate(kv.layers):
+      k_rows, v_rows = rows.layer(j)
       shape = (1, chunk) + layer.k.shape[2:]
       k.append(np.zeros(shape, layer.k.dtype))
       v.append(np.zeros(shape, layer.v.dtype))
@@ -295,11 +296,11 @@ def deviation(engine: Engine, tokens: Sequence[int], rows: kvs.KVRows, layer: in
   the whole composed context), the squared distance between its K and V at `layer` and those
   of the composed context computed through that layer (the model's first layer + 1 layers),
   summed over heads and dimensions in float64. -> [rows.num_tokens] float64."""
-  if layer not in engine.config.cache_layers:
+  if layer not in engine.model_config.cache_layers:
     raise ComposeError(f'CacheBlend\'s selection layer {layer} is not a layer that owns a KV '
-                       f'cache in {engine.config.name}')
+                       f'cache in {engine.model_config.name}')
   early = first_layers_engine(engine, layer + 1)
-  j, mine = early.config.cache_layers.index(layer), engine.config.cache_layers.index(layer)
+  j, mine = early.model_config.cache_layers.index(layer), engine.model_config.cache_layers.index(layer)
   first, stop = rows.start, rows.start + rows.num_tokens
   out = np.zeros(rows.num_tokens, np.float64)
   ctx = early.empty()
@@ -311,8 +312,9 @@ def deviation(engine: Engine, tokens: Sequence[int], rows: kvs.KVRows, layer: in
       continue
     a = max(lo, first)
     fresh = kvs.take_rows(ctx.kv, a, hi)
-    for new, old in ((fresh.k[j], rows.k[mine][a - first:hi - first]),
-                     (fresh.v[j], rows.v[mine][a - first:hi - first])):
+    old_k, old_v = rows.layer(mine)
+    for new, old in ((fresh.k[j], old_k[a - first:hi - first]),
+                     (fresh.v[j], old_v[a - first:hi - first])):
       diff = np.asarray(new, np.float64) - np.asarray(old, np.float64)
       out[a - first:hi - first] += np.sum(diff * diff, axis=(1, 2))
   return out

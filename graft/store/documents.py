@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Sequence
 
 from gemma_jax import kv_state as kvs
 from graft.engine import Engine
 from graft.store import blocks
 from graft.store.compose import append_rows, concatenate
 from graft.store.lookup import BadBlock, Lookup
-from graft.store.publish import Publication
+from graft.store.publish import Block, Publication
 from graft.store.shared import Codec, Match, StoreError
 
 _WRITE_BATCH = 64  # blocks computed before they are written together (as a put)
@@ -66,19 +67,20 @@ class Documents:
 
   # Keys -----------------------------------------------------------------------------------------
 
-  def prefix_key(self, prefix) -> str:
+  def prefix_key(self, prefix: Sequence[int]) -> str:
     """The key of the prefix's own last block."""
     return blocks.chain_keys(self._codec.namespace, prefix, self._codec.block_tokens)[-1]
 
-  def keys(self, prefix, document) -> list[str]:
+  def keys(self, prefix: Sequence[int], document: Sequence[int]) -> list[str]:
     """The keys of a document's blocks after `prefix`."""
     return blocks.document_keys(self._codec.namespace, prefix, document, self._codec.block_tokens)
 
-  def check(self, prefix, document, what: str = 'the document') -> tuple[list[int], list[int]]:
+  def check(self, prefix: Sequence[int], document: Sequence[int],
+            what: str = 'the document') -> tuple[list[int], list[int]]:
     """(prefix, document) as int lists; DocumentError when the prefix or the document is empty,
     holds an id outside the vocabulary, or prefix + document does not fit the engine's cache."""
     prefix, document = _ids(prefix, 'the prefix'), _ids(document, what)
-    vocab = self._engine.config.vocab_size
+    vocab = self._engine.model_config.vocab_size
     for name, ids in (('the prefix', prefix), (what, document)):
       if not ids:
         raise DocumentError(f'{name} is empty')
@@ -93,7 +95,7 @@ class Documents:
 
   # Finding and reading --------------------------------------------------------------------------
 
-  def prefix_match(self, prefix) -> Match | None:
+  def prefix_match(self, prefix: Sequence[int]) -> Match | None:
     """The prefix's stored chain ending with its own last block (usable: verified and
     trusted), or None."""
     match = self._lookup.match(prefix)
@@ -102,7 +104,7 @@ class Documents:
       return None
     return match
 
-  def match(self, prefix, document) -> Match:
+  def match(self, prefix: Sequence[int], document: Sequence[int]) -> Match:
     """The longest stored prefix of a document's chain after `prefix` (Match(0) when the prefix
     itself is not stored under its own key)."""
     prefix_match = self.prefix_match(prefix)
@@ -112,7 +114,7 @@ class Documents:
     root = blocks.document_root(self._codec.namespace, last['key'])
     return self._lookup.match(document, root=root, root_header=last['header_sha256'])
 
-  def read(self, prefix, document) -> tuple[kvs.KVRows, Match] | None:
+  def read(self, prefix: Sequence[int], document: Sequence[int]) -> tuple[kvs.KVRows, Match] | None:
     """A stored document's rows: every layer's K and V [|D|, K, H] at sequence indices and
     positions p .. p + |D| - 1 (p = len(prefix)), as computed after the prefix; None when it
     is not stored whole (a block that fails verification is quarantined on the way)."""
@@ -128,7 +130,7 @@ class Documents:
 
   # Writing --------------------------------------------------------------------------------------
 
-  def put(self, prefix, document, *, recompute: bool = False) -> dict:
+  def put(self, prefix: Sequence[int], document: Sequence[int], *, recompute: bool = False) -> dict:
     """Deposits a document after a prefix (the prefix's blocks first, under its own last key):
     every block of the document's chain not stored yet is computed and published; `recompute`
     computes every block and compares it with what is stored (a stored block that differs is
@@ -173,15 +175,13 @@ class Documents:
         ctx = append_rows(self._engine, ctx, concatenate(stored), document[:used.tokens])
       parent_header = (match.entries[first_new - 1]['header_sha256'] if first_new
                        else last['header_sha256'])
-      batch = []
+      batch: list[Block] = []
       for k in range(first_new, len(keys)):
         start, stop = k * block_tokens, min((k + 1) * block_tokens, len(document))
         n = len(ctx.tokens)
         ctx, _ = self._engine.extend(ctx, document[start:stop], logits='none', consume=True)
-        rows = kvs.take_rows(ctx.kv, n, len(ctx.tokens))
-        leaves = {}
-        for index, k_rows, v_rows in zip(self._engine.config.cache_layers, rows.k, rows.v):
-          leaves[f'layer_{index}/k'], leaves[f'layer_{index}/v'] = k_rows, v_rows
+        leaves = kvs.block_leaves(kvs.take_rows(ctx.kv, n, len(ctx.tokens)),
+                                  self._engine.model_config.cache_layers)
         batch.append((keys[k - 1] if k else root, start, document[start:stop], leaves))
         if len(batch) == _WRITE_BATCH or k == len(keys) - 1:
           written, parent_header, conflicts = self._publication.write_blocks(batch, parent_header)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Any
 
+from gemma_jax.digest import canonical_json
 from graft.store import blocks
 from graft.store.blocks import BlockError
 from graft.store.kvstore import KvStore
@@ -45,7 +47,8 @@ class Index:
           raise BlockError(str(data))
         self._entries[key] = self._codec.entry(data, parent=parent, key=key, start=start)
       except BlockError as e:
-        self.quarantine(key, name, str(e), entry_name=name, data=data, judged=data)
+        self.quarantine(key, name, str(e), entry_name=name,
+                        data=None if isinstance(data, Exception) else data, judged=data)
         self.rebuild_entry(parent, key)
         if self._backing.read(name) is not None:  # rebuilt: read it as any entry
           self.entries_many([(parent, key, start)])
@@ -104,7 +107,7 @@ class Index:
         self._backing.write_if_absent(f'index/{parent}/{key}', entry)
         return
 
-  def quarantine_object(self, entry: dict, reason: str, judged=None) -> None:
+  def quarantine_object(self, entry: dict, reason: str, judged: Any = None) -> None:
     """A published block that failed verification. The object is checked on its own (its
     header, key chain and every leaf, not against the entry): if it is sound, the entry was the
     damaged one, and only the entry is moved aside and rebuilt from the object; otherwise the
@@ -125,7 +128,7 @@ class Index:
 
   def quarantine(self, key: str, name: str, reason: str, *, kind: Kind | None = None,
                  entry_name: str | None = None, data: bytes | None = None,
-                 judged=None) -> None:
+                 judged: Any = None) -> None:
     """Reports a bad entry or object and moves it aside: a copy and the reason go under
     quarantine/, the entry is removed if it still holds what was judged (`judged`: its bytes or
     decoded entry; so lookups miss and a later put rewrites the block), and the object is
@@ -143,7 +146,7 @@ class Index:
         generation = None  # rewritten since it was judged: not what was judged, kept
       data = current if data is None else data  # the bad bytes are kept, not lost
     record = uuid.uuid4().hex
-    self._backing.write(f'quarantine/{record}.json', blocks.canonical(
+    self._backing.write(f'quarantine/{record}.json', canonical_json(
         {'key': key, 'name': name, 'reason': reason, 'time': time.time()}))
     if data is not None:
       self._backing.write(f'quarantine/{record}.object', data)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.parse
+from typing import Iterable, Sequence
 
 import tensorstore as ts
 
@@ -78,14 +79,15 @@ class KvStore:
     except Exception as e:  # TensorStore raises ValueError for unparsable or unsupported URLs
       raise StoreUrlError(f'cannot open store {url!r}: {e}') from None
 
-  def read_many(self, requests) -> list:
+  def read_many(self, requests: Sequence[tuple[str, tuple[int, int] | None]]
+                ) -> list[bytes | ShortValueError | None]:
     """Reads [(key, byte range [start, stop) or None)] concurrently. Per request: the bytes,
     None when the key is missing, or a ShortValueError when the range runs past the value."""
     futures = []
     for key, byte_range in requests:
-      kwargs = {} if byte_range is None else {'byte_range': slice(*byte_range)}
-      futures.append(self._kv.read(check_key(key), **kwargs))
-    out = []
+      futures.append(self._kv.read(check_key(key)) if byte_range is None else
+                     self._kv.read(check_key(key), byte_range=slice(*byte_range)))
+    out: list[bytes | ShortValueError | None] = []
     for (key, byte_range), future in zip(requests, futures):
       try:
         result = future.result()
@@ -104,7 +106,7 @@ class KvStore:
       raise value
     return value
 
-  def write_many(self, items) -> None:
+  def write_many(self, items: Iterable[tuple[str, bytes]]) -> None:
     """Writes [(key, value)] concurrently (each write whole and atomic)."""
     futures = [self._kv.write(check_key(key), value) for key, value in items]
     for future in futures:
@@ -114,7 +116,7 @@ class KvStore:
     """Writes `value` under `key`, whole and atomic."""
     self.write_many([(key, value)])
 
-  def write_if_absent_many(self, items) -> list[bool]:
+  def write_if_absent_many(self, items: Iterable[tuple[str, bytes]]) -> list[bool]:
     """Writes each [(key, value)] only if its key does not exist, concurrently; per item, True
     when this call wrote it."""
     futures = [self._kv.write(check_key(key), value, if_equal=_NO_VALUE) for key, value in items]

@@ -5,8 +5,6 @@ a fresh context of the engine.
 
 from __future__ import annotations
 
-import numpy as np
-
 from gemma_jax import kv_state as kvs
 from graft.engine import Context, Engine
 from graft.store import blocks
@@ -15,6 +13,7 @@ from graft.store.index import Index
 from graft.store.reads import Reads
 from graft.store.shared import Codec, Match
 from graft.store.trust import Trust
+from typing import Sequence
 
 
 class BadBlock(Exception):
@@ -29,7 +28,7 @@ class Lookup:
   """Finds stored prefixes and grafts them.
 
   Args:
-    engine: the pinned engine, whose fresh context a graft fills.
+    engine: the byte-exact engine, whose fresh context a graft fills.
     codec: the formats bound to the store's namespace (its chain keys, its block tokens).
     index: the published entries (and the quarantine of a block that fails a graft).
     reads: the object reads.
@@ -40,7 +39,8 @@ class Lookup:
     self._engine, self._codec = engine, codec
     self._index, self._reads, self._trust = index, reads, trust
 
-  def match(self, tokens, *, root: str = blocks.ROOT, root_header: str = blocks.ROOT) -> Match:
+  def match(self, tokens: Sequence[int], *, root: str = blocks.ROOT,
+            root_header: str = blocks.ROOT) -> Match:
     """The longest stored prefix of `tokens` (token ids, from position 0), at token
     granularity, cut before its first block that may not be used. root, root_header: where the
     chain hangs and the header hash its first block must record (a document's chain: its
@@ -73,7 +73,8 @@ class Lookup:
         break
     return self._trust.trusted_prefix(Match(tokens=matched, entries=tuple(used), rows=rows))
 
-  def graft(self, tokens, *, whole_blocks: bool = False) -> tuple[Context, Match]:
+  def graft(self, tokens: Sequence[int], *,
+            whole_blocks: bool = False) -> tuple[Context, Match]:
     """A fresh context holding the longest stored prefix of `tokens` at its own positions. A
     block that fails verification is quarantined and the prefix ends before it (the caller's
     engine computes the rest). whole_blocks: a prefix that ends inside a block and is followed
@@ -117,16 +118,13 @@ class Lookup:
     # A block wholly behind every ring is read for its global layers only.
     wanted = [(entry, not every_layer and entry['start'] + rows <= n - ring)
               for entry, rows in zip(match.entries, used)]
-    layers = self._engine.config.cache_layers
+    layers = self._engine.model_config.cache_layers
     out = []
     for (entry, _), rows, leaves in zip(wanted, used, self._reads.read_blocks(wanted)):
       if isinstance(leaves, BlockError):
         raise BadBlock(entry, str(leaves))
-      start = first + entry['start']
-      k = tuple(leaves.get(f'layer_{i}/k') for i in layers)
-      v = tuple(leaves.get(f'layer_{i}/v') for i in layers)
-      positions = np.arange(start, start + len(entry['tokens']), dtype=np.int32)
-      out.append(kvs.KVRows(start, k, v, (positions,) * len(k)).prefix(rows))
+      out.append(kvs.block_rows(leaves, layers, first + entry['start'], len(entry['tokens']))
+                 .prefix(rows))
     return out
 
 

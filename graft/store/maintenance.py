@@ -116,9 +116,8 @@ class Maintenance:
           header = self._reads.header_of(entry)
           rows = kvs.take_rows(child_ctx.kv, base + start, base + start + len(entry['tokens']))
           hash_name = blocks.content_hash(header)
-          mine = {f'layer_{i}/{part}': digest.hexdigest(hash_name, np.asarray(a))
-                  for i, k, v in zip(self._engine.config.cache_layers, rows.k, rows.v)
-                  for part, a in (('k', k), ('v', v))}
+          mine = {name: digest.hexdigest(hash_name, np.asarray(a)) for name, a in
+                  kvs.block_leaves(rows, self._engine.model_config.cache_layers).items()}
           if any(mine[leaf['name']] != leaf[hash_name] for leaf in header['leaves']):
             problems.append(Problem(Kind.FORGED, entry['key'], f'objects/{entry["object"]}',
                                     'forged: its bytes differ from a recomputation by this '
@@ -155,7 +154,7 @@ class Maintenance:
       elif problem.kind in (Kind.BAD_ENTRY, Kind.BAD_OBJECT):
         data = self._backing.read(problem.name)
         try:
-          entry = json.loads(data)
+          entry = json.loads(data) if data is not None else None  # gone: not an entry
           if not isinstance(entry, dict) or not isinstance(entry.get('object'), str):
             raise ValueError('not an entry')
           self._index.quarantine_object({**entry, 'key': problem.key,
@@ -173,7 +172,9 @@ class Maintenance:
   def _leases(self, lease_seconds: float) -> tuple[set[str], list[str]]:
     """(the objects held by live put leases, the names of leases older than `lease_seconds`).
     A lease that does not decode holds nothing and is left alone, like any stray name."""
-    live, expired, now = set(), [], time.time()
+    live: set[str] = set()
+    expired: list[str] = []
+    now = time.time()
     for name in self._backing.list('staging/'):
       try:
         lease = json.loads(self._backing.read(name) or b'null')

@@ -14,10 +14,13 @@ import os
 import sys
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Sequence
+
+import numpy as np
 
 from gemma_jax import kv_state as kvs
 from gemma_jax import digest
+from gemma_jax.digest import canonical_json
 from graft.engine import Engine
 from graft.store import blocks
 from graft.store.blocks import BlockError
@@ -31,6 +34,9 @@ from graft.store.trust import Trust
 _WRITE_BATCH = 64  # blocks computed before they are written together (bounds host memory)
 # The steps of a put, in order; `after_step` is called after each with the batch's object names.
 STEPS = ('written', 'verified', 'published')
+# A block computed and not yet stored: its parent's key, its first token's index, its tokens and
+# its leaves (kv_state.block_leaves' names).
+Block = tuple[str, int, Sequence[int], dict[str, np.ndarray]]
 PAUSED = 'store put paused after step'
 
 
@@ -40,7 +46,7 @@ class Publication:
   Args:
     backing: the store's storage.
     codec: the formats bound to the store's namespace and the engine's layout.
-    engine: the pinned engine that computes the blocks.
+    engine: the byte-exact engine that computes the blocks.
     counters: where blocks written and conflicts found are counted.
     lookup: the stored prefix a put builds on.
     index: the published entries (and the quarantine of a block found bad or in conflict).
@@ -57,7 +63,8 @@ class Publication:
     self._lookup, self._index, self._reads, self._trust = lookup, index, reads, trust
     self._after_step = after_step or (lambda step, names: None)
 
-  def put(self, tokens, *, recompute: bool = False, own_last_block: bool = False) -> dict:
+  def put(self, tokens: Sequence[int], *, recompute: bool = False,
+          own_last_block: bool = False) -> dict:
     """Deposits `tokens` (a context from position 0): grafts the longest stored prefix of whole
     blocks (the trusted one, with a trust list), computes the rest block by block with the
     engine and writes every block not stored yet; `recompute` computes every block and compares
@@ -86,17 +93,15 @@ class Publication:
     # The header hash of the parent of the first block written: the stored block it was
     # grafted from (what this put computes on), else the root.
     parent_header = (match.entries[first_new - 1]['header_sha256'] if first_new else blocks.ROOT)
-    batch = []  # (parent, start, tokens, leaves) computed and not yet stored
+    batch: list[Block] = []  # computed and not yet stored
     for k in range(first_new, len(keys)):
       start, stop = k * block_tokens, min((k + 1) * block_tokens, len(tokens))
       t1 = time.perf_counter()
       if stop > len(ctx.tokens):
         ctx, _ = self._engine.extend(ctx, tokens[len(ctx.tokens):stop], logits='none',
                                      consume=True)
-      rows = kvs.take_rows(ctx.kv, start, stop)
-      leaves = {}
-      for index, k_rows, v_rows in zip(self._engine.config.cache_layers, rows.k, rows.v):
-        leaves[f'layer_{index}/k'], leaves[f'layer_{index}/v'] = k_rows, v_rows
+      leaves = kvs.block_leaves(kvs.take_rows(ctx.kv, start, stop),
+                                self._engine.model_config.cache_layers)
       batch.append((keys[k - 1] if k else blocks.ROOT, start, tokens[start:stop], leaves))
       report['compute_seconds'] += time.perf_counter() - t1
       if len(batch) == _WRITE_BATCH or k == len(keys) - 1:
@@ -111,7 +116,7 @@ class Publication:
     report['seconds'] = time.perf_counter() - t0
     return report
 
-  def write_blocks(self, batch, parent_header: str) -> tuple[list[int], str, int]:
+  def write_blocks(self, batch: Sequence[Block], parent_header: str) -> tuple[list[int], str, int]:
     """Writes, verifies and publishes blocks [(parent, start, tokens, leaves)] of one chain
     (a context's, or a document's), each step for the whole batch at once; `parent_header` is
     the header hash of the first one's parent (ROOT for a context's first block, the prefix's
@@ -130,7 +135,7 @@ class Publication:
     # The lease goes first and stays until the batch is published: gc reads leases before it
     # checks for publication, so it sees an object of this put either leased or published.
     lease = f'staging/{uuid.uuid4().hex}.json'
-    self._backing.write(lease, blocks.canonical({'objects': names, 'time': time.time()}))
+    self._backing.write(lease, canonical_json({'objects': names, 'time': time.time()}))
     try:
       out, standing, conflicts = self._publish_batch(batch, encoded, names, first_parent_header)
     finally:
@@ -167,7 +172,8 @@ class Publication:
         won, conflict, theirs = self._publish_over(parent, start, key, name, header, entry_name,
                                                    entry_bytes, standing.get(parent))
         conflicts += conflict
-        standing[key] = standing[key] if won else theirs
+        if not won and theirs is not None:  # (a copy not ours stands: its header's hash)
+          standing[key] = theirs
       self._trust.sign(key, standing[key])
       self._counters['blocks_written'] += won
       out.append(len(data) if won else 0)
@@ -231,7 +237,7 @@ def pause_at(at: str, resume: str | None = None) -> Callable[[str, list[str]], N
   step_at, _, count = at.partition(':')
   if step_at not in STEPS or not (count or '1').isdigit():
     raise ValueError(f'pause at {at!r}: expected STEP:N with STEP one of {", ".join(STEPS)}')
-  reached = collections.Counter()
+  reached: collections.Counter[str] = collections.Counter()
 
   def pause(step: str, names: list[str]) -> None:
     reached[step] += 1

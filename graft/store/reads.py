@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import time
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +81,7 @@ class Reads:
   """
 
   def __init__(self, backing: KvStore, codec: Codec, host: HostCache,
-               counters: collections.Counter):
+               counters: collections.Counter[str]):
     self._backing, self._codec, self._counters = backing, codec, counters
     self.host = host
 
@@ -97,7 +98,8 @@ class Reads:
       each cache-owning layer i read (T: the block's tokens), or the BlockError that refused
       it.
     """
-    out = [self.host.get(entry['object'], global_only) for entry, global_only in wanted]
+    out: list[dict[str, np.ndarray] | BlockError | None] = [
+        self.host.get(entry['object'], global_only) for entry, global_only in wanted]
     self._counters['host_hits'] += sum(leaves is not None for leaves in out)
     missing = [i for i, leaves in enumerate(out) if leaves is None]
     if not missing:
@@ -105,9 +107,10 @@ class Reads:
     start = time.perf_counter()
     probes = self._backing.read_many([self._request(*wanted[i]) for i in missing])
 
-    def decode(i, probe):
+    def decode(i: int, probe: Any) -> dict[str, np.ndarray] | BlockError:
+      entry, global_only = wanted[i]
       try:
-        return self._decode_object(*wanted[i], probe)
+        return self._decode_object(entry, global_only, probe)
       except BlockError as e:
         return e
 
@@ -115,7 +118,9 @@ class Reads:
       out[i] = leaves
       if not isinstance(leaves, BlockError):
         self.host.put(wanted[i][0]['object'], wanted[i][1], leaves)
-    self._counters['backing_seconds'] += time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    self._counters['backing_seconds'] += seconds  # type: ignore[assignment]  # Counter's stub: ints
+
     self._counters['backing_reads'] += len(missing)
     return out
 

@@ -88,7 +88,7 @@ class Codec:
   namespace: str
   layout: blocks.BlockLayout
   vocab_size: int
-  block_tokens: int  # tokens per block: the pinned engine's rows_per_call
+  block_tokens: int  # tokens per block: the engine's rows_per_call
 
   def entry(self, data: bytes, *, parent: str, key: str, start: int) -> dict:
     """The verified index entry index/<parent>/<key> of a block at sequence index `start`

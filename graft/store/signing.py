@@ -18,10 +18,13 @@ import dataclasses
 import hashlib
 import json
 import os
+from typing import Iterable
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from gemma_jax.digest import canonical_json
 
 
 class SigningKeyError(ValueError):
@@ -70,7 +73,7 @@ class SigningKey:
   def sign(self, digest_hex: str) -> bytes:
     """The signature record of a SHA-256 (hex): canonical JSON bytes."""
     signature = self.private.sign(bytes.fromhex(digest_hex)).hex()
-    return _canonical({'public_key': self.public.hex, 'signed': digest_hex,
+    return canonical_json({'public_key': self.public.hex, 'signed': digest_hex,
                        'signature': signature})
 
 
@@ -120,7 +123,7 @@ def load_public(path: str) -> PublicKey:
   return PublicKey(raw)
 
 
-def load_trusted(paths) -> tuple[PublicKey, ...]:
+def load_trusted(paths: Iterable[str]) -> tuple[PublicKey, ...]:
   """The public keys in the .pub files `paths`: a reader's trust list."""
   return tuple(load_public(p) for p in paths)
 
@@ -138,7 +141,3 @@ def signed_by(record: bytes | None, digest_hex: str, trusted: tuple[PublicKey, .
     return False
   return any(key.hex == public and key.verifies(bytes.fromhex(digest_hex), signature)
              for key in trusted)
-
-
-def _canonical(value) -> bytes:
-  return json.dumps(value, sort_keys=True, separators=(',', ':')).encode()

@@ -37,7 +37,9 @@ void Ops(int64_t op, const float* a, const float* b, const float* c, float* out,
 // kind 0: ops (ints: op; floats: a, b, c of n each); 1, 2: x [rows, terms] @ w [terms, cols] by
 // the panel or the stream entry (ints: rows, terms, cols, chunk); 3: attention (ints: B, T, N,
 // K, H, S, tile, chunk, window, query positions [B, T], slot positions [B, S]; floats: soft-cap,
-// q [B, T, N, H], k, v [B, S, K, H]). Writes the case's outputs to out.
+// q [B, T, N, H], k, v [B, S, K, H]) on keys transposed here by the path's transposition; 4: the
+// same attention where each work item transposes the tiles it reads itself (a decode step's
+// way: Attend::keys_t null). Writes the case's outputs to out.
 extern "C" void GEMMA_SPEC_CAT(edge_case_, GEMMA_SPEC_NAME)(int64_t kind, const int64_t* ints,
                                                           const float* floats, int64_t n_out,
                                                           float* out) {
@@ -65,25 +67,27 @@ extern "C" void GEMMA_SPEC_CAT(edge_case_, GEMMA_SPEC_NAME)(int64_t kind, const 
     const int64_t n = s_len / tile, groups = b_len * kv, rows = t_len * (heads / kv);
     std::vector<float> keys_t(groups * n * h * tile);  // [groups, n, H, tile]
     for (int64_t g = 0; g < groups; ++g)
-      for (int64_t s = 0; s < s_len; ++s)
-        for (int64_t d = 0; d < h; ++d)
-          keys_t[((g * n + s / tile) * h + d) * tile + s % tile] =
-              k[((g / kv * s_len + s) * kv + g % kv) * h + d];
+      for (int64_t j = 0; j < n; ++j)
+        GEMMA_SPEC_CAT(gemma_spec_transpose_, GEMMA_SPEC_NAME)(
+            k + ((g / kv * s_len + j * tile) * kv + g % kv) * h, kv * h, h, tile,
+            keys_t.data() + (g * n + j) * h * tile);
     gemma_spec::Attend a{};
     a.q = q, a.k = k, a.v = v, a.qpos = qpos.data(), a.kpos = kpos.data();
-    a.keys_t = keys_t.data(), a.out = out, a.batch = b_len, a.tokens = t_len, a.heads = heads;
+    a.keys_t = kind == 4 ? nullptr : keys_t.data();
+    a.out = out, a.batch = b_len, a.tokens = t_len, a.heads = heads;
     a.kv_heads = kv, a.head_dim = h, a.slots = s_len, a.tile = tile, a.chunk = chunk;
     a.window = window, a.softcap = floats[0];
     std::vector<int64_t> tiles(n);  // every tile (one no row sees contributes nothing)
     for (int64_t j = 0; j < n; ++j) tiles[j] = j;
     constexpr int64_t kRows = 32;  // rows per work item, as ffi.cc's kAttendRows
-    std::vector<float> f(kRows * s_len + 3 * kRows * h + 2 * kRows + tile + s_len);
+    std::vector<float> f(kRows * s_len + 3 * kRows * h + 2 * kRows + tile + s_len + h * tile);
     std::vector<uint8_t> saw(kRows * n);
     float* rest = f.data() + kRows * s_len + 3 * kRows * h;
-    const gemma_spec::AttendScratch w{f.data(), f.data() + kRows * s_len,
-                                      f.data() + kRows * s_len + kRows * h, rest,
-                                      f.data() + kRows * s_len + 2 * kRows * h, saw.data(),
-                                      rest + 2 * kRows, rest + 2 * kRows + tile};
+    gemma_spec::AttendScratch w{f.data(), f.data() + kRows * s_len,
+                                f.data() + kRows * s_len + kRows * h, rest,
+                                f.data() + kRows * s_len + 2 * kRows * h, saw.data(),
+                                rest + 2 * kRows, rest + 2 * kRows + tile};
+    w.keys = rest + 2 * kRows + tile + s_len;  // [H, tile]: a tile transposed (kind 4)
     for (int64_t g = 0; g < groups; ++g)
       for (int64_t r0 = 0; r0 < rows; r0 += kRows)
         GEMMA_SPEC_CAT(gemma_spec_attend_, GEMMA_SPEC_NAME)(

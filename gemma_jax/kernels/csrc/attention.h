@@ -165,10 +165,37 @@ inline void Lanes(int64_t n, F f) {
   for (; i < n; ++i) f(Scalar(), i);
 }
 
+// One tile's keys, slot c's H values at keys + c * ldk, transposed into out [H, tile] (a slot's
+// values down a column), so that a vector lane holds one slot's chain: blocks of kLanes slots by
+// kLanes values turned in registers (V::transpose), the edges one value at a time. Values only
+// move: no arithmetic, so no bit can depend on how.
+template <class V>
+inline void TransposeKeys(const float* keys, int64_t ldk, int64_t h, int64_t tile, float* out) {
+  constexpr int L = V::kLanes;
+  int64_t c0 = 0;
+  if constexpr (L > 1) {
+    for (; c0 + L <= tile; c0 += L) {
+      int64_t d0 = 0;
+      for (; d0 + L <= h; d0 += L) {
+        typename V::T r[L];
+        for (int i = 0; i < L; ++i) r[i] = V::load(keys + (c0 + i) * ldk + d0);
+        V::transpose(r);
+        for (int i = 0; i < L; ++i) V::store(out + (d0 + i) * tile + c0, r[i]);
+      }
+      for (; d0 < h; ++d0)
+        for (int i = 0; i < L; ++i) out[d0 * tile + c0 + i] = keys[(c0 + i) * ldk + d0];
+    }
+  }
+  for (; c0 < tile; ++c0)
+    for (int64_t d = 0; d < h; ++d) out[d * tile + c0] = keys[c0 * ldk + d];
+}
+
 // What one call attends: q [B, T, N, H] (scaled), the layer's cache k, v [B, S, K, H] and slot
 // positions kpos [B, S], query positions qpos [B, T] (-1: a padding row), into out [B, T, N, H].
 // keys_t: the keys of every tile transposed, [B K, S / tile, H, tile] (tiles no row sees may be
-// left unwritten), so that a vector lane holds one slot's chain.
+// left unwritten), so that a vector lane holds one slot's chain; or null, where each group's
+// rows are one work item (a decode step), which then transposes each tile it reads itself, into
+// its scratch (AttendScratch::keys: in cache, where the whole call's transposed keys are not).
 struct Attend {
   const float* q;
   const float* k;
@@ -200,6 +227,7 @@ struct AttendScratch {
   float* turned;   // [H, tile]: one tile's keys turned for one query position
   float* gathered; // [1]: NaN (the cos and sin of a seen slot's offset past the table)
   int64_t* runs;   // [3 tile]: the runs of a tile's offsets (TurnTile)
+  float* keys;     // [H, tile]: one tile's keys transposed, where Attend::keys_t is null
 };
 
 inline bool Visible(int32_t qp, int32_t kp, int64_t window) {
@@ -455,7 +483,12 @@ inline void AttendRows(const Attend& a, int64_t group, int64_t r0, int64_t rows,
   // tile's keys turned for its position; rows come whole tokens at a time).
   for (int64_t j = 0; j < num_tiles; ++j) {
     const int64_t tj = tiles[j];
-    const float* keys = a.keys_t + (group * n + tj) * h * tile;
+    const float* keys = w.keys;
+    if (a.keys_t != nullptr)
+      keys = a.keys_t + (group * n + tj) * h * tile;
+    else
+      TransposeKeys<V>(a.k + ((b * s_len + tj * tile) * a.kv_heads + kh) * h, a.kv_heads * h, h,
+                       tile, w.keys);
     if (a.offsets == nullptr) {
       Problem p{w.q, h, keys, tile, w.scores + tj * tile, s_len, rows, h, tile, a.chunk};
       Panel<V, V::kVectors>(p, 0, rows, 0, tile);

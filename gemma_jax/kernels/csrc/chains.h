@@ -85,40 +85,55 @@ inline void ScalarColumn(const Problem& p, int64_t row0, int64_t rows, int64_t c
   }
 }
 
-// MR rows by NV vectors of outputs, held in registers across one chunk.
+// B's rows fetched ahead of the chains that read them, by the first row group of a panel's chunk
+// (below): while the other groups chain the chunk from cache, the next rows are on their way
+// from memory. A hint only: it reads no value into any output.
+constexpr int64_t kAheadRows = 32;
+
+// MR rows by NV vectors of outputs over one chunk [k0, k0 + chunk), held in registers, then
+// stored (the first chunk) or added to the chunks before it. With `ahead`, each term's B row
+// kAheadRows terms on is prefetched.
 template <class V, int MR, int NV>
-inline void Tile(const Problem& p, int64_t row0, int64_t col0) {
+inline void Tile(const Problem& p, int64_t row0, int64_t col0, int64_t k0, bool ahead) {
   using T = typename V::T;
   const float* a = p.a + row0 * p.lda;
   float* o = p.o + row0 * p.ldo + col0;
-  for (int64_t k0 = 0; k0 < p.terms; k0 += p.chunk) {
-    T acc[MR][NV];
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NV; ++j) acc[i][j] = V::zero();
-    const float* b = p.b + k0 * p.ldb + col0;
-    for (int64_t k = k0; k < k0 + p.chunk; ++k, b += p.ldb) {
-      T bv[NV];
-      for (int j = 0; j < NV; ++j) bv[j] = V::load(b + j * V::kLanes);
-      for (int i = 0; i < MR; ++i) {
-        const T av = V::splat(a[i * p.lda + k]);
-        for (int j = 0; j < NV; ++j) acc[i][j] = V::fma(av, bv[j], acc[i][j]);
-      }
+  T acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = V::zero();
+  const float* b = p.b + k0 * p.ldb + col0;
+  const int64_t later = kAheadRows * p.ldb;
+  for (int64_t k = k0; k < k0 + p.chunk; ++k, b += p.ldb) {
+    if (ahead)
+      for (int j = 0; j < NV; ++j) __builtin_prefetch(b + later + j * V::kLanes);
+    T bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = V::load(b + j * V::kLanes);
+    for (int i = 0; i < MR; ++i) {
+      const T av = V::splat(a[i * p.lda + k]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = V::fma(av, bv[j], acc[i][j]);
     }
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NV; ++j) {
-        float* out = o + i * p.ldo + j * V::kLanes;
-        V::store(out, k0 == 0 ? acc[i][j] : V::add(V::load(out), acc[i][j]));
-      }
   }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) {
+      float* out = o + i * p.ldo + j * V::kLanes;
+      V::store(out, k0 == 0 ? acc[i][j] : V::add(V::load(out), acc[i][j]));
+    }
 }
 
+// Rows [row0, row0 + rows) by NV vectors of columns from col0: chunk after chunk, every row group
+// over the chunk while its B rows are in cache (each output's chain is its own: the order of
+// the groups moves no bit).
 template <class V, int NV>
 inline void Rows(const Problem& p, int64_t row0, int64_t rows, int64_t col0) {
   constexpr int kRows = 4;
-  int64_t i = row0;
-  for (; i + kRows <= row0 + rows; i += kRows) Tile<V, kRows, NV>(p, i, col0);
-  for (; i + 2 <= row0 + rows; i += 2) Tile<V, 2, NV>(p, i, col0);
-  for (; i < row0 + rows; ++i) Tile<V, 1, NV>(p, i, col0);
+  for (int64_t k0 = 0; k0 < p.terms; k0 += p.chunk) {
+    int64_t i = row0;
+    bool ahead = true;
+    for (; i + kRows <= row0 + rows; i += kRows, ahead = false)
+      Tile<V, kRows, NV>(p, i, col0, k0, ahead);
+    for (; i + 2 <= row0 + rows; i += 2, ahead = false) Tile<V, 2, NV>(p, i, col0, k0, ahead);
+    for (; i < row0 + rows; ++i, ahead = false) Tile<V, 1, NV>(p, i, col0, k0, ahead);
+  }
 }
 
 // The columns of a panel [col0, col0 + width) of rows [row0, row0 + rows).

@@ -40,12 +40,14 @@ using PanelFn = void (*)(const Problem*, int64_t, int64_t, int64_t, int64_t);
 using StreamFn = void (*)(const Problem*, int64_t, int64_t, int64_t, int64_t, float*);
 using AttendFn = void (*)(const Attend*, int64_t, int64_t, int64_t, const int64_t*, int64_t,
                           const AttendScratch*);
+using TransposeFn = void (*)(const float*, int64_t, int64_t, int64_t, float*);
 
 #define GEMMA_SPEC_DECLARE(isa)                                                             \
   void gemma_spec_panel_##isa(const Problem*, int64_t, int64_t, int64_t, int64_t);          \
   void gemma_spec_stream_##isa(const Problem*, int64_t, int64_t, int64_t, int64_t, float*); \
   void gemma_spec_attend_##isa(const Attend*, int64_t, int64_t, int64_t, const int64_t*,    \
                                int64_t, const AttendScratch*);                              \
+  void gemma_spec_transpose_##isa(const float*, int64_t, int64_t, int64_t, float*);         \
   int64_t gemma_spec_calls_##isa();
 extern "C" {
 GEMMA_SPEC_DECLARE(portable)
@@ -58,11 +60,13 @@ GEMMA_SPEC_DECLARE(neon)
 #endif
 }
 
-// One instruction set's two loop shapes (chains.h): register tiles, and row streaming.
+// One instruction set's two loop shapes (chains.h): register tiles, and row streaming; its
+// attention, and its transposition of a tile's keys (attention.h).
 struct Path {
   PanelFn panel;
   StreamFn stream;
   AttendFn attend;
+  TransposeFn transpose;
 };
 
 namespace {
@@ -99,17 +103,20 @@ Path PathOf(int64_t isa) {
   switch (isa) {
 #if defined(__x86_64__)
     case kAvx2:
-      return {gemma_spec_panel_avx2, gemma_spec_stream_avx2, gemma_spec_attend_avx2};
+      return {gemma_spec_panel_avx2, gemma_spec_stream_avx2, gemma_spec_attend_avx2,
+              gemma_spec_transpose_avx2};
     case kAvx512:
-      return {gemma_spec_panel_avx512, gemma_spec_stream_avx512, gemma_spec_attend_avx512};
+      return {gemma_spec_panel_avx512, gemma_spec_stream_avx512, gemma_spec_attend_avx512,
+              gemma_spec_transpose_avx512};
 #endif
 #if defined(__aarch64__)
     case kNeon:
-      return {gemma_spec_panel_neon, gemma_spec_stream_neon, gemma_spec_attend_neon};
+      return {gemma_spec_panel_neon, gemma_spec_stream_neon, gemma_spec_attend_neon,
+              gemma_spec_transpose_neon};
 #endif
     default:
       return {gemma_spec_panel_portable, gemma_spec_stream_portable,
-              gemma_spec_attend_portable};
+              gemma_spec_attend_portable, gemma_spec_transpose_portable};
   }
 }
 
@@ -412,23 +419,26 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
     }
   }
   // The keys of every needed tile transposed, [groups, n, H, tile]; kept by the calling thread
-  // between calls.
-  thread_local std::vector<float> keys_t;
-  keys_t.resize(std::max<size_t>(keys_t.size(), groups * n * h * tile));
-  std::vector<int64_t> transpose;
-  for (int64_t i = 0; i < groups * n; ++i)
-    if (needed[i]) transpose.push_back(i);
+  // between calls. Where a group's rows are one work item (a decode step: each tile is read by
+  // one item only), the item transposes each tile it reads itself, into its own scratch, in
+  // cache (Attend::keys_t null).
   const float* kd_ptr = k.typed_data();
-  float* kt = keys_t.data();
-  ForEach(pool, parts, transpose.size(), [&](int64_t i) {
-    const int64_t group = transpose[i] / n, j = transpose[i] % n;
-    const int64_t b = group / kv, kh = group % kv;
-    float* dst = kt + (group * n + j) * h * tile;
-    for (int64_t c = 0; c < tile; ++c) {
-      const float* key = kd_ptr + ((b * s_len + j * tile + c) * kv + kh) * h;
-      for (int64_t d = 0; d < h; ++d) dst[d * tile + c] = key[d];
-    }
-  });
+  float* kt = nullptr;
+  if (rows > per_item) {
+    thread_local std::vector<float> keys_t;
+    keys_t.resize(std::max<size_t>(keys_t.size(), groups * n * h * tile));
+    std::vector<int64_t> transpose;
+    for (int64_t i = 0; i < groups * n; ++i)
+      if (needed[i]) transpose.push_back(i);
+    kt = keys_t.data();
+    const TransposeFn turn = path->transpose;
+    ForEach(pool, parts, transpose.size(), [&](int64_t i) {
+      const int64_t group = transpose[i] / n, j = transpose[i] % n;
+      const int64_t b = group / kv, kh = group % kv;
+      turn(kd_ptr + ((b * s_len + j * tile) * kv + kh) * h, kv * h, h, tile,
+           kt + (group * n + j) * h * tile);
+    });
+  }
   const Attend a{q.typed_data(), kd_ptr, v.typed_data(), qp, kp, kt, out->typed_data(),
                  b_len, t_len, heads, kv, h, s_len, tile, chunk, window, softcap,
                  offsets.get()};
@@ -439,15 +449,17 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
     thread_local std::vector<uint8_t> saw;
     thread_local std::vector<int64_t> runs;
     const int64_t r = item.rows;
-    floats.resize(r * s_len + 3 * r * h + 2 * r + tile + s_len + h * tile + 1);
+    floats.resize(r * s_len + 3 * r * h + 2 * r + tile + s_len + 2 * h * tile + 1);
     saw.resize(r * n);
     runs.resize(3 * tile);
     float* f = floats.data();
-    float* rest = f + r * s_len + 3 * r * h;  // l, the tree, the visible flags, the turned keys
+    // l, the tree, the visible flags, the turned keys, the NaN, the tile's keys transposed
+    float* rest = f + r * s_len + 3 * r * h;
     const AttendScratch w{f, f + r * s_len, f + r * s_len + r * h, rest,
                           f + r * s_len + 2 * r * h, saw.data(), rest + 2 * r,
                           rest + 2 * r + tile, rest + 2 * r + tile + s_len,
-                          rest + 2 * r + tile + s_len + h * tile, runs.data()};
+                          rest + 2 * r + tile + s_len + h * tile, runs.data(),
+                          rest + 2 * r + tile + s_len + h * tile + 1};
     w.gathered[0] = std::nanf("");
     attend(&a, item.group, item.r0, item.rows, tiles.data() + item.first_tile, item.num_tiles,
            &w);

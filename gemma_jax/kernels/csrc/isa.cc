@@ -4,8 +4,8 @@
 //   -DGEMMA_SPEC_ISA=neon      (aarch64; NEON is part of the base instruction set)
 //   -DGEMMA_SPEC_ISA=portable  no vector extension: one scalar std::fma per term (correctly
 //                              rounded by definition; a software routine on an x86 without FMA)
-// Each path exports gemma_spec_panel_<isa>, gemma_spec_stream_<isa> (chains.h) and
-// gemma_spec_attend_<isa> (attention.h). Every build uses -ffp-contract=off and no fast-math: the
+// Each path exports gemma_spec_panel_<isa>, gemma_spec_stream_<isa> (chains.h),
+// gemma_spec_attend_<isa> and gemma_spec_transpose_<isa> (attention.h). Every build uses -ffp-contract=off and no fast-math: the
 // only fused operations are the FMAs written here.
 //
 // The flush rule (chains.h): on x86 the hardware's is the spec's. On aarch64 FPCR.FZ flushes by
@@ -59,6 +59,34 @@ struct V {
     const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127));
     return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
   }
+  // r[i] lane j -> r[j] lane i: pairs interleaved, then pairs of pairs (each 128-bit lane a 4 x 4
+  // block transposed), then the blocks moved into place.
+  static void transpose(T (&r)[16]) {
+    T t[16];
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    T u[16];  // u[4a + c], 128-bit lane k: column 4k + c of rows 4a .. 4a + 3
+    for (int i = 0; i < 16; i += 4) {
+      const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 2]);
+      const __m512d c = _mm512_castps_pd(t[i + 1]), d = _mm512_castps_pd(t[i + 3]);
+      u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+      u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+      u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int c = 0; c < 4; ++c) {
+      const T s0 = _mm512_shuffle_f32x4(u[c], u[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+      const T s1 = _mm512_shuffle_f32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+      const T s2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+      const T s3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+      r[c] = _mm512_shuffle_f32x4(s0, s2, _MM_SHUFFLE(2, 0, 2, 0));
+      r[4 + c] = _mm512_shuffle_f32x4(s1, s3, _MM_SHUFFLE(2, 0, 2, 0));
+      r[8 + c] = _mm512_shuffle_f32x4(s0, s2, _MM_SHUFFLE(3, 1, 3, 1));
+      r[12 + c] = _mm512_shuffle_f32x4(s1, s3, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+  }
 };
 }  // namespace
 #define GEMMA_SPEC_NAME avx512
@@ -92,6 +120,27 @@ struct V {
   static T pow2(T n) {
     const __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
     return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+  }
+  // r[i] lane j -> r[j] lane i (as avx512's, with two 128-bit lanes).
+  static void transpose(T (&r)[8]) {
+    T t[8];
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    T u[8];  // u[4a + c], 128-bit lane k: column 4k + c of rows 4a .. 4a + 3
+    for (int i = 0; i < 8; i += 4) {
+      const __m256d a = _mm256_castps_pd(t[i]), b = _mm256_castps_pd(t[i + 2]);
+      const __m256d c = _mm256_castps_pd(t[i + 1]), d = _mm256_castps_pd(t[i + 3]);
+      u[i] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, b));
+      u[i + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, b));
+      u[i + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(c, d));
+      u[i + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(c, d));
+    }
+    for (int c = 0; c < 4; ++c) {
+      r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+      r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
   }
 };
 }  // namespace
@@ -127,6 +176,14 @@ struct V {
     const int32x4_t e = vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127));
     return vreinterpretq_f32_s32(vshlq_n_s32(e, 23));
   }
+  // r[i] lane j -> r[j] lane i.
+  static void transpose(T (&r)[4]) {
+    const float32x4x2_t p = vtrnq_f32(r[0], r[1]), q = vtrnq_f32(r[2], r[3]);
+    r[0] = vcombine_f32(vget_low_f32(p.val[0]), vget_low_f32(q.val[0]));
+    r[1] = vcombine_f32(vget_low_f32(p.val[1]), vget_low_f32(q.val[1]));
+    r[2] = vcombine_f32(vget_high_f32(p.val[0]), vget_high_f32(q.val[0]));
+    r[3] = vcombine_f32(vget_high_f32(p.val[1]), vget_high_f32(q.val[1]));
+  }
 };
 // V with the spec's flush rule computed (chains.h, SpecRounded), lane by lane.
 struct VExact : V {
@@ -159,6 +216,7 @@ struct V : gemma_spec::Scalar {
   static constexpr int kVectors = 4;
   static T zero() { return 0.0f; }
   static T fma(T a, T b, T c) { return gemma_spec::Fma(a, b, c); }
+  static void transpose(T (&)[1]) {}
 };
 }  // namespace
 #define GEMMA_SPEC_NAME portable
@@ -193,6 +251,11 @@ extern "C" void GEMMA_SPEC_CAT(gemma_spec_stream_, GEMMA_SPEC_NAME)(
     float* part) {
   calls.fetch_add(1, std::memory_order_relaxed);
   GEMMA_SPEC_RUN(gemma_spec::Stream<W>(*p, row0, rows, col0, width, part));
+}
+
+extern "C" void GEMMA_SPEC_CAT(gemma_spec_transpose_, GEMMA_SPEC_NAME)(
+    const float* keys, int64_t ldk, int64_t h, int64_t tile, float* out) {
+  gemma_spec::TransposeKeys<V>(keys, ldk, h, tile, out);  // moves values: no arithmetic
 }
 
 extern "C" void GEMMA_SPEC_CAT(gemma_spec_attend_, GEMMA_SPEC_NAME)(
