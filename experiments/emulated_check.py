@@ -4,6 +4,7 @@ and in every process configuration of this one.
   python -m experiments.emulated_check                  # an AMD EPYC-Rome (Zen 2: AVX2, FMA)
   python -m experiments.emulated_check --cpu=Haswell --replay_limit=4
   python -m experiments.emulated_check --cpu=SandyBridge --dot_library=native --flywheel_limit=4
+  python -m experiments.emulated_check --dot_library=native --compose_limit=14
   python -m experiments.emulated_check --cpu= --configurations=devices:8,threads:1,isa:SSE4_2
   QEMU_LD_PREFIX=ROOT CXX=aarch64-linux-gnu-g++ python -m experiments.emulated_check \
       --qemu=qemu-aarch64 --cpu=max --python=ROOT/usr/bin/python3.11 --dot_library=native
@@ -25,7 +26,8 @@ Debian package qemu-user; 7.2 or later emulates AVX2 and FMA):
    manifest (made on a real CPU; the embedded 270M, self-check included), with each; with
    --flywheel_limit, of the first records of a committed flywheel manifest whose answers were
    sampled at a temperature (--flywheel_manifest: tiny Gemma 3 on random:0 weights), emulated
-   on the native kernels;
+   on the native kernels; with --compose_limit, likewise of the committed compose manifest
+   (documents stored once and composed in another order, at every strategy, both RoPE modes);
 4. with --configurations, the same spec_checks (and --config_models, the 270M among them) run
    natively in processes of other configurations: `devices:N` host devices, `threads:1` (one
    core of the affinity mask), `isa:X` (XLA_FLAGS=--xla_cpu_max_isa=X); --cpu= (empty) skips
@@ -79,6 +81,9 @@ FLAGS = flags.FLAGS
 CI_MANIFEST = 'manifests/ci_gemma3_270m_float32.json'
 # Sampled answers (temperature 0.7) of tiny Gemma 3 on random:0 weights, made on a real CPU.
 FLYWHEEL_MANIFEST = 'manifests/flywheel_tiny_gemma3_sampled.json'
+# Documents of tiny Gemma 3 (random:0) composed at every strategy, relative and float, made on a
+# real CPU: each record a composed KV state, the query's logits and a continuation.
+COMPOSE_MANIFEST = 'manifests/compose_tiny_gemma3_float32_spec.json'
 # Fixed logits of the sampling probe: 4,096 values from -8 to 23.2 (tests/test_sampling.py).
 SAMPLING_LOGITS = (np.arange(4096, dtype=np.int64) * 7919 % 1000).astype(np.float32) / 32 - 8
 # XLA's own dots (Eigen); the spec engine's native kernels and the spec dot kernel in Pallas's
@@ -117,6 +122,8 @@ def define_flags() -> None:
                       'answers to replay emulated on the native kernels.')
   flags.DEFINE_integer('flywheel_limit', 0, 'Records of --flywheel_manifest to replay (0: none).',
                        lower_bound=0)
+  flags.DEFINE_integer('compose_limit', 0, f'Records of {COMPOSE_MANIFEST} (composed documents) '
+                       'to replay emulated on the native kernels (0: none).', lower_bound=0)
   flags.DEFINE_integer('step_timeout', 7200, 'Seconds a step may take before it is recorded as '
                        'timed out.', lower_bound=1)
   flags.DEFINE_string('probe_only', None, 'Run only the probe, with XLA dumping to this folder, '
@@ -300,14 +307,17 @@ def main(argv):
       step['outcome'] = outcome(step)
       steps[f'replay_ci_manifest_{library}'] = step
       print(f'replay {library}: {step["outcome"]}, {step["seconds"]:.0f} s', flush=True)
-    if FLAGS.flywheel_limit:
+    for kind, manifest, limit in (('flywheel', FLAGS.flywheel_manifest, FLAGS.flywheel_limit),
+                                  ('compose', COMPOSE_MANIFEST, FLAGS.compose_limit)):
+      if not limit:
+        continue
       step = common.run_step(
-          emulate + ['-m', 'experiments.replay', f'--manifest={FLAGS.flywheel_manifest}',
-                     f'--limit={FLAGS.flywheel_limit}', '--dot_library=native'],
+          emulate + ['-m', 'experiments.replay', f'--manifest={manifest}', f'--limit={limit}',
+                     '--dot_library=native'],
           timeout=FLAGS.step_timeout, env=emulated_env)
       step['outcome'] = outcome(step)
-      steps['replay_flywheel_manifest_native'] = step
-      print(f'replay of sampled answers: {step["outcome"]}, {step["seconds"]:.0f} s', flush=True)
+      steps[f'replay_{kind}_manifest_native'] = step
+      print(f'replay of {manifest}: {step["outcome"]}, {step["seconds"]:.0f} s', flush=True)
   for name, (prefix, config_env) in configurations.items():
     for model in FLAGS.config_models:
       for library in dict.fromkeys(FLAGS.dot_library):
@@ -365,7 +375,8 @@ def main(argv):
                  'config_models': FLAGS.config_models,
                  'replay_limit': FLAGS.replay_limit, 'manifest': CI_MANIFEST,
                  'flywheel_limit': FLAGS.flywheel_limit,
-                 'flywheel_manifest': FLAGS.flywheel_manifest},
+                 'flywheel_manifest': FLAGS.flywheel_manifest,
+                 'compose_limit': FLAGS.compose_limit, 'compose_manifest': COMPOSE_MANIFEST},
       'report': report})
   for name, step in steps.items():
     print(f'{name}: {step.get("outcome", step["status"])}, {step["seconds"]:.0f} s')
