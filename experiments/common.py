@@ -367,7 +367,7 @@ def recorded_command() -> str:
     if name:
       named.add(name)
   for module, defined in FLAGS.flags_by_module_dict().items():
-    if module.startswith('absl'):
+    if not _project_module(module):  # absl's, or a library's (orbax defines some on import)
       continue
     for flag in defined:
       if flag.name in named or flag.name in NOT_BITS or flag.name.startswith('help'):
@@ -377,6 +377,15 @@ def recorded_command() -> str:
       if value is not None:
         parts += spelled(flag, value)
   return ' '.join(parts)
+
+
+# The packages whose flags a recorded command names; a tool run as a script names its flags by
+# its path.
+_PROJECT_PACKAGES = ('experiments', 'gemma_jax', 'graft', 'analysis', 'tests')
+
+
+def _project_module(module: str) -> bool:
+  return module.split('.')[0] in _PROJECT_PACKAGES or module.endswith('.py')
 
 
 _GIVEN_ARGV: list[str] = []  # the arguments as given, old spellings read as today's (`run`)
