@@ -258,6 +258,17 @@ def test_every_committed_command_parses_with_todays_flags():
   assert not failed, '\n'.join(failed)
 
 
+def test_a_recorded_command_names_no_flag_a_library_defines(monkeypatch):
+  """orbax defines absl flags of its own on import; a result's recorded command names the
+  project's flags only (today's tools would not parse the library's)."""
+  import orbax.checkpoint  # noqa: F401
+  from experiments import common
+  assert any(m.startswith('orbax') for m in flags.FLAGS.flags_by_module_dict())
+  monkeypatch.setattr(common, '_GIVEN_ARGV', ['--seed=3'])
+  command = common.recorded_command()
+  assert '--seed=3' in command and 'orbax' not in command, command
+
+
 def test_an_impossible_flag_value_is_a_one_line_usage_error():
   out = run('generate', *TINY, '--prompt=hello', '--max_new_tokens=-3', check=False)
   assert out.returncode == 2 and not out.stdout, (out.stdout, out.stderr[-2000:])
