@@ -24,7 +24,7 @@ from jax.profiler import ProfileData
 
 DUMP_SUFFIX = '.cpu_after_optimizations.txt'
 # The model's code (gemma_jax/): a thunk is labelled by the frames it was made in there.
-MODEL_FILES = ('model.py', 'layers.py', 'attention.py', 'tiled_attention.py', 'rope.py',
+MODEL_FILES = ('model.py', 'modules.py', 'layers.py', 'attention.py', 'tiled_attention.py', 'rope.py',
                'kv_state.py')
 # Frames that only hold others: a label starts below them.
 CONTAINERS = ('forward', 'Transformer.__call__', 'Block.__call__')

@@ -24,7 +24,7 @@ from gemma_jax import attention, compare, cost, files, rope
 from gemma_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig, get_config
 from gemma_jax.config import names as model_names
 from gemma_jax.kv_state import KVRows, KVState, LayerKV, init_kv_state
-from gemma_jax.model import abstract_params, compute_logits, forward, init_params, Transformer
+from gemma_jax.model import abstract_params, compute_logits, forward, init_params
 from gemma_jax.tokenizer import Tokenizer
 from gemma_jax.weights import LoadedModel, load
 
@@ -34,3 +34,12 @@ __all__ = [
     'compute_logits', 'cost', 'files', 'forward', 'get_config', 'init_kv_state', 'init_params',
     'load', 'model_names', 'rope',
 ]
+
+
+def __getattr__(name: str):
+  """`gj.Transformer`, the NNX module (gemma_jax.modules), imported when first asked for: the
+  package's import imports no Flax (docs/performance.md, "The start")."""
+  if name == 'Transformer':
+    from gemma_jax.modules import Transformer  # deferred: the NNX modules import Flax (0.4 s)
+    return Transformer
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -1,4 +1,5 @@
-"""Self-attention over the explicit KV cache.
+"""Self-attention over the explicit KV cache: its implementations, and the `Step` every layer of
+a call reads (the layer itself, its projections and norms: gemma_jax.modules.Attention).
 
 The new tokens' K and V are written into the cache first; attention then reduces over the whole
 cache buffer (every slot, in slot order) with a mask built from slot positions. Writing first
@@ -16,19 +17,15 @@ mode in gemma_jax.rope.MODES; None for the plain q . k) to whichever implementat
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
 from jax.typing import DTypeLike
 
 from gemma_jax import kv_state as kvs
-from gemma_jax import rope, sharding
-from gemma_jax.config import LayerSpec, TransformerConfig
+from gemma_jax import pytree
 from gemma_jax.kernels import pallas_attention
-from gemma_jax.layers import Dense, RMSNorm
 from gemma_jax.numerics import MASKED, XLA, Numerics
 from gemma_jax.tiled_attention import DEFAULT_TILE, TiledAttention
 
@@ -169,15 +166,15 @@ def build(name: str, tile_size: int | None = None, platform: str | None = None) 
 RopeKey = tuple[int, float, float, float]  # (head dim, base, scale, rotary fraction)
 
 
-@struct.dataclass
+@pytree.dataclass
 class Step:
   """What every layer of one model call reads besides its input and its cache (a pytree, made
-  once per call by gemma_jax.model.Transformer).
+  once per call by gemma_jax.modules.Transformer).
 
   positions: int32 [B, T], the call's RoPE positions (kv_state.EMPTY: a padding row).
   start: int32 [B], row 0's sequence index (where the call's rows are written).
-  angles: per RoPE key (`Attention.rope_key`), the (sin, cos) [B, T, H/2] of the call's
-    positions (None: no rotation), computed once for the layers that share them.
+  angles: per RoPE key (gemma_jax.modules.Attention.rope_key), the (sin, cos) [B, T, H/2] of
+    the call's positions (None: no rotation), computed once for the layers that share them.
   per_layer_inputs: [B, T, L, E] (Gemma 4 E-models: one gated input per layer), else None.
   numerics: the call's arithmetic, bound to its per-call bundle (gemma_jax.numerics.CallBundle).
   attention_fn: the attention implementation (static)."""
@@ -187,89 +184,4 @@ class Step:
   angles: dict[RopeKey, tuple[jax.Array, jax.Array] | None]
   per_layer_inputs: jax.Array | None
   numerics: Numerics
-  attention_fn: AttendFn = struct.field(pytree_node=False)
-
-
-class Attention(nnx.Module):
-  """Projections, QK(V)-norms, RoPE, cache write, attention, output projection.
-
-  Weights, stored [inputs..., outputs...]: q_proj [D, N, H]; kv_proj [D, 2, K, H], or k_proj
-  [D, K, H] when one projection feeds K and V; o_proj [N, H, D]. A KV-shared layer owns no K/V
-  weights and reads the cache of its source layer.
-  """
-
-  def __init__(self, config: TransformerConfig, spec: LayerSpec, *, owns_kv: bool,
-               dtype: DTypeLike):
-    d, n, k, h = config.embed_dim, config.num_heads, spec.num_kv_heads, spec.head_dim
-    self.config = config
-    self.spec = spec
-    self.owns_kv = owns_kv
-    self.q_proj = Dense((d,), (n, h), dtype=dtype)
-    self.o_proj = Dense((n, h), (d,), dtype=dtype)
-    norm = functools.partial(RMSNorm, offset=config.norm_scale_offset, eps=config.rms_norm_eps,
-                           dtype=dtype)
-    self.query_norm = norm(h) if config.use_qk_norm else None
-    self.key_norm = norm(h) if config.use_qk_norm and owns_kv else None
-    self.value_norm = (norm(h, with_scale=False)
-                       if config.use_v_norm and owns_kv else None)
-    self.k_proj = (Dense((d,), (k, h), dtype=dtype)
-                   if owns_kv and spec.k_eq_v else None)
-    self.kv_proj = (Dense((d,), (2, k, h), dtype=dtype)
-                    if owns_kv and not spec.k_eq_v else None)
-
-  def rope_key(self) -> RopeKey:
-    """What decides this layer's rotation angles besides the positions (layers that share it
-    share one sin/cos table per call)."""
-    return (self.spec.head_dim, self.spec.rope_base, self.spec.rope_scale,
-            self.spec.rotary_fraction)
-
-  def angles(self, positions: jax.Array,
-             numerics: Numerics) -> tuple[jax.Array, jax.Array] | None:
-    """(sin, cos) [B, T, H/2] of this layer's RoPE at positions [B, T] (None: no rotation)."""
-    return rope.sin_cos(positions, self.spec.head_dim, base=self.spec.rope_base,
-                        scale=self.spec.rope_scale, rotary_fraction=self.spec.rotary_fraction,
-                        mode=self.config.rope_mode, numerics=numerics)
-
-  def keys_values(self, x: jax.Array, angles: tuple[jax.Array, jax.Array] | None,
-                  numerics: Numerics) -> tuple[jax.Array, jax.Array]:
-    """The cache entries of new tokens: normed K (turned by `angles` unless the config caches
-    keys before RoPE) and normed V, each [B, T, K, H]."""
-    if self.k_proj is not None:
-      k = v = self.k_proj(x, numerics)
-    else:
-      assert self.kv_proj is not None  # a layer that owns its KV has one of the two
-      kv = self.kv_proj(x, numerics)  # [B, T, 2, K, H]
-      k, v = kv[:, :, 0], kv[:, :, 1]
-    if self.key_norm is not None:
-      k = self.key_norm(k, numerics)
-    if self.value_norm is not None:
-      v = self.value_norm(v, numerics)
-    return (k if self.config.kv_cache_pre_rope else rope.rotate_heads(k, angles, numerics)), v
-
-  def __call__(self, x: jax.Array, cache: kvs.LayerKV,
-               step: Step) -> tuple[jax.Array, kvs.LayerKV]:
-    """x [B, T, D] -> ([B, T, D], the layer cache after this call's write), at the call's
-    positions with this layer's RoPE angles (`step`). For a KV-shared layer `cache` is the source
-    layer's, already updated, and is returned as is."""
-    positions, numerics = step.positions, step.numerics
-    angles = step.angles[self.rope_key()]
-    q = self.q_proj(x, numerics)
-    if self.query_norm is not None:
-      q = self.query_norm(q, numerics)
-    q = rope.rotate_heads(q, angles, numerics)
-    if self.config.query_pre_attn_scalar is not None:
-      q = numerics.mul(q, jnp.asarray(self.config.query_pre_attn_scalar ** -0.5, q.dtype))
-    if self.owns_kv:
-      k, v = self.keys_values(x, angles, numerics)
-      cache = kvs.write(cache, k, v, positions, step.start)
-    keys = cache.k
-    if self.config.kv_cache_pre_rope:  # every slot rotated by its own position (empty: masked)
-      keys = rope.rotate_heads(keys, self.angles(cache.positions, numerics), numerics)
-    mode = rope.get_mode(self.config.rope_mode)
-    scores = mode.scores(self.spec, numerics) if mode.scores else None
-    encoded = step.attention_fn(q, keys, cache.v, positions, cache.positions,
-                                window=self.spec.window, softcap=self.config.attn_logits_softcap,
-                                scores=scores, numerics=numerics)
-    mesh = numerics.call.mesh
-    return sharding.whole(self.o_proj(sharding.whole(encoded, mesh), numerics), mesh), cache
-
+  attention_fn: AttendFn = pytree.field(static=True)

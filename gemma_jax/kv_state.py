@@ -26,16 +26,16 @@ from typing import Sequence, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax.typing import DTypeLike
 
+from gemma_jax import pytree
 from gemma_jax.config import AttentionType, TransformerConfig
 from gemma_jax.sharding import to_host
 
 EMPTY = -1  # position of an empty slot
 
 
-@struct.dataclass
+@pytree.dataclass
 class LayerKV:
   """One cache-owning layer's cache: S slots per batch row, slot j mod S holding the token of
   sequence index j."""
@@ -50,7 +50,7 @@ class LayerKV:
     return self.k.shape[1]
 
 
-@struct.dataclass
+@pytree.dataclass
 class KVState:
   """The KV state every model call takes and returns (a pytree): one LayerKV per cache-owning
   layer and, per batch row, how many tokens were written."""

@@ -43,9 +43,9 @@ from typing import Any, Callable, ClassVar, TypeVar
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 from jax.sharding import Mesh
 
+from gemma_jax import pytree
 from gemma_jax.kernels import DotKernel
 from gemma_jax.sizes import chunk_size
 from gemma_jax.stored import OutputTable, Panels, Table, Weight
@@ -103,7 +103,7 @@ def tree_sum(x: jax.Array) -> jax.Array:
   return x
 
 
-@struct.dataclass
+@pytree.dataclass
 class CallBundle:
   """The per-call bundle: what one traced call binds (a pytree; `Numerics.bind`). zero: a uint32
   scalar [] that is 0 at run time but unknown to the compiler (the fusion barriers OR it in);
@@ -113,25 +113,25 @@ class CallBundle:
 
   zero: jax.Array | None = None
   rows: jax.Array | None = None
-  mesh: Mesh | None = struct.field(pytree_node=False, default=None)
+  mesh: Mesh | None = pytree.field(static=True, default=None)
 
 
 def fingerprinted(default: Any) -> Any:
   """A field of an arithmetic that decides bits: static, and recorded by `describe()`."""
-  return struct.field(pytree_node=False, default=default, metadata={'fingerprinted': True})
+  return pytree.field(static=True, default=default, metadata={'fingerprinted': True})
 
 
 _N = TypeVar('_N', bound='Numerics')
 
 
-@struct.dataclass
+@pytree.dataclass
 class Numerics:
   """XLA's own arithmetic (name 'xla'): the base the other values refine. Its fields: `kernel`
   (static) and `call` (the per-call bundle); the arithmetics below add their fingerprinted
   parameters."""
 
   name: ClassVar[str] = 'xla'
-  kernel: DotKernel | None = struct.field(pytree_node=False, default=None)
+  kernel: DotKernel | None = pytree.field(static=True, default=None)
   call: CallBundle = CallBundle()
 
   def bind(self: _N, call: CallBundle) -> _N:
@@ -263,7 +263,7 @@ class Numerics:
     return jnp.sin(angles), jnp.cos(angles)
 
 
-@struct.dataclass
+@pytree.dataclass
 class FixedOrder(Numerics):
   """Reduction orders fixed by construction (name 'fixed_order'; the pinned engine).
 
@@ -403,7 +403,7 @@ class _SpecOps:
     return k.astype(jnp.int32) & 3
 
 
-@struct.dataclass
+@pytree.dataclass
 class Spec(FixedOrder):
   """The written arithmetic (name 'spec'; docs/determinism.md, gemma_jax/spec): FixedOrder's
   contractions and sums, every elementwise function from gemma_jax.spec.functions, RoPE angles

@@ -21,17 +21,16 @@ from typing import TYPE_CHECKING, Hashable
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 from jax.sharding import Mesh
 
-from gemma_jax import sharding
+from gemma_jax import pytree, sharding
 from gemma_jax.kernels import native_dot
 
 if TYPE_CHECKING:  # the interface only
   from gemma_jax.kernels import DotKernel
 
 
-@struct.dataclass
+@pytree.dataclass
 class Panels:
   """A weight [I, O] kept as a dot kernel's column panels (gemma_jax.kernels.native_dot.pack):
   data [O / P, I, P], P = native_dot.PANEL."""
@@ -44,7 +43,7 @@ class Panels:
     return self.data.dtype
 
 
-@struct.dataclass
+@pytree.dataclass
 class OutputTable:
   """The embedding kept as the float32 output table [D, V] (data: that array, or its Panels
   [V / P, D, P]): the logits' weight and, read by columns, the lookup's table."""

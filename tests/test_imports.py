@@ -40,3 +40,17 @@ def test_importing_gemma_jax_and_graft_changes_no_jax_setting():
   report = json.loads(done.stdout.strip().splitlines()[-1])
   assert {'gemma_jax', 'graft.engine', 'graft.store', 'gemma_jax.model'} <= set(report['modules'])
   assert report['changed'] == {}
+
+
+def test_the_path_to_the_first_logits_imports_no_flax():
+  """A warm start loads saved executables and builds no NNX module, so its imports stop short of
+  Flax (0.4 s: docs/performance.md, "The start"): generate's and the engine's modules import
+  none of it, and the NNX modules are still there for whoever asks (gemma_jax.Transformer)."""
+  program = ('import sys, experiments.generate, graft.engine, graft.store, gemma_jax\n'
+             'before = sorted(m for m in sys.modules if m.split(".")[0] == "flax")\n'
+             'gemma_jax.Transformer\n'
+             'print(before, "flax.nnx" in sys.modules)')
+  done = subprocess.run([sys.executable, '-c', program], cwd=REPO, capture_output=True,
+                        text=True, timeout=300, env={**os.environ, 'PYTHONPATH': str(REPO)})
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.split() == ['[]', 'True']

@@ -179,8 +179,8 @@ def test_the_self_check_refuses_a_machine_whose_function_differs(monkeypatch):
   monkeypatch.setattr(numerics._SpecOps, 'floor', staticmethod(jnp.round))  # another rounding
   selfcheck._RESULTS.clear()
   with pytest.raises(selfcheck.SpecError, match='elementwise exp'):
-    selfcheck.run(Spec(k_chunk=256), EIGEN, weights={}, rows=(1,), head_rows=(),
-                  attention_rows=(), head_dims=(), tile=16, kv_heads=1)
+    selfcheck.run(Spec(k_chunk=256), EIGEN, weights=dict, weights_key='none', rows=(1,),
+                  head_rows=(), attention_rows=(), head_dims=(), tile=16, kv_heads=1)
   selfcheck._RESULTS.clear()
 
 
@@ -204,10 +204,32 @@ def test_the_self_check_catches_a_dot_of_another_order(monkeypatch):
   monkeypatch.setattr(Spec, 'matmul', reversed_chain)
   selfcheck._RESULTS.clear()
   with pytest.raises(selfcheck.SpecError, match=r'matmul w \[8, 256\]') as refused:
-    selfcheck.run(Spec(k_chunk=256), EIGEN, weights={'w': w}, rows=(1, 8), head_rows=(),
-                  attention_rows=(), head_dims=(), tile=16, kv_heads=1)
+    selfcheck.run(Spec(k_chunk=256), EIGEN, weights=lambda: {'w': w}, weights_key='w',
+                  rows=(1, 8), head_rows=(), attention_rows=(), head_dims=(), tile=16, kv_heads=1)
   assert 'matmul w [1, 256]' not in str(refused.value)  # the one-row probe kept the order
   selfcheck._RESULTS.clear()
+
+
+def test_a_recorded_pass_is_found_without_building_the_weights(monkeypatch, tmp_path):
+  """A warm start skips the self-check on a pass kept from an earlier process, and so never
+  builds the weights it would probe (which asks the model's structure, and imports Flax): the
+  verdict is keyed by what decides them (`weights_key`), not by the weights."""
+  monkeypatch.delenv(verdicts.RECHECK_ENV)
+  monkeypatch.setenv(verdicts.DIRECTORY_ENV, str(tmp_path))
+  w = jnp.asarray(np.random.default_rng(5).standard_normal((256, 512)).astype(np.float32))
+  built = []
+  def weights():
+    built.append(1)
+    return {'w': w}
+  check = lambda: selfcheck.run(Spec(k_chunk=256), EIGEN, weights=weights,  # noqa: E731
+                                weights_key=('w', 256, 512), rows=(1, 8), head_rows=(),
+                                attention_rows=(), head_dims=(), tile=16, kv_heads=1)
+  selfcheck._RESULTS.clear()
+  check()
+  assert built == [1]  # run, and its pass recorded
+  selfcheck._RESULTS.clear()  # as in a new process
+  check()
+  assert built == [1]  # found: the weights were not built again
 
 
 @pytest.mark.parametrize('m', [1, 8, 40])

@@ -15,6 +15,7 @@ each set of probes.
 from __future__ import annotations
 
 import os
+from typing import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -317,14 +318,16 @@ def row_dependence_failures(numerics: Numerics, compiler_options: dict | None,
   return failures
 
 
-def run_rows(numerics: Numerics, compiler_options: dict | None, *, weights: dict,
+def run_rows(numerics: Numerics, compiler_options: dict | None, *,
+             weights: Callable[[], dict], weights_key: Hashable,
              rows: tuple[int, ...]) -> None:
   """Raises RowDependenceError naming every probe where a row's bits follow its call's row
-  count in this process's configuration."""
-  key = ('rows', numerics, tuple(sorted((compiler_options or {}).items())),
-         tuple((n, _logical(w)) for n, w in sorted(weights.items())), rows,
+  count in this process's configuration. weights: the weights probed, obtained only where the
+  check runs (a recorded pass skips it: gemma_jax.verdicts); weights_key: what decides their
+  names and shapes (an engine's model config, dtype and weight layout)."""
+  key = ('rows', numerics, tuple(sorted((compiler_options or {}).items())), weights_key, rows,
          jax.device_count(), _xla_flags(), host.intra_op_threads())
-  failures = _cached(key, lambda: row_dependence_failures(numerics, compiler_options, weights,
+  failures = _cached(key, lambda: row_dependence_failures(numerics, compiler_options, weights(),
                                                           rows))
   if failures:
     raise RowDependenceError(
@@ -339,18 +342,18 @@ def _rows(m: int) -> np.ndarray:
   return np.unique(np.r_[0:min(4, m), max(m - 4, 0):m])
 
 
-def run(numerics: Spec, compiler_options: dict | None, *, weights: dict,
-        rows: tuple[int, ...],
+def run(numerics: Spec, compiler_options: dict | None, *,
+        weights: Callable[[], dict], weights_key: Hashable, rows: tuple[int, ...],
         head_rows: tuple[int, ...], attention_rows: tuple[int, ...], head_dims: tuple[int, ...],
         tile: int, kv_heads: int, groups: int = 1, softcap: float | None = None,
         relative: tuple[float, float, float] | None = None) -> None:
   """Raises SpecError naming every probe whose bits differ from the spec's. Attention is probed
   as the engine computes it: its per-tile dots for every row count in attention_rows and, where
-  the numerics' kernel computes it whole (its kernel `attends`), that too."""
+  the numerics' kernel computes it whole (its kernel `attends`), that too. weights,
+  weights_key: as `run_rows`'."""
   whole = numerics.kernel is not None and numerics.kernel.attends
   key = (numerics, tuple(sorted((compiler_options or {}).items())),
-         tuple((n, _logical(w), isinstance(w, Panels)) for n, w in sorted(weights.items())),
-         rows, head_rows,
+         weights_key, rows, head_rows,
          attention_rows, head_dims, tile, kv_heads,
          (groups, softcap, relative) if whole else (),
          jax.device_count(), _xla_flags(), host.intra_op_threads(),
@@ -358,7 +361,7 @@ def run(numerics: Spec, compiler_options: dict | None, *, weights: dict,
   failures = _cached(key, lambda: (
       elementwise_failures(numerics, compiler_options)
       + underflow_failures(numerics, compiler_options)
-      + matmul_failures(numerics, compiler_options, weights, rows, head_rows)
+      + matmul_failures(numerics, compiler_options, weights(), rows, head_rows)
       + attention_failures(numerics, compiler_options, head_dims=head_dims,
                            rows=attention_rows, tile=tile, kv_heads=kv_heads)
       + (fused_attention_failures(numerics, compiler_options, head_dims=head_dims, tile=tile,

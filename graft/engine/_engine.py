@@ -282,6 +282,13 @@ class Engine:
                                         self._params)
 
   @property
+  def weights_key(self) -> tuple:
+    """What decides `projection_weights`' names, shapes and forms (the model config, the dtype,
+    the weight layout): a self-check's verdict is kept under it, so that a recorded pass is
+    found without building the weights (gemma_jax.spec.selfcheck)."""
+    return (self.model_config, self.loaded.dtype, self.layout)
+
+  @property
   def dtype(self) -> np.dtype:
     """The KV state's and activations' dtype: the loaded model's."""
     return jnp.dtype(self.loaded.dtype)

@@ -146,8 +146,8 @@ _BLOCKS = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.
 
 
 _SOURCES = tuple(f'gemma_jax/{m}.py' for m in (
-    'model', 'layers', 'attention', 'tiled_attention', 'rope', 'numerics', 'kv_state', 'sizes',
-    'spec/functions', 'kernels/online_softmax', 'kernels/pallas_attention')) + (
+    'model', 'modules', 'layers', 'attention', 'tiled_attention', 'rope', 'numerics', 'kv_state',
+    'pytree', 'sizes', 'spec/functions', 'kernels/online_softmax', 'kernels/pallas_attention')) + (
     'graft/engine/_engine.py', 'graft/engine/context.py', 'graft/engine/placement.py',
     'graft/engine/plans.py')
 

@@ -433,7 +433,7 @@ class Pinned(_Shaped):
     """Refuses a configuration (device count, threads, flags) where a row's dot follows its
     call's row count: a graft would then differ from fresh (gemma_jax.spec.selfcheck)."""
     selfcheck.run_rows(engine.numerics.bind(CallBundle()), self.compiler_options,
-                       weights=engine.projection_weights(),
+                       weights=engine.projection_weights, weights_key=engine.weights_key,
                        rows=row_buckets(self.rows_per_call,
                                         self.engine_config.min_rows))
 
@@ -502,7 +502,6 @@ class Spec(Pinned):
       raise ValueError(f'the spec engine runs RoPE modes {ROPE_MODES}, not {cfg.rope_mode!r}')
     # with its dot kernel, off the mesh
     numerics = dataclasses.replace(self.numerics, kernel=engine.numerics.kernel)
-    weights = engine.projection_weights()
     head_dims = tuple(sorted({cfg.layer_spec(i).head_dim for i in range(cfg.num_layers)}))
     groups = {cfg.num_heads // cfg.layer_spec(i).num_kv_heads for i in range(cfg.num_layers)}
     # The row counts its calls have: by length, a decode step's and a block's (fewer real rows
@@ -510,7 +509,8 @@ class Spec(Pinned):
     rows_per_call, min_rows = self.rows_per_call, self.engine_config.min_rows
     rows = (1, rows_per_call) if self.by_length else row_buckets(rows_per_call, min_rows)
     try:
-      selfcheck.run(numerics, self.compiler_options, weights=weights, rows=rows,
+      selfcheck.run(numerics, self.compiler_options, weights=engine.projection_weights,
+                    weights_key=engine.weights_key, rows=rows,
                     head_rows=self.head_rows,
                     # (two rows: the relative mode's per-row scores, numerics.row_scores)
                     attention_rows=tuple(sorted({max(r * g, 2) for r in rows for g in groups}
