@@ -25,7 +25,6 @@ from jax.typing import DTypeLike
 
 from gemma_jax import kv_state as kvs
 from gemma_jax import pytree
-from gemma_jax.kernels import pallas_attention
 from gemma_jax.numerics import MASKED, XLA, Numerics
 from gemma_jax.tiled_attention import DEFAULT_TILE, TiledAttention
 
@@ -138,6 +137,7 @@ def _xla(tile_size: int | None, platform: str | None) -> AttendFn:
 
 
 def _pallas(tile_size: int | None, platform: str | None) -> AttendFn:
+  from gemma_jax.kernels import pallas_attention  # deferred: Pallas, imported only where it runs
   return pallas_attention.make_pallas_attention(
       tile_size=tile_size, platform=platform,
       interpret=None if platform is None else platform == 'cpu')

@@ -24,9 +24,7 @@ import sys
 import threading
 import time
 
-import jax.extend.core.primitives as primitives
 from jax import monitoring
-from jax.extend.core import Primitive
 
 _COMPILE = '/jax/core/compile/backend_compile_duration'
 _CACHE_HIT = '/jax/compilation_cache/cache_hits'
@@ -41,6 +39,9 @@ _IMPORTED = time.time()
 def _primitive_names() -> frozenset[str]:
   """Every JAX primitive's name: jax.extend's list and the primitives JAX's own modules define
   beside it (e.g. lax's `stage`, which an eager device transfer runs)."""
+  # deferred to the first compile: jax.extend imports Pallas (0.03 s), which a warm start skips
+  import jax.extend.core.primitives as primitives
+  from jax.extend.core import Primitive
   modules = [primitives] + [m for name, m in list(sys.modules.items())
                             if name.startswith('jax.') and m is not None]
   return frozenset(p.name for m in modules for p in list(vars(m).values())

@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 
 from gemma_jax import kv_state as kvs
 from gemma_jax.config import TransformerConfig
-from gemma_jax.kernels import DotKernel, native_build, native_dot, spec_dot
+from gemma_jax.kernels import DotKernel, native_build, native_dot
 from gemma_jax.numerics import XLA, CallBundle, FixedOrder, Numerics, Spec as SpecNumerics
 from gemma_jax.stored import AS_LOADED, WeightLayout
 from gemma_jax.sizes import next_power_of_two, round_up
@@ -480,6 +480,7 @@ class Spec(Pinned):
     if library == 'native':
       kernel = native_dot.make_native_dot()
     elif library == 'pallas':
+      from gemma_jax.kernels import spec_dot  # deferred: Pallas, imported only where it runs
       kernel = spec_dot.make_spec_dot(platform=self.kernel_platform)
     else:
       return None
