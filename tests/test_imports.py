@@ -42,15 +42,18 @@ def test_importing_gemma_jax_and_graft_changes_no_jax_setting():
   assert report['changed'] == {}
 
 
-def test_the_path_to_the_first_logits_imports_no_flax():
-  """A warm start loads saved executables and builds no NNX module, so its imports stop short of
-  Flax (0.4 s: docs/performance.md, "The start"): generate's and the engine's modules import
-  none of it, and the NNX modules are still there for whoever asks (gemma_jax.Transformer)."""
+def test_the_path_to_the_first_logits_imports_no_flax_or_pallas():
+  """A warm start loads saved executables and builds no NNX module and no Pallas kernel, so its
+  imports stop short of Flax (0.4 s) and Pallas (docs/performance.md, "The start"): generate's
+  and the engine's modules import neither, and both are still there for whoever asks
+  (gemma_jax.Transformer, the 'pallas' attention)."""
   program = ('import sys, experiments.generate, graft.engine, graft.store, gemma_jax\n'
-             'before = sorted(m for m in sys.modules if m.split(".")[0] == "flax")\n'
-             'gemma_jax.Transformer\n'
-             'print(before, "flax.nnx" in sys.modules)')
+             'heavy = lambda: sorted(m for m in sys.modules\n'
+             '                       if m.split(".")[0] == "flax" or ".pallas" in m)\n'
+             'before = heavy()\n'
+             'gemma_jax.Transformer, gemma_jax.attention.build("pallas")\n'
+             'print(before, "flax.nnx" in heavy(), "jax.experimental.pallas" in heavy())')
   done = subprocess.run([sys.executable, '-c', program], cwd=REPO, capture_output=True,
                         text=True, timeout=300, env={**os.environ, 'PYTHONPATH': str(REPO)})
   assert done.returncode == 0, done.stderr[-3000:]
-  assert done.stdout.split() == ['[]', 'True']
+  assert done.stdout.split() == ['[]', 'True', 'True']
