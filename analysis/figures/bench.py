@@ -244,9 +244,11 @@ def _bench_graft_split(ax, runs) -> bool:
 
 def bench_drawable(data: dict) -> bool:
   """Whether the bench figure draws a bench result: one of throughput (not --start_only) of the
-  float engines (the relative RoPE mode's cost is a comparison of its own: docs/claims.md)."""
+  float engines (the relative RoPE mode's cost is a comparison of its own: docs/claims.md), and
+  not one against an earlier commit (--baseline: our code against its own past, not what
+  exactness costs beside the peers)."""
   config = data.get('config') if isinstance(data.get('config'), dict) else {}
-  return not config.get('start_only') and not any(
+  return not config.get('start_only') and not config.get('baseline') and not any(
       str(name).endswith('_relative') for name in config.get('systems') or ())
 
 
