@@ -36,7 +36,7 @@ def dataclass(cls: type[T]) -> type[T]:
   """`cls` as a frozen dataclass registered as a pytree: its fields are leaves (subtrees) unless
   made with `field(static=True)`, and `value.replace(**changes)` is `dataclasses.replace`."""
   cls = dataclasses.dataclass(frozen=True)(cls)
-  cls.replace = _replace  # type: ignore[attr-defined]
+  setattr(cls, 'replace', _replace)
   return jax.tree_util.register_dataclass(cls)
 
 
