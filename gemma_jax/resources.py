@@ -42,9 +42,11 @@ def _primitive_names() -> frozenset[str]:
   # deferred to the first compile: jax.extend imports Pallas (0.03 s), which a warm start skips
   import jax.extend.core.primitives as primitives
   from jax.extend.core import Primitive
-  modules = [primitives] + [m for name, m in list(sys.modules.items())
+  # Copies, not views: another thread may import while this reads (sys.modules' documentation:
+  # iterating it can raise when its size changes; dict.copy() does not).
+  modules = [primitives] + [m for name, m in sys.modules.copy().items()
                             if name.startswith('jax.') and m is not None]
-  return frozenset(p.name for m in modules for p in list(vars(m).values())
+  return frozenset(p.name for m in modules for p in vars(m).copy().values()
                    if isinstance(p, Primitive))
 
 
