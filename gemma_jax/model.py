@@ -45,9 +45,9 @@ PARAMS_TREE_VERSION = 2
 
 
 def _nnx():
-  """(flax.nnx, gemma_jax.modules), imported on first use: where a call is traced or a tree's
-  structure is asked, never on a warm start (saved executables loaded, no module built), which
-  so imports no Flax (docs/performance.md, "The start")."""
+  """(flax.nnx, gemma_jax.modules), imported on first use: where a call is traced, a tree's
+  structure is asked or weights are stored; a spec engine's warm start does none of these
+  (gemma_jax.modules says which starts do), and so imports no Flax (docs/performance.md)."""
   from flax import nnx  # deferred: Flax takes 0.4 s to import (treescope, flax.linen)
   from gemma_jax import modules  # deferred: it defines the NNX modules over Flax
   return nnx, modules

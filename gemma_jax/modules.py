@@ -2,9 +2,11 @@
 whole decoder (`Transformer`), built from gemma_jax.layers (RMSNorm, Dense, FeedForward).
 
 Engines never hold these modules: gemma_jax.model binds a parameter tree to them where a call is
-traced or a tree's structure is asked (`bind`, `abstract_params`, `dense_weights`), and imports
-this module only then, so that a process that loads saved executables (a warm start) never
-imports Flax (docs/performance.md, "The start").
+traced, a tree's structure is asked or weights are put in their stored form (`bind`,
+`abstract_params`, `dense_weights`, `store_weights`), and imports this module only then. So a
+spec engine's warm start (saved executables loaded, the weights mapped from the parameter cache
+in their stored form) imports no Flax (docs/performance.md, "The start"); an engine that stores
+its weights itself (pinned, blocked, on a mesh, random:SEED weights) imports it as it builds.
 """
 
 from __future__ import annotations
@@ -219,9 +221,9 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
   """The Gemma decoder: the embedder, L blocks (attention and MLP, each between norms) and the
   final norm, as `config` describes them (gemma_jax.config: per-layer attention types, windows,
-  RoPE, KV sharing). Its state is the parameter tree (`Params`, in its stored form:
-  gemma_jax.stored); `forward` and `compute_logits` are the pure functions over it that engines
-  call.
+  RoPE, KV sharing). Its state is the parameter tree (gemma_jax.model.Params, in its stored
+  form: gemma_jax.stored); gemma_jax.model's `forward` and `compute_logits` are the pure
+  functions over it that engines call.
 
   Args:
     config: the model's TransformerConfig.

@@ -2,15 +2,16 @@
 state, the numerics, the stored weights, a call's `Step`).
 
     @pytree.dataclass
-    class LayerKV:
-      k: jax.Array                                  # a leaf: traced, donated, sharded
-      window: int = pytree.field(static=True)       # static: part of the jit cache key
+    class CallBundle:
+      zero: jax.Array                                   # a leaf: traced, donated, sharded
+      mesh: Mesh | None = pytree.field(static=True, default=None)  # part of the jit cache key
 
 Built on JAX's own `jax.tree_util.register_dataclass`, so that defining them imports nothing
 beyond jax: the `flax.struct` these were before imports the whole of Flax (flax.linen, and
 flax.nnx with treescope), most of the project's import time on a warm start
 (docs/performance.md, "The start"). Flax NNX is imported where a model's modules are built or
-traced (gemma_jax.model), not where its state is only held.
+traced, or its weights put in their stored form (gemma_jax.model), not where its state is only
+held.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def test_the_audit_check_finds_a_planted_draw(tmp_path):
 
 
 def test_the_constants_from_pow_are_the_same_binary32_whatever_its_last_bit():
-  """x^-1/2 of every config's width, query scale and 2 (gemma_jax/model.py, attention.py and
+  """x^-1/2 of every config's width, query scale and 2 (gemma_jax/modules.py and
   the interpreter compute them with Python's `**`, the C library's pow in binary64, then
   round to binary32): the exact value is farther than 2^-40 (relative) from a binary32
   rounding boundary, and this machine's pow gives the binary32 nearest to it; so any pow

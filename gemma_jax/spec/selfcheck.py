@@ -324,7 +324,8 @@ def run_rows(numerics: Numerics, compiler_options: dict | None, *,
   """Raises RowDependenceError naming every probe where a row's bits follow its call's row
   count in this process's configuration. weights: the weights probed, obtained only where the
   check runs (a recorded pass skips it: gemma_jax.verdicts); weights_key: what decides their
-  names and shapes (an engine's model config, dtype and weight layout)."""
+  names, shapes and forms (graft.engine.Engine.weights_key), a value whose repr names all of it
+  (a recorded pass is kept under the key's repr)."""
   key = ('rows', numerics, tuple(sorted((compiler_options or {}).items())), weights_key, rows,
          jax.device_count(), _xla_flags(), host.intra_op_threads())
   failures = _cached(key, lambda: row_dependence_failures(numerics, compiler_options, weights(),

@@ -284,8 +284,10 @@ class Engine:
   @property
   def weights_key(self) -> tuple:
     """What decides `projection_weights`' names, shapes and forms (the model config, the dtype,
-    the weight layout): a self-check's verdict is kept under it, so that a recorded pass is
-    found without building the weights (gemma_jax.spec.selfcheck)."""
+    the weight layout, whose kernel says whether it is partitioned over a mesh): a self-check's
+    verdict is kept under it, so that a recorded pass is found without building the weights
+    (gemma_jax.spec.selfcheck). Verdicts are kept on disk by its repr: whatever else comes to
+    decide those weights must be added here."""
     return (self.model_config, self.loaded.dtype, self.layout)
 
   @property
