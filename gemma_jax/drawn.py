@@ -103,6 +103,8 @@ def place(seed: int, config: TransformerConfig, dtype: DTypeLike, layout: Weight
   flat: dict[str, Any] = {}
   for name, (shape, mean, std) in distributions.items():
     table = transposed and name == TABLE
+    if mesh is not None and name in dense:  # a projection as its [I, O] matrix, as a mesh keeps
+      shape = dense[name]                   # it (gemma_jax.sharding): the same elements in order
     # The output table is float32 of the model's values (a bfloat16 table rounded first, as
     # placement's astype of the loaded table rounds it).
     draw = lambda index=None, name=name, shape=shape, mean=mean, std=std, table=table: region(

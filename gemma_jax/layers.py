@@ -79,7 +79,10 @@ class Dense(nnx.Module):
     k, n = math.prod(self.in_shape), math.prod(self.out_shape)
     # w in its stored form (gemma_jax.stored: the array, or a kernel's Panels)
     y = numerics.dense(x.reshape(-1, k), self.w.get_value(), k, n)
-    return y.reshape(batch + self.out_shape)
+    # On a mesh each device made its own block of the output columns (the weight is kept as
+    # its [I, O] matrix, split by columns: gemma_jax.sharding): whole again, as the model
+    # reads its outputs by head.
+    return sharding.whole(y.reshape(batch + self.out_shape), numerics.call.mesh)
 
 
 class FeedForward(nnx.Module):

@@ -77,7 +77,7 @@ def place_weights(loaded: LoadedModel, model_config: TransformerConfig, layout: 
     table = embedder.pop('input_embedding')
     params = {**params, 'embedder': embedder}
   if mesh is not None:
-    params = sharding.shard_params(params, mesh, mesh_layout)
+    params = sharding.shard_params(_as_matrices(params, model_config), mesh, mesh_layout)
   if layout.output_table:  # its shape stands in while the projections are stored
     params['embedder']['input_embedding'] = jax.ShapeDtypeStruct(table.shape, table.dtype)
   params = model.store_weights(params, model_config, layout)
@@ -93,6 +93,22 @@ def place_weights(loaded: LoadedModel, model_config: TransformerConfig, layout: 
     params['embedder'] = {**params['embedder'],
                           'input_embedding': OutputTable(Panels(data) if packed else data)}
   return params
+
+
+def _as_matrices(params: Params, model_config: TransformerConfig) -> Params:
+  """params with every dense projection as the [I, O] matrix it is contracted as (concrete or
+  abstract leaves): how a mesh keeps them (gemma_jax.sharding, "Projections on a mesh")."""
+  dense = model.dense_weights(model_config)
+
+  def matrix(path: tuple, w: Any) -> Any:
+    shape = dense.get('/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path))
+    if shape is None:
+      return w
+    if isinstance(w, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(shape, w.dtype)
+    return w.reshape(shape)
+
+  return jax.tree_util.tree_map_with_path(matrix, params)
 
 
 def projection_weights(loaded: LoadedModel, model_config: TransformerConfig,
