@@ -30,6 +30,15 @@ Two layouts (LAYOUTS), because where a contraction is split decides the bits:
            (`vocabulary_sharding`; the lookup is exact, `table_rows`). More communication, but
            every dot sees the whole contraction on every mesh.
 
+Projections on a mesh: each is kept as the [I, O] matrix it is contracted as (I the product
+of its input axes, O of its outputs; graft.engine.placement, gemma_jax.drawn), so a split of its
+outputs is a split into contiguous blocks of columns. Kept in its own shape, a weight split along
+a minor output axis (q_proj [D, N, H] along H when N does not divide, gate_up_proj [D, 2, F]
+along F) has no block sharding once the call reshapes it to [I, O], and XLA gathered it whole on
+every device, every call, each device then computing every column (the 270M's block step on
+model:8 all-gathered every column-parallel weight). The projection's output is made whole again
+after the call (gemma_jax.layers.Dense), as the model reads it by head.
+
 The KV state is sharded over KV heads ('model') where they divide, and over the batch
 ('data').
 """

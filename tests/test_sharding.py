@@ -123,10 +123,12 @@ def test_two_jax_distributed_processes_graft_exactly_on_one_mesh(tmp_path):
     assert summary['equal_to_single_process'] == 2 and summary['reference_devices'] == 4
 
 
-MESH_SPEC_CHECK = '''
+MESH_SPEC_CHECK = r'''
+import re
 import sys
+import jax
 import numpy as np
-from gemma_jax import weights
+from gemma_jax import model, weights
 from gemma_jax.compare import sha256_bytes
 from gemma_jax.config import get_config
 from graft import context_shift
@@ -136,10 +138,21 @@ rope = sys.argv[1]
 loaded = weights.load(get_config('tiny_gemma3_wide').replace(rope_mode=rope), 'random:0',
                       'float32')
 tokens = [int(t) for t in np.random.default_rng(0).integers(3, 500, 40)]
+# Every shape a weight has, as loaded or as the [I, O] matrix it is contracted as.
+weight_shapes = ({shape for shape, _, _ in model.parameter_distributions(loaded.config).values()}
+                 | set(model.dense_weights(loaded.config).values()))
 for mesh in ('', 'model:2', 'model:4', 'model:2+data:2'):
   engine = Engine(loaded, EngineConfig(mode='spec', rows_per_call=16, attention_tile=16,
                                        cache_len=128, mesh=mesh))
   assert engine.engine_config.dot_library == 'native'
+  # The block step's all-gathers: none may gather a weight (each device computes its own
+  # columns from its own share).
+  rows = jax.ShapeDtypeStruct((1, engine.max_rows), np.int32)
+  hlo = engine.step_function(None).jitted.lower(
+      engine.params, rows, rows, jax.eval_shape(engine.empty_kv)).compile().as_text()
+  gathered = {tuple(int(d) for d in dims.split(',')) for dims in
+              re.findall(r'= f32\[([0-9,]+)\]\S* all-gather\(', hlo)}
+  print('GATHERED', mesh or 'one', sorted(gathered & weight_shapes), len(gathered))
   summary = spec_check.run(engine, tokens, [17])['summary']
   shifted = '-'
   if rope == 'relative':  # a context shift on the mesh: the oldest 7 tokens dropped, 5 more fed
@@ -157,12 +170,20 @@ def test_the_native_kernels_on_every_mesh_give_the_interpreters_bits(rope):
   device its own rows, columns, batch or KV heads; never a contraction): the interpreter's bits
   on tiny_gemma3_wide (chained projections), under float and relative RoPE, and every mesh's
   digests (the spec check's, and under relative the logits after a context shift) the one
-  device's."""
+  device's; and no mesh's block step gathers a weight whole (each device computes its own
+  columns from its own share of it)."""
   env = {**os.environ, 'PYTHONPATH': str(REPO),
          'XLA_FLAGS': '--xla_force_host_platform_device_count=4'}
   out = subprocess.run([sys.executable, '-c', MESH_SPEC_CHECK, rope], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-2000:]
+  gathers = [line.split(' ', 2)[1:] for line in out.stdout.splitlines()
+             if line.startswith('GATHERED')]
+  # No weight is gathered on any mesh (gemma_jax.sharding, "Projections on a mesh"), while
+  # activations are: the count shows the parse finds the all-gathers there are.
+  assert [g[0] for g in gathers] == ['one', 'model:2', 'model:4', 'model:2+data:2']
+  assert all(g[1].startswith('[] ') for g in gathers), gathers
+  assert all(int(g[1].split()[-1]) > 0 for g in gathers[1:]), gathers
   rows = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith('MESH')]
   assert [r[0] for r in rows] == ['one', 'model:2', 'model:4', 'model:2+data:2']
   assert all(r[1:3] == ['True', 'True'] for r in rows), rows
