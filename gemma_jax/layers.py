@@ -97,4 +97,4 @@ class FeedForward(nnx.Module):
     gate_up = self.gate_up_proj(x, numerics)  # [B, T, 2, F]
     hidden = numerics.mul(numerics.gelu(gate_up[..., 0, :]), gate_up[..., 1, :])
     mesh = numerics.call.mesh
-    return sharding.whole(self.down_proj(sharding.whole(hidden, mesh), numerics), mesh)
+    return self.down_proj(sharding.whole(hidden, mesh), numerics)

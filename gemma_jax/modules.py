@@ -110,7 +110,7 @@ class Attention(nnx.Module):
                                 window=self.spec.window, softcap=self.config.attn_logits_softcap,
                                 scores=scores, numerics=numerics)
     mesh = numerics.call.mesh
-    return sharding.whole(self.o_proj(sharding.whole(encoded, mesh), numerics), mesh), cache
+    return self.o_proj(sharding.whole(encoded, mesh), numerics), cache
 
 
 class Embedder(nnx.Module):
@@ -212,7 +212,7 @@ class Block(nnx.Module):
       assert gate is not None and project is not None and norm is not None
       gated = n.mul(n.gelu(gate(x, n)), step.per_layer_inputs[:, :, self.index])
       mesh = n.call.mesh
-      x = n.barrier(x + norm(sharding.whole(project(sharding.whole(gated, mesh), n), mesh), n))
+      x = n.barrier(x + norm(project(sharding.whole(gated, mesh), n), n))
     if self.skip_scale is not None:
       x = n.barrier(n.mul(x, self.skip_scale[...]))
     return x, cache

@@ -19,7 +19,7 @@ Two layouts (LAYOUTS), because where a contraction is split decides the bits:
            devices they keep the one-device bits (docs/determinism.md, "Meshes").
   gather   no contraction is ever split: the activation entering a row-parallel projection is
            gathered whole (`whole`, a sharding constraint the model applies before every
-           row-parallel projection and after it, on the mesh the engine binds into each call's
+           row-parallel projection and after every projection, on the mesh the engine binds into each call's
            gemma_jax.numerics.CallBundle), and
            the row-parallel weights are split by their output columns instead, as the
            column-parallel ones are (each output column is its own chain over the whole
@@ -170,8 +170,8 @@ def shard_params(params: Any, mesh: Mesh, layout: str = 'split') -> Any:
 
 
 def whole(x: jax.Array, mesh: Mesh | None) -> jax.Array:
-  """x [B, ...], about to be contracted by a row-parallel projection, or just made by one from
-  its weight's output columns: whole on every device of `mesh` (the 'gather' layout: the
+  """x [B, ...], about to be contracted by a row-parallel projection, or just made by a
+  projection from its weight's output columns (gemma_jax.layers.Dense): whole on every device of `mesh` (the 'gather' layout: the
   contraction is never split, and the residual stream, whose norms reduce over its features,
   never holds them split; sequences stay split over 'data' where B divides), unchanged where
   mesh is None."""

@@ -13,15 +13,15 @@ from gemma_jax import model
 from gemma_jax.config import TransformerConfig
 
 
-def _key(entry) -> str:
-  return str(getattr(entry, 'key', getattr(entry, 'idx', entry)))
+def path_name(path: tuple) -> str:
+  """The flat name ('layers/0/attn/q_proj/w') of a key path of the params tree."""
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
 
 
 def flatten(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
   """{'layers/0/attn/q_einsum/w': array, ...}, sorted by name (each leaf any shape: the
   parameter's own)."""
-  flat = {'/'.join(_key(k) for k in path): leaf
-          for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  flat = {path_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
   return dict(sorted(flat.items()))
 
 

@@ -101,7 +101,7 @@ def _as_matrices(params: Params, model_config: TransformerConfig) -> Params:
   dense = model.dense_weights(model_config)
 
   def matrix(path: tuple, w: Any) -> Any:
-    shape = dense.get('/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path))
+    shape = dense.get(tree.path_name(path))
     if shape is None:
       return w
     if isinstance(w, jax.ShapeDtypeStruct):
